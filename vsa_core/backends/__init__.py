@@ -1,0 +1,55 @@
+"""Backend registry: which implementation runs the fine (block-sparse) stage.
+
+The coarse branch and the sparse metadata always run on the Triton kernels; a
+backend provides `sparse_forward` / `sparse_backward` for the fine stage, plus
+`unavailable_reason(problem, device)` (None when it can run). `backend="auto"`
+takes the first available entry of AUTO_ORDER (fastest first); `VSA_BACKEND` in the
+environment replaces "auto". Asking for a backend by name that cannot run raises
+BackendUnavailableError with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..problem import AttnProblem
+from ..runtime import INTERPRETING, DeviceInfo
+from . import cute_backend, triton_backend
+
+BACKENDS = {"triton": triton_backend, "cute": cute_backend}
+AUTO_ORDER = ("cute", "triton")
+
+
+class BackendUnavailableError(RuntimeError):
+    pass
+
+
+def _triton_unavailable(problem: AttnProblem, device: DeviceInfo):
+    if device.kind == "cuda" or INTERPRETING:
+        return None
+    return (f"the triton backend needs CUDA tensors (got {device.kind}), or TRITON_INTERPRET=1 set before "
+            "triton is first imported to run the kernels on the CPU")
+
+
+triton_backend.unavailable_reason = _triton_unavailable
+
+
+def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo):
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("VSA_BACKEND", "auto") or "auto"
+    if backend == "auto":
+        reasons = []
+        for candidate in AUTO_ORDER:
+            reason = BACKENDS[candidate].unavailable_reason(problem, device)
+            if reason is None:
+                return BACKENDS[candidate]
+            reasons.append(f"{candidate}: {reason}")
+        raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
+    reason = BACKENDS[backend].unavailable_reason(problem, device)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend={backend!r} cannot run this call: {reason}")
+    return BACKENDS[backend]

@@ -1,0 +1,160 @@
+"""Launchers of the Triton kernels on caller-provided buffers.
+
+Launch configurations live here. On a GPU each attention kernel is autotuned over a
+short list keyed on the problem's shape (first entry = the default when
+VSA_AUTOTUNE=0); under the interpreter there is one fixed small config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import triton
+
+from .. import triton_kernels as K
+from ..problem import AttnProblem
+from ..runtime import INTERPRETING
+
+name = "triton"
+
+AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
+
+
+def _configs(candidates, block_elems_key="BLOCK_ELEMS"):
+    """Autotune candidates as (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if INTERPRETING:
+        candidates = [(64, 64, 4, 1)]
+    elif not AUTOTUNE:
+        candidates = candidates[:1]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
+
+
+def _fits_block(configs, named_args, **kwargs):
+    """Drop configs whose query or KV tile would straddle two blocks."""
+    E = kwargs.get("BLOCK_ELEMS", named_args.get("BLOCK_ELEMS"))
+    kept = [c for c in configs if E % c.kwargs["BLOCK_M"] == 0 and E % c.kwargs["BLOCK_N"] == 0]
+    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
+
+
+_KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len"]
+
+_sparse_fwd = triton.autotune(
+    configs=_configs([(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)]),
+    key=_KEY, prune_configs_by={"early_config_prune": _fits_block},
+)(K.sparse_attn_fwd_kernel)
+
+_sparse_bwd_dq = triton.autotune(
+    configs=_configs([(64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2)]),
+    key=_KEY, prune_configs_by={"early_config_prune": _fits_block},
+)(K.sparse_attn_bwd_dq_kernel)
+
+_sparse_bwd_dkdv = triton.autotune(
+    configs=_configs([(64, 64, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 8, 3), (128, 64, 8, 2)]),
+    key=_KEY + ["n_kv_blocks"], prune_configs_by={"early_config_prune": _fits_block},
+)(K.sparse_attn_bwd_dkdv_kernel)
+
+COARSE_TILE = 16 if INTERPRETING else 64
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _bh(p: AttnProblem) -> int:
+    return p.batch * p.heads
+
+
+def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
+    sb, sh, ss = p.token_strides(seq_len)
+    n_blocks = seq_len // p.block_elems
+    K.block_mean_pool_kernel[(n_blocks, _bh(p))](
+        x, counts, pooled, sb, sh, ss, p.heads, n_blocks,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
+
+
+def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse):
+    grid = (triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))
+    K.coarse_attn_fwd_kernel[grid](
+        q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
+        p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim),
+        HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING,
+        num_warps=4)
+
+
+def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
+                    dq_pool, dk_pool, dv_pool):
+    common = dict(HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING, num_warps=4)
+    scale = 1.0 / math.sqrt(p.head_dim)
+    K.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))](
+        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dq_pool,
+        p.n_q_blocks, p.n_kv_blocks, scale, **common)
+    K.coarse_attn_bwd_dkdv_kernel[(triton.cdiv(p.n_kv_blocks, COARSE_TILE), _bh(p))](
+        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dk_pool, dv_pool,
+        p.n_q_blocks, p.n_kv_blocks, scale, **common)
+
+
+def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask):
+    K.topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
+        scores, sel_idx, sel_num, sel_mask, p.n_kv_blocks, p.topk, p.select_capacity,
+        N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
+
+
+def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num):
+    """Query-owned lists from a [B, H, nQ, nKV] mask (one line per query block)."""
+    nq, nk = p.n_q_blocks, p.n_kv_blocks
+    K.compact_mask_kernel[(nq, _bh(p))](
+        block_mask, sel_idx, sel_num, nq, nk, nq * nk, nk, 1, sel_idx.shape[-1], N_PAD=_pow2(nk), num_warps=4)
+
+
+def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
+    """KV-owned (inverse) lists from a [B, H, nQ, nKV] mask (one line per KV block)."""
+    nq, nk = p.n_q_blocks, p.n_kv_blocks
+    K.compact_mask_kernel[(nk, _bh(p))](
+        block_mask, inv_idx, inv_num, nk, nq, nq * nk, 1, nk, inv_idx.shape[-1], N_PAD=_pow2(nq), num_warps=4)
+
+
+# ---- the fine stage: the part a backend provides ---------------------------------------
+def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
+                   **_unused):
+    qs, ks = p.token_strides(p.q_len), p.token_strides(p.kv_len)
+    grid = lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p))  # noqa: E731
+    _sparse_fwd[grid](
+        q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate, out_coarse, *qs, *ks,
+        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], math.log2(math.e) / math.sqrt(p.head_dim),
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim,
+        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, UPCAST=INTERPRETING)
+
+
+def backward_preprocess(p: AttnProblem, out, dout, delta, gate=None, out_coarse=None, dgate=None,
+                        dout_coarse=None):
+    """delta for the fine backward; with the coarse branch also dgate and dout_coarse."""
+    K.sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
+        dout, out, gate, out_coarse, delta, dgate, dout_coarse, *p.token_strides(p.q_len),
+        p.heads, p.q_len, p.n_q_blocks,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
+        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None)
+
+
+def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
+                    sel_idx, sel_num, inv_idx, inv_num, kv_counts, q_counts=None,
+                    dq_pool=None, dk_pool=None, dv_pool=None, **_unused):
+    """Fine-stage dQ (query-owned) and dK/dV (KV-owned), no atomics. Given the pooling
+    gradients (fp32 per block), each kernel adds grad/count to its tokens as it writes."""
+    has_coarse = dq_pool is not None
+    qs, ks = p.token_strides(p.q_len), p.token_strides(p.kv_len)
+    scale = 1.0 / math.sqrt(p.head_dim)
+    scale_log2 = math.log2(math.e) * scale
+    _sparse_bwd_dq[lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p))](
+        q, k, v, dout, lse, delta, dq, sel_idx, sel_num, kv_counts, q_counts, dq_pool, *qs, *ks,
+        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], scale_log2, scale,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=has_coarse, UPCAST=INTERPRETING)
+    _sparse_bwd_dkdv[lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p))](
+        q, k, v, dout, lse, delta, dk, dv, inv_idx, inv_num, kv_counts, dk_pool, dv_pool, *qs, *ks,
+        p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], scale_log2, scale,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=has_coarse, UPCAST=INTERPRETING)
+
+
+def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):
+    K.lists_to_mask_kernel[(_bh(p) * p.n_q_blocks,)](
+        sel_idx, sel_num, block_mask, p.n_kv_blocks, sel_idx.shape[-1], N_PAD=_pow2(p.n_kv_blocks), num_warps=4)

@@ -1,0 +1,68 @@
+"""The operators as sequences of launches on caller-provided buffers.
+
+This is the single entry point both frontends call. Each function takes the
+problem (from `describe_attention`), the resolved backend, a dict of buffers
+(inputs, outputs and workspaces named as in `AttnProblem.forward_buffers` /
+`backward_buffers`; anything with `__dlpack__`) and the stream to launch on. It
+allocates nothing, never synchronises, and writes every element of every output.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from .backends import triton_backend as T
+from .problem import AttnProblem
+from .runtime import as_tensor, launch_stream
+
+
+def _views(buffers: Mapping):
+    return {name: as_tensor(buf) for name, buf in buffers.items()}
+
+
+def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
+    """VSA (p.selection == "topk") or block-sparse attention forward.
+
+    Inputs: q, k, v, kv_counts, and q_counts (+ gate) for VSA, block_map or
+    sel_idx/sel_num for the block-sparse variants. Outputs: p.forward_buffers().
+    """
+    b = _views(buffers)
+    with launch_stream(stream, b["q"].device):
+        if p.is_vsa:
+            T.block_mean_pool(p, b["q"], b["q_counts"], b["q_pool"], p.q_len)
+            T.block_mean_pool(p, b["k"], b["kv_counts"], b["k_pool"], p.kv_len)
+            T.block_mean_pool(p, b["v"], b["kv_counts"], b["v_pool"], p.kv_len)
+            T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
+                             b["out_coarse"], b["lse_coarse"])
+            T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+        elif p.selection == "block_map":
+            T.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"])
+        backend.sparse_forward(p, b["q"], b["k"], b["v"], b["out"], b["lse"], b["sel_idx"], b["sel_num"],
+                               b["kv_counts"], gate=b.get("gate"), out_coarse=b.get("out_coarse"),
+                               q_counts=b.get("q_counts"))
+
+
+def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
+    """Gradients of `forward`. Inputs: the forward's inputs and outputs plus dout.
+    Outputs: p.backward_buffers() (dq, dk, dv, dgate with a gate; the rest are workspaces)."""
+    b = _views(buffers)
+    with launch_stream(stream, b["q"].device):
+        if p.is_vsa:
+            block_mask = b["sel_mask"]
+        elif p.selection == "block_map":
+            block_mask = b["block_map"]
+        else:
+            block_mask = b["sel_mask"]
+            T.lists_to_mask(p, b["sel_idx"], b["sel_num"], block_mask)
+        T.columns_to_lists(p, block_mask, b["inv_idx"], b["inv_num"])
+        T.backward_preprocess(p, b["out"], b["dout"], b["delta"], gate=b.get("gate"),
+                              out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
+                              dout_coarse=b.get("dout_coarse"))
+        if p.is_vsa:
+            T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
+                              b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"])
+        backend.sparse_backward(
+            p, b["q"], b["k"], b["v"], b["lse"], b["dout"], b["delta"], b["dq"], b["dk"], b["dv"],
+            b["sel_idx"], b["sel_num"], b["inv_idx"], b["inv_num"], b["kv_counts"], q_counts=b.get("q_counts"),
+            dq_pool=b.get("dq_pool"), dk_pool=b.get("dk_pool"), dv_pool=b.get("dv_pool"),
+            out=b["out"], gate=b.get("gate"), out_coarse=b.get("out_coarse"))

@@ -1,0 +1,94 @@
+"""Float64 reference of the whole operator (coarse branch, selection, fine branch, gate).
+
+Written with plain torch float64 ops on the CPU so that autograd gives the exact
+gradients the kernels are compared with. Inputs are BHSD; any frontend's arrays are
+converted by the tests. This is the specification in executable form: read it to
+know what the kernels compute.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+def _block_mean(x: torch.Tensor, counts: torch.Tensor, block_elems: int, round_to) -> torch.Tensor:
+    B, H, S, D = x.shape
+    total = x.reshape(B, H, S // block_elems, block_elems, D).sum(dim=3)
+    counts = counts.to(x.dtype)[:, None]
+    mean = torch.where(counts > 0, total / counts.clamp_min(1), torch.zeros_like(total))
+    if round_to is not None:  # the kernels store means in the input dtype; gradient passes straight through
+        mean = mean + (mean.to(round_to).to(mean.dtype) - mean).detach()
+    return mean
+
+
+def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor):
+    """Softmax over the last axis restricted to `keep`; rows with nothing kept give 0 and lse -inf."""
+    scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - safe[..., None]).masked_fill(~keep, 0.0)
+    return probs, lse
+
+
+def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None) -> torch.Tensor:
+    """Scaled block-mean scores [B, H, nQ, nKV], -inf for empty KV blocks."""
+    qc = _block_mean(q, q_counts, block_elems, round_to)
+    kc = _block_mean(k, kv_counts, block_elems, round_to)
+    s = qc @ kc.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return s.masked_fill((kv_counts == 0)[None, None, None, :], float("-inf"))
+
+
+def topk_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Bool [B, H, nQ, nKV]: the topk highest finite scores per row, ties to the lower index."""
+    s = scores.detach().cpu().numpy()
+    n_kv = s.shape[-1]
+    cols = np.broadcast_to(np.arange(n_kv), s.shape)
+    order = np.lexsort((cols, -s), axis=-1)  # by score descending, then index ascending
+    ranks = np.argsort(order, axis=-1)  # inverse permutation: rank of each column
+    return torch.from_numpy((ranks < topk) & np.isfinite(s))
+
+
+def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int):
+    """Fine branch: each query sees the valid tokens of its block's selected KV blocks.
+
+    Returns (out, lse) with lse the natural-log logsumexp of the scaled scores.
+    """
+    Sq, Skv = q.shape[2], k.shape[2]
+    in_block = torch.arange(Skv) % block_elems
+    token_valid = in_block < kv_counts.repeat_interleave(block_elems)
+    keep = block_map.repeat_interleave(block_elems, dim=2).repeat_interleave(block_elems, dim=3)
+    keep = keep & token_valid[None, None, None, :]
+    assert keep.shape[2:] == (Sq, Skv)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    probs, lse = _masked_softmax(s, keep)
+    return probs @ v, lse
+
+
+def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_elems: int,
+                                gate: Optional[torch.Tensor] = None, round_to=None,
+                                block_map: Optional[torch.Tensor] = None):
+    """VSA forward in float64. Returns (out, block_map used, coarse scores).
+
+    `round_to` (e.g. torch.bfloat16) models the kernels' cast of the block means to
+    the input dtype. `block_map` overrides the selection (the tests pass the kernel's
+    selection once they have checked it is a valid top-k of these scores).
+    """
+    kv_counts = torch.as_tensor(np.asarray(kv_counts), dtype=torch.int64)
+    q_counts = torch.as_tensor(np.asarray(q_counts), dtype=torch.int64)
+    qc = _block_mean(q, q_counts, block_elems, round_to)
+    kc = _block_mean(k, kv_counts, block_elems, round_to)
+    vc = _block_mean(v, kv_counts, block_elems, round_to)
+    scores = qc @ kc.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    kv_ok = (kv_counts > 0)[None, None, None, :].expand_as(scores)
+    probs, _ = _masked_softmax(scores, kv_ok)
+    out_coarse = (probs @ vc).repeat_interleave(block_elems, dim=2)
+    scores = scores.masked_fill(~kv_ok, float("-inf"))
+    if block_map is None:
+        block_map = topk_mask(scores, min(topk, k.shape[2] // block_elems))
+    out_fine, _ = block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems)
+    out = out_coarse * gate + out_fine if gate is not None else out_coarse + out_fine
+    return out, block_map, scores.detach()

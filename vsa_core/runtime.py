@@ -1,0 +1,49 @@
+"""Device buffers and streams: the one place where the core touches a framework.
+
+Triton launches kernels on objects with `data_ptr()` and reads the current CUDA
+stream through torch, so the core views every buffer it is handed (a torch tensor,
+or anything with `__dlpack__`, such as the buffers of a JAX buffer_callback) as a
+torch tensor, zero-copy, and launches under the caller's stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def as_tensor(buf) -> torch.Tensor:
+    """Zero-copy torch view of a device buffer (DLPack)."""
+    if buf is None or isinstance(buf, torch.Tensor):
+        return buf
+    return torch.from_dlpack(buf)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # "cuda" or "cpu"
+    index: int = 0
+    capability: Optional[Tuple[int, int]] = None
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> "DeviceInfo":
+        if tensor.device.type == "cuda":
+            idx = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+            return DeviceInfo("cuda", idx, torch.cuda.get_device_capability(idx))
+        return DeviceInfo(tensor.device.type)
+
+
+def launch_stream(stream: Optional[int], device: torch.device):
+    """Context under which Triton launches go to `stream` (a raw cudaStream_t handle).
+
+    None keeps the framework's current stream (PyTorch); JAX passes XLA's stream.
+    """
+    if stream is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device))

@@ -1,0 +1,457 @@
+"""Triton kernels of Video Sparse Attention.
+
+Every kernel reads and writes caller-provided buffers only: the launchers in
+`vsa_core.backends.triton_backend` allocate nothing and never synchronise the host.
+
+Layout conventions shared by all kernels:
+- token tensors (q, k, v, out, gate and their gradients) are addressed with
+  (stride_b, stride_h, stride_s) and a contiguous head dim, so BHSD and BSHD both
+  run without a transpose;
+- block-level tensors (pooled means, coarse outputs, their gradients) are
+  BHSD-contiguous `[B, H, n_blocks, D]`, per-row statistics `[B, H, rows]`;
+- index lists are `[B, H, n_rows, row_capacity]` int32 with a count per row, ascending.
+
+`UPCAST` is set under TRITON_INTERPRET=1: the interpreter multiplies the bit
+patterns of bf16 operands in `tl.dot`, so tiles are widened to fp32 there. On a
+GPU it is False and the tensor cores see bf16/fp16 operands, as in FlashAttention.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+# --------------------------------------------------------------------------------------
+# Block mean pooling
+# --------------------------------------------------------------------------------------
+@triton.jit
+def block_mean_pool_kernel(
+    X, COUNTS, POOLED,
+    stride_b, stride_h, stride_s,
+    H, n_blocks,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """POOLED[b, h, i] = sum of the BLOCK_ELEMS token rows of block i / COUNTS[i].
+
+    The padded tail is summed too (callers zero it, and the gradient of the mean
+    reaches it, as in FastVideo). A block with no valid token has a zero mean.
+    """
+    block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, HEAD_DIM)
+    base = X + b * stride_b + h * stride_h
+    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, BLOCK_ELEMS, ROWS):
+        rows = block * BLOCK_ELEMS + start + tl.arange(0, ROWS)
+        x = tl.load(base + rows[:, None] * stride_s + d[None, :])
+        total += tl.sum(x.to(tl.float32), axis=0)
+    count = tl.load(COUNTS + block).to(tl.float32)
+    mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
+    tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------
+# Coarse attention over block means
+# --------------------------------------------------------------------------------------
+@triton.jit
+def coarse_attn_fwd_kernel(
+    QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C,
+    n_q, n_kv, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Softmax attention of pooled queries over pooled keys with empty KV blocks masked.
+
+    Also writes the scaled scores (-inf for empty KV blocks) for the top-k selection.
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    q = tl.load(QC + (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(0, n_kv, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_kv
+        valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
+        k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * sm_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        tl.store(SCORES + (bh * n_q + rows[:, None]) * n_kv + cols[None, :], s,
+                 mask=row_ok[:, None] & col_ok[None, :])
+        s2 = s * 1.4426950408889634
+        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s2 - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    has_any = l_i > 0
+    out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(OUT_C + (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+    tl.store(LSE_C + bh * n_q + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def coarse_attn_bwd_dq_kernel(
+    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DQ_C,
+    n_q, n_kv, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dq_c (fp32) of the coarse attention; one program owns BLOCK_M pooled queries."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    row_ptr = (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :]
+    q = tl.load(QC + row_ptr, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DOUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
+    o = tl.load(OUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do * o, axis=1)
+    lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(0, n_kv, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_kv
+        valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
+        k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * sm_scale
+        p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v.to(tl.float32)))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds, k.to(tl.float32))
+    tl.store(DQ_C + row_ptr, dq * sm_scale, mask=row_ok[:, None])
+
+
+@triton.jit
+def coarse_attn_bwd_dkdv_kernel(
+    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DK_C, DV_C,
+    n_q, n_kv, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dk_c, dv_c (fp32) of the coarse attention; one program owns BLOCK_N pooled keys."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_kv
+    valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
+    col_ptr = (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
+    k = tl.load(KC + col_ptr, mask=col_ok[:, None], other=0.0)
+    v = tl.load(VC + col_ptr, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for start in range(0, n_q, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_q
+        row_ptr = (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :]
+        q = tl.load(QC + row_ptr, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DOUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
+        o = tl.load(OUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
+        delta = tl.sum(do * o, axis=1)
+        lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        st = _dot(k, tl.trans(q), UPCAST) * sm_scale
+        pt = tl.where(valid[:, None], tl.exp(st - lse[None, :]), 0.0)
+        dv += tl.dot(pt, do)
+        dpt = tl.dot(v.to(tl.float32), tl.trans(do))
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst, q.to(tl.float32))
+    tl.store(DK_C + col_ptr, dk * sm_scale, mask=col_ok[:, None])
+    tl.store(DV_C + col_ptr, dv, mask=col_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------
+# Selection metadata
+# --------------------------------------------------------------------------------------
+@triton.jit
+def topk_select_kernel(
+    SCORES, SEL_IDX, SEL_NUM, SEL_MASK,
+    n_kv, topk, idx_capacity,
+    N_PAD: tl.constexpr,
+):
+    """Per score row: the `topk` highest finite scores (ties to the lower index).
+
+    Writes the ascending index list, its length and the row of the 0/1 block mask.
+    Empty KV blocks carry a -inf score and are never taken.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, N_PAD)
+    in_range = cols < n_kv
+    scores = tl.load(SCORES + row * n_kv + cols, mask=in_range, other=float("-inf"))
+    n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
+    k_eff = tl.minimum(topk, n_finite)
+    chosen = tl.zeros([N_PAD], tl.int32)
+    for i in range(0, k_eff):
+        best = tl.max(scores, axis=0)
+        pick = tl.min(tl.where(scores == best, cols, N_PAD), axis=0)
+        hit = cols == pick
+        chosen = tl.where(hit, 1, chosen)
+        scores = tl.where(hit, float("-inf"), scores)
+    slot = tl.cumsum(chosen, axis=0) - 1
+    tl.store(SEL_IDX + row * idx_capacity + slot, cols, mask=chosen > 0)
+    tl.store(SEL_NUM + row, k_eff)
+    tl.store(SEL_MASK + row * n_kv + cols, chosen.to(tl.int8), mask=in_range)
+
+
+@triton.jit
+def compact_mask_kernel(
+    MASK, IDX, NUM,
+    n_lines, line_len, mask_bh_stride, mask_line_stride, mask_elem_stride, idx_capacity,
+    N_PAD: tl.constexpr,
+):
+    """Turns each line of a 0/1 mask into an ascending index list and its length.
+
+    Lines are rows (block map -> query-owned lists) or columns (-> KV-owned lists),
+    chosen by the strides.
+    """
+    line = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pos = tl.arange(0, N_PAD)
+    ok = pos < line_len
+    bits = tl.load(MASK + bh * mask_bh_stride + line * mask_line_stride + pos * mask_elem_stride,
+                   mask=ok, other=0)
+    taken = (bits != 0).to(tl.int32)
+    slot = tl.cumsum(taken, axis=0) - 1
+    out_row = bh * n_lines + line
+    tl.store(IDX + out_row * idx_capacity + slot, pos, mask=taken > 0)
+    tl.store(NUM + out_row, tl.sum(taken, axis=0))
+
+
+# --------------------------------------------------------------------------------------
+# Block-sparse (fine) attention
+# --------------------------------------------------------------------------------------
+@triton.jit
+def sparse_attn_fwd_kernel(
+    Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, GATE, OUT_C,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    H, q_len, n_q_blocks, idx_capacity, qk_scale_log2,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Each query attends to the valid tokens of the KV blocks its block selected.
+
+    With HAS_COARSE the coarse branch is mixed in here, so the output is written once:
+    out = out_fine + gate * out_c[query block] (or + out_c without a gate).
+    LSE is the fine branch's natural-log logsumexp (-inf for a query with nothing to see).
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    q_block = pid_m // (BLOCK_ELEMS // BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
+    q = tl.load(Q + q_ptr)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_kb + h * stride_kh
+    sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
+    n_tiles = tl.load(SEL_NUM + bh * n_q_blocks + q_block) * (BLOCK_ELEMS // BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for t in range(0, n_tiles):
+        kv_block = tl.load(sel + t // (BLOCK_ELEMS // BLOCK_N))
+        in_block = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bias = tl.where(in_block < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
+        kv_rows = kv_block * BLOCK_ELEMS + in_block
+        k = tl.load(k_base + kv_rows[:, None] * stride_ks + d[None, :])
+        v = tl.load(v_base + kv_rows[:, None] * stride_ks + d[None, :])
+        s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    has_any = l_i > 0
+    l_safe = tl.where(has_any, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_any, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if HAS_COARSE:
+        coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
+        if HAS_GATE:
+            gate = tl.load(GATE + q_ptr).to(tl.float32)
+            out += gate * coarse[None, :]
+        else:
+            out += coarse[None, :]
+    tl.store(OUT + q_ptr, out.to(OUT.dtype.element_ty))
+    tl.store(LSE + bh * q_len + rows, lse)
+
+
+@triton.jit
+def sparse_attn_bwd_preprocess_kernel(
+    DOUT, OUT, GATE, OUT_C, DELTA, DGATE, DOUT_C,
+    stride_qb, stride_qh, stride_qs,
+    H, q_len, n_q_blocks,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    """Per query block: delta = rowsum(dO * out_fine) for the fine backward and, with the
+    coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate.
+
+    out_fine is recovered as out - gate * out_c (the forward writes only the mixed out).
+    """
+    q_block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, HEAD_DIM)
+    if HAS_COARSE:
+        coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
+    dcoarse = tl.zeros([HEAD_DIM], tl.float32)
+    for start in range(0, BLOCK_ELEMS, ROWS):
+        rows = q_block * BLOCK_ELEMS + start + tl.arange(0, ROWS)
+        ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
+        do = tl.load(DOUT + ptr).to(tl.float32)
+        out_fine = tl.load(OUT + ptr).to(tl.float32)
+        if HAS_COARSE:
+            if HAS_GATE:
+                gate = tl.load(GATE + ptr).to(tl.float32)
+                out_fine -= gate * coarse[None, :]
+                tl.store(DGATE + ptr, (do * coarse[None, :]).to(DGATE.dtype.element_ty))
+                dcoarse += tl.sum(do * gate, axis=0)
+            else:
+                out_fine -= coarse[None, :]
+                dcoarse += tl.sum(do, axis=0)
+        tl.store(DELTA + bh * q_len + rows, tl.sum(do * out_fine, axis=1))
+    if HAS_COARSE:
+        tl.store(DOUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d, dcoarse)
+
+
+@triton.jit
+def sparse_attn_bwd_dq_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DQ, SEL_IDX, SEL_NUM, KV_COUNTS, Q_COUNTS, DQ_C,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    H, q_len, n_q_blocks, idx_capacity, qk_scale_log2, sm_scale,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dQ, owned by query tiles (no atomics). With HAS_COARSE it also adds the pooling
+    gradient dq_c[block] / q_count[block], so dQ is written once."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    q_block = pid_m // (BLOCK_ELEMS // BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
+    q = tl.load(Q + q_ptr)
+    do = tl.load(DOUT + q_ptr)
+    lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    delta = tl.load(DELTA + bh * q_len + rows)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_kb + h * stride_kh
+    sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
+    n_tiles = tl.load(SEL_NUM + bh * n_q_blocks + q_block) * (BLOCK_ELEMS // BLOCK_N)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for t in range(0, n_tiles):
+        kv_block = tl.load(sel + t // (BLOCK_ELEMS // BLOCK_N))
+        in_block = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bias = tl.where(in_block < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
+        kv_rows = kv_block * BLOCK_ELEMS + in_block
+        k = tl.load(k_base + kv_rows[:, None] * stride_ks + d[None, :])
+        v = tl.load(v_base + kv_rows[:, None] * stride_ks + d[None, :])
+        s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
+        p = tl.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST)
+    dq *= sm_scale
+    if HAS_COARSE:
+        count = tl.load(Q_COUNTS + q_block).to(tl.float32)
+        dq_c = tl.load(DQ_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
+        dq += tl.where(count > 0, dq_c / tl.maximum(count, 1.0), 0.0)[None, :]
+    tl.store(DQ + q_ptr, dq.to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def sparse_attn_bwd_dkdv_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DK, DV, INV_IDX, INV_NUM, KV_COUNTS, DK_C, DV_C,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    H, q_len, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dK and dV, owned by KV tiles: each walks the query blocks that selected its block
+    (the inverse lists). With HAS_COARSE it adds the pooling gradients dk_c/count and
+    dv_c/count, so blocks that no query selected still get their coarse gradient."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    kv_block = pid_n // (BLOCK_ELEMS // BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    in_block = (pid_n % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    count = tl.load(KV_COUNTS + kv_block)
+    valid = in_block < count
+    kv_rows = kv_block * BLOCK_ELEMS + in_block
+    kv_ptr = b * stride_kb + h * stride_kh + kv_rows[:, None] * stride_ks + d[None, :]
+    k = tl.load(K + kv_ptr)
+    v = tl.load(V + kv_ptr)
+    q_base = b * stride_qb + h * stride_qh
+    inv = INV_IDX + (bh * n_kv_blocks + kv_block) * idx_capacity
+    n_tiles = tl.load(INV_NUM + bh * n_kv_blocks + kv_block) * (BLOCK_ELEMS // BLOCK_M)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for t in range(0, n_tiles):
+        q_block = tl.load(inv + t // (BLOCK_ELEMS // BLOCK_M))
+        rows = q_block * BLOCK_ELEMS + (t % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_ptr = q_base + rows[:, None] * stride_qs + d[None, :]
+        q = tl.load(Q + q_ptr)
+        do = tl.load(DOUT + q_ptr)
+        lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        delta = tl.load(DELTA + bh * q_len + rows)
+        st = _dot(k, tl.trans(q), UPCAST) * qk_scale_log2
+        pt = tl.where(valid[:, None], tl.exp2(st - lse2[None, :]), 0.0)
+        dv += _dot(pt.to(do.dtype), do, UPCAST)
+        dpt = _dot(v, tl.trans(do), UPCAST)
+        dst = pt * (dpt - delta[None, :])
+        dk += _dot(dst.to(q.dtype), q, UPCAST)
+    dk *= sm_scale
+    if HAS_COARSE:
+        inv_count = tl.where(count > 0, 1.0 / tl.maximum(count.to(tl.float32), 1.0), 0.0)
+        c_ptr = (bh * n_kv_blocks + kv_block) * HEAD_DIM + d
+        dk += (tl.load(DK_C + c_ptr) * inv_count)[None, :]
+        dv += (tl.load(DV_C + c_ptr) * inv_count)[None, :]
+    tl.store(DK + kv_ptr, dk.to(DK.dtype.element_ty))
+    tl.store(DV + kv_ptr, dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def lists_to_mask_kernel(
+    IDX, NUM, MASK,
+    n_kv, idx_capacity,
+    N_PAD: tl.constexpr,
+):
+    """Scatters each query block's index list into its row of a 0/1 block mask."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, N_PAD)
+    bits = tl.zeros([N_PAD], tl.int32)
+    for i in range(0, tl.load(NUM + row)):
+        bits = tl.where(cols == tl.load(IDX + row * idx_capacity + i), 1, bits)
+    tl.store(MASK + row * n_kv + cols, bits.to(tl.int8), mask=cols < n_kv)
