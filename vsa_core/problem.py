@@ -168,12 +168,18 @@ def _split_token_shape(name: str, shape, layout: str):
 def _check_counts(name: str, counts, n_blocks: int):
     if counts is None:
         raise ValueError(f"{name} is required: a 1-D integer array of {n_blocks} per-block valid-token counts")
+    if not hasattr(counts, "shape"):
+        counts = np.asarray(counts)
     shape = _shape(counts)
     if shape != (n_blocks,):
         raise ValueError(f"{name} must have shape ({n_blocks},) (one count per block), got {shape}")
-    kind = np.dtype(dtype_name(counts.dtype)).kind if dtype_name(counts.dtype) not in SUPPORTED_DTYPES else "f"
+    name_of_dtype = dtype_name(counts.dtype)
+    try:
+        kind = np.dtype(name_of_dtype).kind
+    except TypeError:
+        kind = "?"
     if kind not in "iu":
-        raise TypeError(f"{name} must be an integer array, got dtype {dtype_name(counts.dtype)}")
+        raise TypeError(f"{name} must be an integer array, got dtype {name_of_dtype}")
 
 
 def check_count_values(name: str, values: np.ndarray, block_elems: int) -> None:

@@ -1,0 +1,193 @@
+"""PyTorch glue: torch.library custom ops over `vsa_core.ops`, with autograd and fake
+(meta) implementations so that torch.compile(fullgraph=True) traces through them.
+
+Every op allocates the buffers the core's problem table names, hands them to the
+core, and returns them; the core launches on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from vsa_core import ops as core_ops
+from vsa_core.backends import resolve_backend
+from vsa_core.problem import AttnProblem, check_count_values, describe_attention
+from vsa_core.runtime import DeviceInfo
+
+_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
+
+
+def _alloc(specs: dict, like: Tensor) -> dict:
+    return {name: torch.empty(shape, dtype=like.dtype if dt == "input" else _DTYPES[dt], device=like.device)
+            for name, (shape, dt) in specs.items()}
+
+
+def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection) -> AttnProblem:
+    return describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
+                              q_counts=q_counts, topk=topk, gate=gate, selection=selection)
+
+
+# Value checks of the count arrays read them on the host; a tensor already checked and
+# not modified since (same object, same version counter) is not read again.
+_checked: dict = {}
+
+
+def check_counts_once(name: str, counts: Tensor, block_elems: int) -> None:
+    key = (id(counts), block_elems)
+    seen = _checked.get(key)
+    if seen is not None and seen[0]() is counts and seen[1] == counts._version:
+        return
+    lo, hi = (int(x) for x in torch.aminmax(counts.to(torch.int64)))
+    check_count_values(name, torch.tensor([lo, hi]).numpy(), block_elems)
+    if len(_checked) > 256:
+        _checked.clear()
+    _checked[key] = (weakref.ref(counts), counts._version)
+
+
+# ---- VSA --------------------------------------------------------------------------------
+_VSA_OUTPUTS = ("out", "lse", "q_pool", "k_pool", "v_pool", "out_coarse", "lse_coarse", "scores",
+                "sel_idx", "sel_num", "sel_mask")
+
+
+@torch.library.custom_op("vsa::video_sparse_attn_fwd", mutates_args=())
+def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor, gate: Optional[Tensor],
+             topk: int, block_elems: int, layout: str, backend: str) -> List[Tensor]:
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk")
+    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    out = _alloc(p.forward_buffers(), q)
+    core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate, **out))
+    return [out[n] for n in _VSA_OUTPUTS]
+
+
+@_vsa_fwd.register_fake
+def _(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend):
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk")
+    out = _alloc(p.forward_buffers(), q)
+    return [out[n] for n in _VSA_OUTPUTS]
+
+
+@torch.library.custom_op("vsa::video_sparse_attn_bwd", mutates_args=())
+def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor,
+             gate: Optional[Tensor], residuals: List[Tensor], topk: int, block_elems: int, layout: str,
+             backend: str) -> List[Tensor]:
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk")
+    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    grads = _alloc(p.backward_buffers(), q)
+    core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
+                                    q_counts=q_counts, gate=gate, **dict(zip(_VSA_OUTPUTS, residuals)), **grads))
+    return [grads["dq"], grads["dk"], grads["dv"], grads.get("dgate", q.new_empty(0))]
+
+
+@_vsa_bwd.register_fake
+def _(dout, q, k, v, kv_counts, q_counts, gate, residuals, topk, block_elems, layout, backend):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(q) if gate is not None else q.new_empty(0)]
+
+
+def _vsa_setup(ctx, inputs, output):
+    q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend = inputs
+    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, *output)
+    ctx.static = (topk, block_elems, layout, backend)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _vsa_backward(ctx, grads):
+    q, k, v, kv_counts, q_counts, gate, *residuals = ctx.saved_tensors
+    dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, residuals, *ctx.static)
+    return dq, dk, dv, None, None, (dgate if gate is not None else None), None, None, None, None
+
+
+torch.library.register_autograd("vsa::video_sparse_attn_fwd", _vsa_backward, setup_context=_vsa_setup)
+
+
+# ---- block-sparse attention with a given selection --------------------------------------
+@torch.library.custom_op("vsa::block_sparse_attn_fwd", mutates_args=())
+def _bsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
+             sel_idx: Optional[Tensor], sel_num: Optional[Tensor], block_elems: int, layout: str,
+             backend: str) -> List[Tensor]:
+    selection = "block_map" if block_map is not None else "indices"
+    p = _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection)
+    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    out = _alloc(p.forward_buffers(), q)
+    bufs = dict(q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map, **out)
+    if sel_idx is not None:
+        bufs.update(sel_idx=sel_idx, sel_num=sel_num)
+    core_ops.forward(p, impl, bufs)
+    if block_map is None:
+        return [out["out"], out["lse"]]
+    return [out["out"], out["lse"], out["sel_idx"], out["sel_num"]]
+
+
+@_bsa_fwd.register_fake
+def _(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend):
+    selection = "block_map" if block_map is not None else "indices"
+    p = _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection)
+    out = _alloc(p.forward_buffers(), q)
+    return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
+
+
+@torch.library.custom_op("vsa::block_sparse_attn_bwd", mutates_args=())
+def _bsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
+             sel_idx: Tensor, sel_num: Tensor, out: Tensor, lse: Tensor, block_elems: int, layout: str,
+             backend: str) -> List[Tensor]:
+    selection = "block_map" if block_map is not None else "indices"
+    p = _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection)
+    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    grads = _alloc(p.backward_buffers(), q)
+    core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
+                                    block_map=block_map, sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse,
+                                    **grads))
+    return [grads["dq"], grads["dk"], grads["dv"]]
+
+
+@_bsa_bwd.register_fake
+def _(dout, q, k, v, kv_counts, block_map, sel_idx, sel_num, out, lse, block_elems, layout, backend):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+
+
+def _bsa_setup(ctx, inputs, output):
+    q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend = inputs
+    if block_map is not None:
+        sel_idx, sel_num = output[2], output[3]
+    ctx.save_for_backward(q, k, v, kv_counts, block_map, sel_idx, sel_num, output[0], output[1])
+    ctx.static = (block_elems, layout, backend)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _bsa_backward(ctx, grads):
+    dq, dk, dv = _bsa_bwd(grads[0], *ctx.saved_tensors, *ctx.static)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("vsa::block_sparse_attn_fwd", _bsa_backward, setup_context=_bsa_setup)
+
+
+def as_counts(name: str, counts, like: Tensor, block_elems: int) -> Tensor:
+    """Any integer array -> int32 tensor on q's device, values checked."""
+    if not isinstance(counts, Tensor):
+        counts = torch.as_tensor(counts)
+    if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer array, got dtype {counts.dtype}")
+    if not torch.compiler.is_compiling():
+        check_counts_once(name, counts, block_elems)
+    return counts.to(device=like.device, dtype=torch.int32)
+
+
+def check_devices(like: Tensor, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != like.device:
+            raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
+
+
+def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend) -> Tensor:
+    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend)[0]
+
+
+def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend
+                ) -> Tuple[Tensor, Tensor]:
+    res = _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend)
+    return res[0], res[1]
