@@ -39,7 +39,7 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
             T.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"])
         backend.sparse_forward(p, b["q"], b["k"], b["v"], b["out"], b["lse"], b["sel_idx"], b["sel_num"],
                                b["kv_counts"], gate=b.get("gate"), out_coarse=b.get("out_coarse"),
-                               q_counts=b.get("q_counts"))
+                               out_fine=b.get("out_fine"), q_counts=b.get("q_counts"))
 
 
 def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
@@ -55,7 +55,7 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
             block_mask = b["sel_mask"]
             T.lists_to_mask(p, b["sel_idx"], b["sel_num"], block_mask)
         T.columns_to_lists(p, block_mask, b["inv_idx"], b["inv_num"])
-        T.backward_preprocess(p, b["out"], b["dout"], b["delta"], gate=b.get("gate"),
+        T.backward_preprocess(p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"], gate=b.get("gate"),
                               out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
                               dout_coarse=b.get("dout_coarse"))
         if p.is_vsa:

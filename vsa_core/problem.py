@@ -64,6 +64,8 @@ class AttnProblem:
     has_gate: bool = False
     # how the KV blocks are chosen: "topk" (VSA), or given as a "block_map" / as "indices"
     selection: str = "topk"
+    # the forward keeps what the backward needs (VSA: the fine branch's own output)
+    training: bool = True
 
     @property
     def n_q_blocks(self) -> int:
@@ -114,6 +116,8 @@ class AttnProblem:
                 "sel_num": ((B, H, nq), "int32"),
                 "sel_mask": ((B, H, nq, nk), "int8"),
             })
+            if self.training:
+                bufs["out_fine"] = (self.token_shape(self.q_len), "float32")
         elif self.selection == "block_map":
             bufs.update({
                 "sel_idx": ((B, H, nq, nk), "int32"),
@@ -191,7 +195,7 @@ def check_count_values(name: str, values: np.ndarray, block_elems: int) -> None:
 
 
 def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts, q_counts=None,
-                       topk=None, gate=None, selection: str = "topk") -> AttnProblem:
+                       topk=None, gate=None, selection: str = "topk", training: bool = True) -> AttnProblem:
     """Checks the arguments of a call (anything with .shape and .dtype) and returns its problem."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -235,7 +239,7 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
             has_gate = True
     return AttnProblem(batch=bq, heads=hq, q_len=sq, kv_len=sk, head_dim=dq, block_elems=E, dtype=dt,
                        layout=layout, topk=topk if vsa else None, has_gate=has_gate,
-                       selection=selection)
+                       selection=selection, training=training)
 
 
 def check_block_map(block_map, problem: AttnProblem) -> None:

@@ -99,7 +99,9 @@ def coarse_attn_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s2 - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        # P stays fp32 here (unlike the fine stage): the coarse backward's rowsum(dO_c * out_c)
+        # cancels against dP when the coarse softmax is sharp, and this stage is cheap.
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
         m_i = m_new
     has_any = l_i > 0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -242,16 +244,21 @@ def compact_mask_kernel(
 # --------------------------------------------------------------------------------------
 @triton.jit
 def sparse_attn_fwd_kernel(
-    Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, GATE, OUT_C,
+    Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, GATE, OUT_C, OUT_FINE,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     H, q_len, n_q_blocks, idx_capacity, qk_scale_log2,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Each query attends to the valid tokens of the KV blocks its block selected.
 
     With HAS_COARSE the coarse branch is mixed in here, so the output is written once:
     out = out_fine + gate * out_c[query block] (or + out_c without a gate).
+    STORE_FINE (training) also keeps out_fine in fp32 for the backward's
+    delta = rowsum(dO * out_fine): where logits are large the softmax is near one-hot
+    and dP - delta cancels, so a bf16-rounded out (FlashAttention's recipe) costs
+    accuracy: measured on x16 inputs, 3.7e-2 relative error in dQ/dK from a bf16 out,
+    7e-3 from an fp32 one, for 4 extra bytes per element written and read.
     LSE is the fine branch's natural-log logsumexp (-inf for a query with nothing to see).
     """
     pid_m = tl.program_id(0)
@@ -289,6 +296,8 @@ def sparse_attn_fwd_kernel(
     l_safe = tl.where(has_any, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if STORE_FINE:
+        tl.store(OUT_FINE + q_ptr, out)
     if HAS_COARSE:
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
         if HAS_GATE:
@@ -302,17 +311,14 @@ def sparse_attn_fwd_kernel(
 
 @triton.jit
 def sparse_attn_bwd_preprocess_kernel(
-    DOUT, OUT, GATE, OUT_C, DELTA, DGATE, DOUT_C,
+    DOUT, OUT_FINE, GATE, OUT_C, DELTA, DGATE, DOUT_C,
     stride_qb, stride_qh, stride_qs,
     H, q_len, n_q_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     """Per query block: delta = rowsum(dO * out_fine) for the fine backward and, with the
-    coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate.
-
-    out_fine is recovered as out - gate * out_c (the forward writes only the mixed out).
-    """
+    coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate."""
     q_block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -325,17 +331,14 @@ def sparse_attn_bwd_preprocess_kernel(
         rows = q_block * BLOCK_ELEMS + start + tl.arange(0, ROWS)
         ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
         do = tl.load(DOUT + ptr).to(tl.float32)
-        out_fine = tl.load(OUT + ptr).to(tl.float32)
+        out_fine = tl.load(OUT_FINE + ptr).to(tl.float32)
+        tl.store(DELTA + bh * q_len + rows, tl.sum(do * out_fine, axis=1))
         if HAS_COARSE:
             if HAS_GATE:
-                gate = tl.load(GATE + ptr).to(tl.float32)
-                out_fine -= gate * coarse[None, :]
                 tl.store(DGATE + ptr, (do * coarse[None, :]).to(DGATE.dtype.element_ty))
-                dcoarse += tl.sum(do * gate, axis=0)
+                dcoarse += tl.sum(do * tl.load(GATE + ptr).to(tl.float32), axis=0)
             else:
-                out_fine -= coarse[None, :]
                 dcoarse += tl.sum(do, axis=0)
-        tl.store(DELTA + bh * q_len + rows, tl.sum(do * out_fine, axis=1))
     if HAS_COARSE:
         tl.store(DOUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d, dcoarse)
 

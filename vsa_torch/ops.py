@@ -26,9 +26,10 @@ def _alloc(specs: dict, like: Tensor) -> dict:
             for name, (shape, dt) in specs.items()}
 
 
-def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection) -> AttnProblem:
+def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True
+             ) -> AttnProblem:
     return describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
-                              q_counts=q_counts, topk=topk, gate=gate, selection=selection)
+                              q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
 
 
 # Value checks of the count arrays read them on the host; a tensor already checked and
@@ -50,23 +51,30 @@ def check_counts_once(name: str, counts: Tensor, block_elems: int) -> None:
 
 # ---- VSA --------------------------------------------------------------------------------
 _VSA_OUTPUTS = ("out", "lse", "q_pool", "k_pool", "v_pool", "out_coarse", "lse_coarse", "scores",
-                "sel_idx", "sel_num", "sel_mask")
+                "sel_idx", "sel_num", "sel_mask", "out_fine")
+
+
+def _vsa_outputs(p: AttnProblem, q: Tensor) -> dict:
+    out = _alloc(p.forward_buffers(), q)
+    out.setdefault("out_fine", q.new_empty(0))  # inference: nothing kept for a backward
+    return out
 
 
 @torch.library.custom_op("vsa::video_sparse_attn_fwd", mutates_args=())
 def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor, gate: Optional[Tensor],
-             topk: int, block_elems: int, layout: str, backend: str) -> List[Tensor]:
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk")
+             topk: int, block_elems: int, layout: str, backend: str, training: bool) -> List[Tensor]:
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
-    out = _alloc(p.forward_buffers(), q)
-    core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate, **out))
+    out = _vsa_outputs(p, q)
+    core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
+                                   **{n: t for n, t in out.items() if n in p.forward_buffers()}))
     return [out[n] for n in _VSA_OUTPUTS]
 
 
 @_vsa_fwd.register_fake
-def _(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend):
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk")
-    out = _alloc(p.forward_buffers(), q)
+def _(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, training):
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training)
+    out = _vsa_outputs(p, q)
     return [out[n] for n in _VSA_OUTPUTS]
 
 
@@ -89,7 +97,7 @@ def _(dout, q, k, v, kv_counts, q_counts, gate, residuals, topk, block_elems, la
 
 
 def _vsa_setup(ctx, inputs, output):
-    q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend = inputs
+    q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, training = inputs
     ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, *output)
     ctx.static = (topk, block_elems, layout, backend)
     ctx.mark_non_differentiable(*output[1:])
@@ -98,7 +106,7 @@ def _vsa_setup(ctx, inputs, output):
 def _vsa_backward(ctx, grads):
     q, k, v, kv_counts, q_counts, gate, *residuals = ctx.saved_tensors
     dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, residuals, *ctx.static)
-    return dq, dk, dv, None, None, (dgate if gate is not None else None), None, None, None, None
+    return dq, dk, dv, None, None, (dgate if gate is not None else None), None, None, None, None, None
 
 
 torch.library.register_autograd("vsa::video_sparse_attn_fwd", _vsa_backward, setup_context=_vsa_setup)
@@ -184,7 +192,8 @@ def check_devices(like: Tensor, **tensors) -> None:
 
 
 def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend) -> Tensor:
-    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend)[0]
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
+    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, training)[0]
 
 
 def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend

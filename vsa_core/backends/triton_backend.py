@@ -116,21 +116,22 @@ def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
 
 # ---- the fine stage: the part a backend provides ---------------------------------------
 def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
-                   **_unused):
+                   out_fine=None, **_unused):
     qs, ks = p.token_strides(p.q_len), p.token_strides(p.kv_len)
     grid = lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p))  # noqa: E731
     _sparse_fwd[grid](
-        q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate, out_coarse, *qs, *ks,
+        q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate, out_coarse, out_fine, *qs, *ks,
         p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], math.log2(math.e) / math.sqrt(p.head_dim),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim,
-        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, UPCAST=INTERPRETING)
+        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, STORE_FINE=out_fine is not None,
+        UPCAST=INTERPRETING)
 
 
-def backward_preprocess(p: AttnProblem, out, dout, delta, gate=None, out_coarse=None, dgate=None,
+def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
                         dout_coarse=None):
     """delta for the fine backward; with the coarse branch also dgate and dout_coarse."""
     K.sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
-        dout, out, gate, out_coarse, delta, dgate, dout_coarse, *p.token_strides(p.q_len),
+        dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, *p.token_strides(p.q_len),
         p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
         HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None)
