@@ -2,8 +2,11 @@
 set before triton is first imported, hence here, before anything imports vsa_core."""
 
 import os
+import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# the repo root, for runs without an install (the GPU machine: PYTHONPATH-free pytest from tests/)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402  (torch does not import triton)
 

@@ -21,38 +21,54 @@ name = "triton"
 AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
 
 
-def _configs(candidates, block_elems_key="BLOCK_ELEMS"):
-    """Autotune candidates as (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    if INTERPRETING:
-        candidates = [(64, 64, 4, 1)]
-    elif not AUTOTUNE:
-        candidates = candidates[:1]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
+class _TunedKernel:
+    """An attention kernel with its candidate tile configs, as
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), best default first.
 
+    Tiles must not straddle two blocks, so a config fits only if BLOCK_M and BLOCK_N
+    divide the block's token count E. With autotuning (GPU, VSA_AUTOTUNE != 0) Triton
+    times the fitting configs once per key; otherwise the first fitting one runs.
+    """
 
-def _fits_block(configs, named_args, **kwargs):
-    """Drop configs whose query or KV tile would straddle two blocks."""
-    E = kwargs.get("BLOCK_ELEMS", named_args.get("BLOCK_ELEMS"))
-    kept = [c for c in configs if E % c.kwargs["BLOCK_M"] == 0 and E % c.kwargs["BLOCK_N"] == 0]
-    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
+    def __init__(self, kernel, candidates, key):
+        self.kernel = kernel
+        self.candidates = [(64, 64, 4, 1)] if INTERPRETING else candidates
+        self.tuned = None
+        if AUTOTUNE:
+            configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                       for m, n, w, s in candidates]
+            self.tuned = triton.autotune(configs=configs, key=key,
+                                         prune_configs_by={"early_config_prune": self._prune})(kernel)
+
+    @staticmethod
+    def _fits(E, m, n):
+        return E % m == 0 and E % n == 0
+
+    def _prune(self, configs, named_args, **kwargs):
+        E = kwargs["BLOCK_ELEMS"]
+        return [c for c in configs if self._fits(E, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]
+
+    def __call__(self, grid, *args, **kwargs):
+        E = kwargs["BLOCK_ELEMS"]
+        if self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
+            self.tuned[grid](*args, **kwargs)
+            return
+        m, n, w, s = next(c for c in self.candidates if self._fits(E, c[0], c[1]))
+        meta = {"BLOCK_M": m, "BLOCK_N": n}
+        self.kernel[grid(meta)](*args, **kwargs, **meta, num_warps=w, num_stages=s)
 
 
 _KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len"]
 
-_sparse_fwd = triton.autotune(
-    configs=_configs([(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)]),
-    key=_KEY, prune_configs_by={"early_config_prune": _fits_block},
-)(K.sparse_attn_fwd_kernel)
-
-_sparse_bwd_dq = triton.autotune(
-    configs=_configs([(64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2)]),
-    key=_KEY, prune_configs_by={"early_config_prune": _fits_block},
-)(K.sparse_attn_bwd_dq_kernel)
-
-_sparse_bwd_dkdv = triton.autotune(
-    configs=_configs([(64, 64, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 8, 3), (128, 64, 8, 2)]),
-    key=_KEY + ["n_kv_blocks"], prune_configs_by={"early_config_prune": _fits_block},
-)(K.sparse_attn_bwd_dkdv_kernel)
+_sparse_fwd = _TunedKernel(
+    K.sparse_attn_fwd_kernel,
+    [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)], _KEY)
+_sparse_bwd_dq = _TunedKernel(
+    K.sparse_attn_bwd_dq_kernel,
+    [(64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2)], _KEY)
+_sparse_bwd_dkdv = _TunedKernel(
+    K.sparse_attn_bwd_dkdv_kernel,
+    [(64, 64, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 8, 3), (128, 64, 8, 2)], _KEY + ["n_kv_blocks"])
 
 COARSE_TILE = 16 if INTERPRETING else 64
 
@@ -118,8 +134,7 @@ def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
 def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
                    out_fine=None, **_unused):
     qs, ks = p.token_strides(p.q_len), p.token_strides(p.kv_len)
-    grid = lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p))  # noqa: E731
-    _sparse_fwd[grid](
+    _sparse_fwd(lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
         q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate, out_coarse, out_fine, *qs, *ks,
         p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], math.log2(math.e) / math.sqrt(p.head_dim),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim,
@@ -146,11 +161,11 @@ def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
     qs, ks = p.token_strides(p.q_len), p.token_strides(p.kv_len)
     scale = 1.0 / math.sqrt(p.head_dim)
     scale_log2 = math.log2(math.e) * scale
-    _sparse_bwd_dq[lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p))](
+    _sparse_bwd_dq(lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
         q, k, v, dout, lse, delta, dq, sel_idx, sel_num, kv_counts, q_counts, dq_pool, *qs, *ks,
         p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], scale_log2, scale,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=has_coarse, UPCAST=INTERPRETING)
-    _sparse_bwd_dkdv[lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p))](
+    _sparse_bwd_dkdv(lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)),
         q, k, v, dout, lse, delta, dk, dv, inv_idx, inv_num, kv_counts, dk_pool, dv_pool, *qs, *ks,
         p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], scale_log2, scale,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=has_coarse, UPCAST=INTERPRETING)
