@@ -1,0 +1,381 @@
+"""vsa_jax against the float64 reference and against vsa_torch (CPU: Triton interpreter
+inside XLA's buffer callbacks; GPU: the compiled kernels on XLA's stream)."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import vsa_jax
+import vsa_torch
+from common import CASES, TOLERANCE, Case, assert_close, errors, from_layout, make_inputs, reference, to_layout
+from vsa_core.reference import block_sparse_attn_reference
+
+JAX_GPU = jax.default_backend() == "gpu"
+TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def seed_of(case: Case) -> int:
+    return zlib.crc32(case.id().encode())
+
+
+def vsa_fn(case: Case, kv_counts, q_counts, **kw):
+    """f(q, k, v, gate) -> out for the case's layout and static arguments."""
+    fn = vsa_jax.video_sparse_attn if case.layout == "bhsd" else vsa_jax.video_sparse_attn_bshd
+
+    def f(q, k, v, gate):
+        return fn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate if case.gate else None, **kw)
+    return f
+
+
+def jax_args(case: Case, inputs: dict):
+    dtype = jnp.dtype(case.dtype)
+    return [jnp.asarray(to_layout(inputs[n], case.layout), dtype) for n in ("q", "k", "v", "gate", "dout")]
+
+
+def to_numpy(case: Case, got: dict) -> dict:
+    return {n: from_layout(np.asarray(x, np.float32), case.layout) for n, x in got.items()}
+
+
+def run_jax_vjp(case: Case, inputs: dict) -> dict:
+    """jit(vjp) with the counts traced (passed as jit arguments)."""
+    @jax.jit
+    def run(q, k, v, gate, dout, kv_counts, q_counts):
+        out, vjp = jax.vjp(vsa_fn(case, kv_counts, q_counts), q, k, v, gate)
+        return out, vjp(dout)
+
+    q, k, v, gate, dout = jax_args(case, inputs)
+    out, (dq, dk, dv, dgate) = run(q, k, v, gate, dout, jnp.asarray(inputs["kv_counts"], jnp.int32),
+                                   jnp.asarray(inputs["q_counts"], jnp.int32))
+    got = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    if case.gate:
+        got["dgate"] = dgate
+    return to_numpy(case, got)
+
+
+def run_jax_grad(case: Case, inputs: dict) -> dict:
+    """jit(f) for the output and jit(grad) of sum(out * dout) (whose cotangent of out is
+    exactly dout), the counts numpy constants (checked at trace time)."""
+    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"])
+    q, k, v, gate, dout = jax_args(case, inputs)
+
+    def loss(q, k, v, gate):
+        return jnp.sum(f(q, k, v, gate).astype(jnp.float32) * dout.astype(jnp.float32))
+
+    dq, dk, dv, dgate = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, gate)
+    got = {"out": jax.jit(f)(q, k, v, gate), "dq": dq, "dk": dk, "dv": dv}
+    if case.gate:
+        got["dgate"] = dgate
+    return to_numpy(case, got)
+
+
+def run_torch(case: Case, inputs: dict) -> dict:
+    dtype = getattr(torch, case.dtype)
+
+    def tensor(name):
+        return torch.from_numpy(to_layout(inputs[name], case.layout)).to(TORCH_DEVICE, dtype)
+
+    q, k, v, gate = (tensor(n).requires_grad_() for n in ("q", "k", "v", "gate"))
+    fn = vsa_torch.video_sparse_attn if case.layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
+    out = fn(q, k, v, torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.topk,
+             case.block, gate if case.gate else None)
+    out.backward(tensor("dout"))
+    got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if case.gate:
+        got["dgate"] = gate.grad
+    return to_numpy(case, {n: t.detach().float().cpu().numpy() for n, t in got.items()})
+
+
+# ---- parity -------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())
+def test_matches_float64_reference(case):
+    inputs = make_inputs(case, seed=seed_of(case))
+    assert_close(case, run_jax_vjp(case, inputs), reference(case, inputs))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())
+def test_matches_torch_bitwise(case):
+    """Same kernels, same launches, same inputs: vsa_torch and jit(grad) of vsa_jax agree
+    bit for bit (nothing in either frontend computes: they only allocate and launch).
+    On the GPU the Triton autotuner of each process may pick another tile config, which
+    changes the summation order; there the bound is the reference tolerance."""
+    inputs = make_inputs(case, seed=seed_of(case))
+    got_jax, got_torch = run_jax_grad(case, inputs), run_torch(case, inputs)
+    assert got_jax.keys() == got_torch.keys()
+    for name in got_torch:
+        if JAX_GPU:
+            rel, max_rel = errors(got_jax[name], got_torch[name].astype(np.float64))
+            assert rel < TOLERANCE[case.dtype]["rel"], (name, rel, max_rel)
+        else:
+            diff = np.abs(got_jax[name] - got_torch[name]).max()
+            assert np.array_equal(got_jax[name], got_torch[name]), f"{name}: max |jax - torch| = {diff:.3e}"
+
+
+def test_inference_output_equals_training_forward():
+    """The primal (no gradient: nothing kept for a backward) and the forward of a vjp
+    run different buffer tables but the same arithmetic."""
+    case = Case()
+    inputs = make_inputs(case, seed=11)
+    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"])
+    q, k, v, gate, _ = jax_args(case, inputs)
+    out_inference = jax.jit(f)(q, k, v, gate)
+    out_training, _ = jax.jit(lambda *a: jax.vjp(f, *a))(q, k, v, gate)
+    assert np.array_equal(np.asarray(out_inference), np.asarray(out_training))
+
+
+# ---- transformations ----------------------------------------------------------------------
+def test_vmap_over_a_leading_axis():
+    """vmap over q, k, v, gate, dout and the counts themselves (different per element):
+    each slice equals the un-mapped call on that element, forward and gradients."""
+    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=4)
+    elems = [make_inputs(case, seed=s) for s in (21, 22)]
+    assert not np.array_equal(elems[0]["kv_counts"], elems[1]["kv_counts"])
+
+    def out_and_grads(q, k, v, gate, dout, kv_counts, q_counts):
+        out, vjp = jax.vjp(vsa_fn(case, kv_counts, q_counts), q, k, v, gate)
+        return (out,) + vjp(dout)
+
+    per_elem = [jax_args(case, e) + [jnp.asarray(e["kv_counts"], jnp.int32), jnp.asarray(e["q_counts"], jnp.int32)]
+                for e in elems]
+    batched = [jnp.stack([per_elem[0][i], per_elem[1][i]]) for i in range(7)]
+    mapped = jax.jit(jax.vmap(out_and_grads))(*batched)
+    single = jax.jit(out_and_grads)
+    for j in range(2):
+        want = single(*per_elem[j])
+        for name, got_all, w in zip(("out", "dq", "dk", "dv", "dgate"), mapped, want):
+            assert np.array_equal(np.asarray(got_all[j]), np.asarray(w)), f"vmap element {j}: {name}"
+    # and against the reference, for good measure
+    assert_close(case, to_numpy(case, dict(zip(("out", "dq", "dk", "dv", "dgate"), (m[1] for m in mapped)))),
+                 reference(case, elems[1]))
+
+
+def test_jit_with_donated_inputs():
+    """Donating q, k, v, gate lets XLA reuse their memory after the call; the callback
+    only reads its inputs, so the results equal those of a call without donation."""
+    case = Case(batch=1)
+    inputs = make_inputs(case, seed=31)
+    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"])
+    q, k, v, gate, dout = jax_args(case, inputs)
+
+    def out_and_grads(q, k, v, gate):
+        out, vjp = jax.vjp(f, q, k, v, gate)
+        return (out,) + vjp(dout)
+
+    want = [np.asarray(x) for x in jax.jit(out_and_grads)(q, k, v, gate)]
+    donating = jax.jit(out_and_grads, donate_argnums=(0, 1, 2, 3))
+    for _ in range(2):  # a second call on fresh copies reuses the first call's freed buffers
+        copies = [jnp.array(x, copy=True) for x in (q, k, v, gate)]
+        got = donating(*copies)
+        for name, g, w in zip(("out", "dq", "dk", "dv", "dgate"), got, want):
+            assert np.array_equal(np.asarray(g), w), name
+        assert all(c.is_deleted() for c in copies)  # XLA took the donated buffers (CPU and GPU)
+
+
+def test_training_loop_compiles_once():
+    """A jitted SGD step (parameters donated) runs several steps with one trace and one
+    compilation; the loss goes down."""
+    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=3, partial_kv=False)
+    inputs = make_inputs(case, seed=41)
+    q, k, v, gate, dout = jax_args(case, inputs)
+    traces = []
+
+    def loss(params, target):
+        traces.append(1)  # runs only when the step is traced
+        out = vsa_jax.video_sparse_attn(*params, inputs["kv_counts"], inputs["q_counts"], case.topk,
+                                        case.block, gate)
+        return jnp.mean((out.astype(jnp.float32) - target) ** 2)
+
+    @jax.jit
+    def step(params, target):
+        value, grads = jax.value_and_grad(loss)(params, target)
+        return value, jax.tree.map(lambda p, g: (p.astype(jnp.float32) - 20.0 * g).astype(p.dtype), params, grads)
+
+    step = jax.jit(step.__wrapped__, donate_argnums=0)
+    params, target = (q, k, v), dout.astype(jnp.float32)
+    losses = []
+    for _ in range(4):
+        value, params = step(params, target)
+        losses.append(float(value))
+    assert len(traces) == 1 and step._cache_size() == 1
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+# ---- argument checks ----------------------------------------------------------------------
+def _spec(shape, dtype="bfloat16"):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+BAD_CALLS = {
+    # name: (override of the default arguments, exception, words of the message)
+    "q dtype": (dict(q=_spec((1, 2, 128, 64), "float32")), TypeError, "q must have dtype"),
+    "k shape": (dict(k=_spec((1, 2, 128, 128))), ValueError, "k must match q"),
+    "v length": (dict(v=_spec((1, 2, 64, 64))), ValueError, "v must have the same sequence length"),
+    "q rank": (dict(q=_spec((2, 128, 64))), ValueError, "q must be a rank-4"),
+    "kv counts dtype": (dict(kv_counts=_spec((2,), "float32")), TypeError,
+                        "variable_block_sizes must be an integer array"),
+    "q counts shape": (dict(q_counts=_spec((3,), "int32")), ValueError, "q_variable_block_sizes must have shape"),
+    "gate shape": (dict(gate=_spec((1, 2, 64, 64))), ValueError, "compress_attn_weight must have q's shape"),
+    "topk type": (dict(topk=2.0), TypeError, "topk must be a Python int"),
+    "block size": (dict(block_size=32), ValueError, "block_size must hold"),
+    "backend": (dict(backend="nope"), ValueError, "backend must be one of"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_arguments_raise_at_trace_time(name):
+    """Raised while tracing abstract arrays (eval_shape: no data, no kernel), with the
+    same exception and message as vsa_torch on arrays of those shapes and dtypes."""
+    override, exc, words = BAD_CALLS[name]
+    args = dict(q=_spec((1, 2, 128, 64)), k=_spec((1, 2, 128, 64)), v=_spec((1, 2, 128, 64)),
+                kv_counts=_spec((2,), "int32"), q_counts=_spec((2,), "int32"), gate=_spec((1, 2, 128, 64)),
+                topk=1, block_size=64, backend="auto")
+    args.update(override)
+    arrays = {n: a for n, a in args.items() if isinstance(a, jax.ShapeDtypeStruct)}
+    static = {n: a for n, a in args.items() if n not in arrays}
+
+    def call(lib, **arrays):
+        a = {**arrays, **static}
+        return lib.video_sparse_attn(a["q"], a["k"], a["v"], a["kv_counts"], a["q_counts"], a["topk"],
+                                     a["block_size"], a["gate"], backend=a["backend"])
+
+    with pytest.raises(exc, match=words) as jax_error:
+        jax.eval_shape(lambda **a: call(vsa_jax, **a), **arrays)
+    to_torch = {n: torch.zeros(a.shape, dtype=getattr(torch, a.dtype.name)) for n, a in arrays.items()}
+    with pytest.raises(exc) as torch_error:
+        call(vsa_torch, **to_torch)
+    assert str(jax_error.value) == str(torch_error.value)
+
+
+def test_concrete_count_values_are_checked():
+    q = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+    good, bad = np.array([64, 3]), np.array([64, 65])
+    with pytest.raises(ValueError, match=r"variable_block_sizes values must lie in \[0, 64\].*, found 65"):
+        vsa_jax.video_sparse_attn(q, q, q, bad, good, 1)
+    with pytest.raises(ValueError, match=r"q_variable_block_sizes values must lie in \[0, 64\].*, found -1"):
+        jax.jit(lambda q: vsa_jax.video_sparse_attn(q, q, q, good, np.array([-1, 3]), 1)).trace(q)
+    with pytest.raises(TypeError, match="q must be a jax.Array, got list"):
+        vsa_jax.video_sparse_attn([[1.0]], q, q, good, good, 1)
+    with pytest.raises(TypeError, match="block_map must be a bool array"):
+        jax.eval_shape(lambda q: vsa_jax.block_sparse_attn(q, q, q, jnp.zeros((1, 1, 2, 2), jnp.int32), good), q)
+    with pytest.raises(TypeError, match="block_indices must be int32"):
+        vsa_jax.block_sparse_attn_from_indices(q, q, q, jnp.zeros((1, 1, 2, 2), jnp.int8),
+                                               jnp.zeros((1, 1, 2), jnp.int32), good)
+
+
+# ---- block-sparse attention ---------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_block_sparse_attn_matches_reference(layout):
+    """block_sparse_attn (bool map) and block_sparse_attn_from_indices (lists with junk
+    past each count) against the float64 reference: out, lse and dq, dk, dv."""
+    case = Case(n_q_blocks=3, n_kv_blocks=4, layout=layout)
+    inputs = make_inputs(case, seed=51)
+    E, B, H, nq, nk = case.E, case.batch, case.heads, case.n_q_blocks, case.n_kv_blocks
+    rng = np.random.default_rng(52)
+    block_map = rng.random((B, H, nq, nk)) < 0.5
+    block_map[0, 0, 0] = False   # a query block that sees nothing: out 0, lse -inf
+    block_map[0, 1, 1] = True    # one that sees everything (the empty KV block too)
+    capacity = nk + 1
+    idx = np.full((B, H, nq, capacity), 77, np.int32)  # junk past the count must be ignored
+    num = block_map.sum(-1).astype(np.int32)
+    for b, h, i in np.ndindex(B, H, nq):
+        sel = np.flatnonzero(block_map[b, h, i])
+        idx[b, h, i, :sel.size] = sel
+
+    q, k, v, _, dout = jax_args(case, inputs)
+    kv_counts = inputs["kv_counts"]
+
+    def by_map(q, k, v):
+        return vsa_jax.block_sparse_attn(q, k, v, jnp.asarray(block_map), kv_counts, E, layout=layout)
+
+    def by_lists(q, k, v):
+        return vsa_jax.block_sparse_attn_from_indices(q, k, v, jnp.asarray(idx), jnp.asarray(num), kv_counts, E,
+                                                      layout=layout)
+
+    # the float64 reference on the rounded inputs
+    t = {n: torch.from_numpy(inputs[n]).to(torch.bfloat16).double().requires_grad_() for n in ("q", "k", "v")}
+    ref_out, ref_lse = block_sparse_attn_reference(t["q"], t["k"], t["v"], torch.from_numpy(block_map),
+                                                   torch.from_numpy(kv_counts), E)
+    ref_out.backward(torch.from_numpy(inputs["dout"]).to(torch.bfloat16).double())
+    ref = {"out": ref_out.detach().numpy(), "dq": t["q"].grad.numpy(), "dk": t["k"].grad.numpy(),
+           "dv": t["v"].grad.numpy()}
+
+    results = []
+    for fn in (by_map, by_lists):
+        @jax.jit
+        def run(q, k, v, dout):
+            (out, lse), vjp = jax.vjp(fn, q, k, v)
+            return out, lse, vjp((dout, jnp.ones_like(lse)))  # lse's cotangent is ignored (stop_gradient)
+
+        out, lse, (dq, dk, dv) = run(q, k, v, dout)
+        got = to_numpy(case, {"out": out, "dq": dq, "dk": dk, "dv": dv})
+        assert_close(case, got, ref)
+        lse, want_lse = np.asarray(lse), ref_lse.detach().numpy()
+        assert np.array_equal(np.isinf(lse), np.isinf(want_lse))
+        finite = np.isfinite(want_lse)
+        np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=0, atol=2e-2)
+        assert (got["out"][0, 0, :E] == 0).all()
+        results.append(got)
+    for name in ref:
+        assert np.array_equal(results[0][name], results[1][name]), f"map vs lists: {name}"
+
+
+def test_tiling_helpers_match_numpy_metadata():
+    meta = vsa_jax.build_vsa_metadata((3, 5, 6), (2, 4, 4))
+    x = np.random.default_rng(0).standard_normal((2, meta.num_tokens, 8)).astype(np.float32)
+    tiled = vsa_jax.to_tiled(jnp.asarray(x), meta, dim=1)
+    assert np.array_equal(np.asarray(tiled), meta.to_tiled(x, axis=1))
+    assert np.array_equal(np.asarray(vsa_jax.from_tiled(tiled, meta, dim=1)), x)
+    assert np.array_equal(vsa_jax.variable_block_sizes((3, 5, 6), (2, 4, 4)), meta.variable_block_sizes)
+
+
+# ---- GPU ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [CASES[0], CASES[8]], ids=lambda c: c.id())
+@pytest.mark.gpu
+@pytest.mark.skipif(not JAX_GPU, reason="jax has no GPU backend")
+def test_gpu_kernels_run_on_xla_stream(case, monkeypatch):
+    """jit(f) with XLA ops right before and after the callback and no synchronisation:
+    correct results need the kernels on XLA's stream. A spy also checks that the fine
+    kernels were launched while torch's current stream was the one XLA handed over."""
+    from vsa_core import runtime
+    from vsa_core.backends import triton_backend
+
+    seen = []
+    real_launch_stream, real_sparse_forward = runtime.launch_stream, triton_backend.sparse_forward
+
+    def spy_launch_stream(stream, device):
+        seen.append(("given", stream))
+        return real_launch_stream(stream, device)
+
+    def spy_sparse_forward(*args, **kwargs):
+        seen.append(("current", torch.cuda.current_stream().cuda_stream))
+        return real_sparse_forward(*args, **kwargs)
+
+    import vsa_core.ops as core_ops
+    monkeypatch.setattr(core_ops, "launch_stream", spy_launch_stream)
+    monkeypatch.setattr(triton_backend, "sparse_forward", spy_sparse_forward)
+
+    inputs = make_inputs(case, seed=seed_of(case))
+    q, k, v, gate, dout = jax_args(case, inputs)
+    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"], backend="triton")
+
+    @jax.jit
+    def pipeline(q, k, v, gate, dout):
+        # XLA ops right before and after each callback; the scalings by powers of 2 are exact
+        q2, k2 = q * 2, k * 2
+        g = lambda q2, k2, v, gate: f(q2 * 0.5, k2 * 0.5, v, gate) * 2  # noqa: E731
+        out, vjp = jax.vjp(g, q2, k2, v, gate)
+        dq2, dk2, dv, dgate = vjp(dout * 0.5)
+        return out * 0.5, dq2 * 2, dk2 * 2, dv, dgate
+
+    for _ in range(3):
+        out, dq, dk, dv, dgate = pipeline(q, k, v, gate, dout)
+        got = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+        if case.gate:
+            got["dgate"] = dgate
+        assert_close(case, to_numpy(case, got), reference(case, inputs))
+    given = {s for tag, s in seen if tag == "given"}
+    current = {s for tag, s in seen if tag == "current"}
+    assert None not in given and current and current <= given, seen
