@@ -458,3 +458,156 @@ def lists_to_mask_kernel(
     for i in range(0, tl.load(NUM + row)):
         bits = tl.where(cols == tl.load(IDX + row * idx_capacity + i), 1, bits)
     tl.store(MASK + row * n_kv + cols, bits.to(tl.int8), mask=cols < n_kv)
+
+
+# --------------------------------------------------------------------------------------
+# Helpers of the CuTe (FlashAttention-4) backend
+#
+# FA4's block-sparse kernels on sm_90 walk 128-token KV tiles, each listed as "full"
+# (every token valid: no mask) or "mask" (partly filled: a mask_mod trims the padded
+# tail). These kernels turn our per-block lists and counts into that form, mix the
+# coarse branch into FA4's output, and fold the backward's extra terms in.
+# --------------------------------------------------------------------------------------
+@triton.jit
+def kv_sub_counts_kernel(
+    KV_COUNTS, SUB_COUNTS, n_sub,
+    SUB: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """SUB_COUNTS[n] = valid tokens of TILE-token sub-block n (SUB sub-blocks per block)."""
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < n_sub
+    c = tl.load(KV_COUNTS + n // SUB, mask=ok, other=0).to(tl.int32) - (n % SUB) * TILE
+    tl.store(SUB_COUNTS + n, tl.minimum(tl.maximum(c, 0), TILE), mask=ok)
+
+
+@triton.jit
+def fa4_fwd_lists_kernel(
+    SEL_IDX, SEL_NUM, KV_COUNTS, FULL_IDX, FULL_NUM, MASK_IDX, MASK_NUM,
+    idx_capacity, out_capacity,
+    SUB: tl.constexpr, TILE: tl.constexpr, SLOTS: tl.constexpr,
+):
+    """Query-owned lists of TILE-token KV sub-blocks, one program per (b, h, query block).
+
+    Selected block j stands for sub-blocks j*SUB .. j*SUB+SUB-1; each goes to the full
+    list (TILE valid tokens), the mask list (1..TILE-1) or nowhere (empty). The order
+    of the selection is kept, so ascending lists give ascending lists.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.arange(0, SLOTS)
+    i = pos // SUB
+    s = pos % SUB
+    num = tl.minimum(tl.load(SEL_NUM + row), idx_capacity)
+    taken = i < num
+    j = tl.load(SEL_IDX + row * idx_capacity + i, mask=taken, other=0)
+    c = tl.load(KV_COUNTS + j, mask=taken, other=0).to(tl.int32) - s * TILE
+    full = taken & (c >= TILE)
+    part = taken & (c > 0) & (c < TILE)
+    sub = j * SUB + s
+    f_slot = tl.cumsum(full.to(tl.int32), axis=0) - 1
+    m_slot = tl.cumsum(part.to(tl.int32), axis=0) - 1
+    tl.store(FULL_IDX + row * out_capacity + f_slot, sub, mask=full & (f_slot < out_capacity))
+    tl.store(MASK_IDX + row * out_capacity + m_slot, sub, mask=part & (m_slot < out_capacity))
+    tl.store(FULL_NUM + row, tl.minimum(tl.sum(full.to(tl.int32), axis=0), out_capacity))
+    tl.store(MASK_NUM + row, tl.minimum(tl.sum(part.to(tl.int32), axis=0), out_capacity))
+
+
+@triton.jit
+def fa4_bwd_lists_kernel(
+    INV_IDX, INV_NUM, KV_COUNTS, IDX, FULL_NUM, MASK_NUM,
+    n_kv_blocks, idx_capacity,
+    SUB: tl.constexpr, TILE: tl.constexpr, Q_PAD: tl.constexpr, COPY_IDX: tl.constexpr,
+):
+    """KV-owned lists per TILE-token sub-block n of block j = n // SUB, one program per
+    (n, b*h): the query blocks that selected j (the inverse list), counted as full or
+    mask by the sub-block's fill, or not at all when it is empty. The full and mask
+    lists share one index tensor (a sub-block is one or the other); with SUB == 1 it
+    is the inverse list itself and nothing is copied (COPY_IDX False)."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    j = n // SUB
+    c = tl.load(KV_COUNTS + j).to(tl.int32) - (n % SUB) * TILE
+    num = tl.load(INV_NUM + bh * n_kv_blocks + j)
+    out_row = bh * (n_kv_blocks * SUB) + n
+    if COPY_IDX:
+        pos = tl.arange(0, Q_PAD)
+        ok = pos < num
+        vals = tl.load(INV_IDX + (bh * n_kv_blocks + j) * idx_capacity + pos, mask=ok, other=0)
+        tl.store(IDX + out_row * idx_capacity + pos, vals, mask=ok)
+    tl.store(FULL_NUM + out_row, tl.where(c >= TILE, num, 0))
+    tl.store(MASK_NUM + out_row, tl.where((c > 0) & (c < TILE), num, 0))
+
+
+@triton.jit
+def mix_coarse_kernel(
+    OUT, GATE, OUT_C, OUT_FINE,
+    stride_b, stride_h, stride_s,
+    H, n_q_blocks,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr,
+):
+    """OUT holds the fine output on entry; on exit out_fine + gate * out_c (or + out_c).
+    STORE_FINE also keeps the fine output in fp32 for the backward's delta."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, HEAD_DIM)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    q_block = (pid * ROWS) // BLOCK_ELEMS
+    ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
+    fine = tl.load(OUT + ptr).to(tl.float32)
+    if STORE_FINE:
+        tl.store(OUT_FINE + ptr, fine)
+    coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
+    if HAS_GATE:
+        out = fine + tl.load(GATE + ptr).to(tl.float32) * coarse[None, :]
+    else:
+        out = fine + coarse[None, :]
+    tl.store(OUT + ptr, out.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def delta_to_dlse_kernel(
+    OUT, DOUT, DELTA,
+    stride_b, stride_h, stride_s,
+    H, q_len,
+    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """DELTA <- rowsum(OUT * DOUT) - DELTA, in place.
+
+    A backward that forms its own delta' = rowsum(O * dO) - dlse from the O it is
+    given then uses exactly our delta, whatever O is (FA4 can only be given a bf16 O)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, HEAD_DIM)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
+    s = tl.sum(tl.load(OUT + ptr).to(tl.float32) * tl.load(DOUT + ptr).to(tl.float32), axis=1)
+    at = DELTA + bh * q_len + rows
+    tl.store(at, s - tl.load(at))
+
+
+@triton.jit
+def add_block_grad_kernel(
+    X, POOL, COUNTS,
+    stride_b, stride_h, stride_s,
+    H, n_blocks,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """X[token] += POOL[its block] / COUNTS[block] (0 for an empty block), in place:
+    the mean pooling's gradient reaches every row of the block, padding included."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, HEAD_DIM)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    block = (pid * ROWS) // BLOCK_ELEMS
+    count = tl.load(COUNTS + block).to(tl.float32)
+    g = tl.load(POOL + (bh * n_blocks + block) * HEAD_DIM + d)
+    g = tl.where(count > 0, g / tl.maximum(count, 1.0), 0.0)
+    ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
+    x = tl.load(X + ptr).to(tl.float32) + g[None, :]
+    tl.store(X + ptr, x.to(X.dtype.element_ty))

@@ -1,7 +1,68 @@
-"""CuTe backend: FlashAttention-4's block-sparse kernels (flash-attn-4) for the fine stage."""
+"""CuTe backend: FlashAttention-4's block-sparse kernels (flash-attn-4) for the fine stage.
+
+Same contract as the Triton backend (`sparse_forward` / `sparse_backward` on the
+buffers of `AttnProblem.forward_buffers` / `backward_buffers`, same outputs), run
+by `flash_attn.cute.interface._flash_attn_fwd` / `_flash_attn_bwd` on sm_90 for
+128- and 256-token blocks, head dim 64 or 128. FA4 is imported lazily: importing
+vsa_core never needs it.
+
+How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
+- Sparse block size (E, 128): one of our query blocks is one FA4 query block (FA4
+  splits it into its own 128/64/80-row tiles, `q_subtile_factor`), and each of our
+  KV blocks is E/128 FA4 KV tiles of 128 tokens (on sm_90 the sparse KV block must
+  equal tile_n = 128). A 128-token sub-block is listed as "full" when all its tokens
+  are valid, as "mask" when it is partly filled (the mask_mod in `_cute_mask` then
+  drops its padded tail, reading per-sub-block counts from an aux tensor), and not
+  at all when it is empty (e.g. the second half of a 256-token block holding
+  <= 128 tokens). Lists are built on the device by Triton kernels, no host sync:
+  query-owned for the forward (from sel_idx/sel_num), KV-owned for the backward
+  (from inv_idx/inv_num; the KV sub-block decides full vs mask, so the two lists
+  share one index tensor).
+- Layout: FA4 takes (B, S, H, D) with a contiguous last dim and 16-byte aligned
+  strides, and keeps such strided views without copying (`maybe_contiguous`), so
+  BHSD tensors go in as `.transpose(1, 2)` views: no copy, either layout. Outputs
+  (out, dq, dk, dv) are written straight into our buffers through the same views.
+- lse: FA4 writes (B, H, Sq) fp32 natural-log lse, -inf for a row that sees nothing
+  (out 0 there): exactly our `lse` buffer, passed as `lse=`.
+- Coarse mixing: FA4 writes only the fine output, in the input dtype. It goes into
+  `out`, then `mix_coarse_kernel` turns `out` into out_fine + gate * out_c in place
+  and, training, fills the fp32 `out_fine` buffer (with the bf16-rounded values:
+  FA4 has no fp32 output, so the backward's delta = rowsum(dO * out_fine) is
+  FlashAttention's recipe, not the Triton backend's fp32 one; see the note there
+  on its cost at large logits).
+- Backward delta: FA4's backward forms its own delta' = rowsum(O * dO) - dlse from
+  the O it is given. We give it O = `out` (the final output, input dtype, what we
+  have) and dlse = rowsum(out * dO) - delta (our delta, computed by the core's
+  preprocess), written in place over the `delta` workspace, so FA4 uses exactly our
+  delta. Without the coarse branch out is the fine output and dlse is left out.
+- Pooling gradients (VSA): FA4 writes dq/dk/dv of the fine branch; then
+  `add_block_grad_kernel` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count
+  in place (one more bf16 rounding than the Triton backend's fused add).
+- Streams: FA4's kernels are compiled against TVM-FFI's environment stream, and
+  each call with torch CUDA tensors sets that to torch's current stream of the
+  tensors' device (tvm_ffi function.pxi, DLPack exchange API `current_work_stream`),
+  which is the stream `vsa_core.runtime.launch_stream` made current. Nothing to do.
+
+Allocation: unlike the Triton backend, which allocates nothing, this backend
+allocates its FA4 metadata (the full/mask lists and the per-sub-block counts, a few
+int32 per block pair) with torch.empty on the device, on the current stream; and
+FA4's own backward allocates its scratch (fp32 dq accumulator, lse_log2, dpsum)
+the same way. Since the second cannot be avoided, the lists are not declared as
+workspaces in `AttnProblem` either: the buffer tables stay backend-independent
+(JAX hands the core only the buffers declared there; under JAX these come from
+torch's caching allocator inside the callback, not from XLA).
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+from typing import Optional
+
+import torch
+import triton
+
+from .. import triton_kernels as K
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
 
@@ -9,8 +70,171 @@ name = "cute"
 INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, "
                 "quack-kernels==0.6.5)")
 
+KV_TILE = 128  # FA4's KV tile (tile_n) on sm_90 for head dims <= 128: the sparse KV block size
+HEAD_DIMS = (64, 128)
+BLOCK_ELEMS = (128, 256)
+
+
+# ---- availability --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _fa4_import_error() -> Optional[str]:
+    """None when FA4's CuTe interface imports, else the error (imported once, on demand)."""
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: F401
+
+        from . import _cute_mask  # noqa: F401
+    except Exception as e:  # ImportError, or a cutlass-dsl / CUDA setup that fails at import
+        return f"{type(e).__name__}: {e}"
+    return None
+
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
     if device.kind != "cuda":
         return f"it runs on NVIDIA GPUs only, the tensors are on {device.kind}"
-    return "not implemented yet"
+    cap = device.capability or (0, 0)
+    if cap[0] not in (9, 10):
+        return (f"FA4's block-sparse kernels run on sm_90 (H100/H200) or sm_100 (B200), "
+                f"this GPU is sm_{cap[0]}{cap[1]}")
+    if problem.block_elems not in BLOCK_ELEMS:
+        return (f"{problem.block_elems}-token blocks stay on Triton (FA4's sparse KV tile is {KV_TILE} tokens; "
+                f"the cute backend takes blocks of {BLOCK_ELEMS} tokens)")
+    if problem.head_dim not in HEAD_DIMS:
+        return f"head dim {problem.head_dim} is not supported by the cute backend (only {HEAD_DIMS})"
+    if cap[0] == 10 and problem.block_elems == 128:
+        # sm_100 runs two 128-row query tiles per CTA (q_stage 2) once Sq > 128, and FA4 then
+        # requires the sparse query block to be a multiple of 256.
+        return "on sm_100 FA4 needs 256-token query blocks; 128-token blocks stay on Triton"
+    err = _fa4_import_error()
+    if err is not None:
+        return f"flash_attn.cute (FlashAttention-4) cannot be imported ({err}); install it: {INSTALL_HINT}"
+    return None
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _bshd(p: AttnProblem, x: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) view of a token tensor in the problem's layout (no copy)."""
+    return x.transpose(1, 2) if p.layout == "bhsd" else x
+
+
+def _sub(p: AttnProblem) -> int:
+    return p.block_elems // KV_TILE
+
+
+def _rows(p: AttnProblem) -> int:
+    return min(64, p.block_elems)
+
+
+def sub_block_counts(p: AttnProblem, kv_counts: torch.Tensor, out: torch.Tensor) -> None:
+    """out[n] (int32, n_kv_blocks * E/128) = valid tokens of 128-token KV sub-block n."""
+    n_sub = p.n_kv_blocks * _sub(p)
+    K.kv_sub_counts_kernel[(triton.cdiv(n_sub, 256),)](kv_counts, out, n_sub, SUB=_sub(p), TILE=KV_TILE, BLOCK=256)
+
+
+def forward_lists(p: AttnProblem, sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num) -> None:
+    """FA4's query-owned full/mask lists ([B, H, nQ, C] int32, C = min(cap, nKV) * E/128) and
+    their counts ([B, H, nQ]) from our ascending per-query-block lists."""
+    cap = sel_idx.shape[-1]
+    sub = _sub(p)
+    K.fa4_fwd_lists_kernel[(p.batch * p.heads * p.n_q_blocks,)](
+        sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num, cap, full_idx.shape[-1],
+        SUB=sub, TILE=KV_TILE, SLOTS=max(16, triton.next_power_of_2(cap * sub)), num_warps=4)
+
+
+def backward_lists(p: AttnProblem, inv_idx, inv_num, kv_counts, idx, full_num, mask_num) -> None:
+    """FA4's KV-owned lists per 128-token sub-block: idx [B, H, nKV*E/128, nQ] (shared by the
+    full and mask lists; pass inv_idx itself when E == 128: nothing is copied) and the
+    full/mask counts [B, H, nKV*E/128]."""
+    sub = _sub(p)
+    K.fa4_bwd_lists_kernel[(p.n_kv_blocks * sub, p.batch * p.heads)](
+        inv_idx, inv_num, kv_counts, idx, full_num, mask_num, p.n_kv_blocks, inv_idx.shape[-1],
+        SUB=sub, TILE=KV_TILE, Q_PAD=max(16, triton.next_power_of_2(inv_idx.shape[-1])),
+        COPY_IDX=idx.data_ptr() != inv_idx.data_ptr(), num_warps=4)
+
+
+def mix_coarse(p: AttnProblem, out, out_coarse, gate=None, out_fine=None) -> None:
+    rows = _rows(p)
+    K.mix_coarse_kernel[(p.q_len // rows, p.batch * p.heads)](
+        out, gate, out_coarse, out_fine, *p.token_strides(p.q_len), p.heads, p.n_q_blocks,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows,
+        HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, num_warps=4)
+
+
+def delta_to_dlse(p: AttnProblem, out, dout, delta) -> None:
+    rows = _rows(p)
+    K.delta_to_dlse_kernel[(p.q_len // rows, p.batch * p.heads)](
+        out, dout, delta, *p.token_strides(p.q_len), p.heads, p.q_len,
+        HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
+
+
+def add_block_grad(p: AttnProblem, x, pooled, counts, seq_len: int) -> None:
+    rows = _rows(p)
+    K.add_block_grad_kernel[(seq_len // rows, p.batch * p.heads)](
+        x, pooled, counts, *p.token_strides(seq_len), p.heads, seq_len // p.block_elems,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
+
+
+def _int32(shape, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.int32, device=device)
+
+
+def _fa4():
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    from ._cute_mask import vsa_kv_tail_mask
+    return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, vsa_kv_tail_mask
+
+
+# ---- the fine stage -------------------------------------------------------------------------
+def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
+                   out_fine=None, **_unused):
+    fa_fwd, _, BlockSparse, mask_mod = _fa4()
+    dev = q.device
+    B, H, nq = p.batch, p.heads, p.n_q_blocks
+    width = min(sel_idx.shape[-1], p.n_kv_blocks) * _sub(p)  # FA4 wants at most nKV*E/128 columns
+    # this backend allocates its FA4 metadata (see the module docstring)
+    idx = _int32((2, B, H, nq, width), dev)
+    num = _int32((2, B, H, nq), dev)
+    sub_counts = _int32((p.n_kv_blocks * _sub(p),), dev)
+    sub_block_counts(p, kv_counts, sub_counts)
+    forward_lists(p, sel_idx, sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
+    lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
+                        full_block_idx=idx[0], block_size=(p.block_elems, KV_TILE))
+    fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=1.0 / math.sqrt(p.head_dim),
+           mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
+           out=_bshd(p, out), lse=lse, return_lse=True)
+    if out_coarse is not None:
+        mix_coarse(p, out, out_coarse, gate=gate, out_fine=out_fine)
+
+
+def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
+                    sel_idx, sel_num, inv_idx, inv_num, kv_counts, q_counts=None,
+                    dq_pool=None, dk_pool=None, dv_pool=None, out=None, out_coarse=None, **_unused):
+    """dq, dk, dv of the fine stage by FA4 (KV-owned lists from inv_idx/inv_num), then the
+    pooling gradients. `delta` (a workspace) is overwritten with FA4's dlse."""
+    _, fa_bwd, BlockSparse, mask_mod = _fa4()
+    if out is None:
+        raise ValueError("the cute backend's backward needs the forward output `out`")
+    dev = q.device
+    B, H, n_sub = p.batch, p.heads, p.n_kv_blocks * _sub(p)
+    # this backend allocates its FA4 metadata (see the module docstring)
+    idx = inv_idx if _sub(p) == 1 else _int32((B, H, n_sub, inv_idx.shape[-1]), dev)
+    num = _int32((2, B, H, n_sub), dev)
+    sub_counts = _int32((n_sub,), dev)
+    sub_block_counts(p, kv_counts, sub_counts)
+    backward_lists(p, inv_idx, inv_num, kv_counts, idx, num[0], num[1])
+    lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx, full_block_cnt=num[0],
+                        full_block_idx=idx, block_size=(p.block_elems, KV_TILE))
+    dlse = None
+    if out_coarse is not None:
+        # `out` holds out_fine + gate * out_c: make FA4's rowsum(out * dO) - dlse equal our delta
+        delta_to_dlse(p, out, dout, delta)
+        dlse = delta
+    fa_bwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), _bshd(p, out), _bshd(p, dout), lse,
+           softmax_scale=1.0 / math.sqrt(p.head_dim), mask_mod=mask_mod, aux_tensors=[sub_counts],
+           block_sparse_tensors=lists, dlse=dlse, dq=_bshd(p, dq), dk=_bshd(p, dk), dv=_bshd(p, dv))
+    if dq_pool is not None:
+        add_block_grad(p, dq, dq_pool, q_counts, p.q_len)
+        add_block_grad(p, dk, dk_pool, kv_counts, p.kv_len)
+        add_block_grad(p, dv, dv_pool, kv_counts, p.kv_len)
