@@ -30,6 +30,20 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
+@triton.jit
+def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s,
+               ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """ROWS consecutive token rows of (batch b, head h) starting at row0.
+
+    With USE_TMA, X is a tensor descriptor over the logical (B, H, S, D) view and the
+    tile arrives through the copy engine (Hopper TMA); otherwise X is a pointer.
+    """
+    if USE_TMA:
+        return X.load([b.to(tl.int32), h.to(tl.int32), row0.to(tl.int32), 0]).reshape(ROWS, HEAD_DIM)
+    rows = row0 + tl.arange(0, ROWS)
+    return tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_s + tl.arange(0, HEAD_DIM)[None, :])
+
+
 # --------------------------------------------------------------------------------------
 # Block mean pooling
 # --------------------------------------------------------------------------------------
@@ -249,6 +263,7 @@ def sparse_attn_fwd_kernel(
     H, q_len, n_q_blocks, idx_capacity, qk_scale_log2,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr, UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Each query attends to the valid tokens of the KV blocks its block selected.
 
@@ -270,8 +285,6 @@ def sparse_attn_fwd_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
     q = tl.load(Q + q_ptr)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_kb + h * stride_kh
     sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
     n_tiles = tl.load(SEL_NUM + bh * n_q_blocks + q_block) * (BLOCK_ELEMS // BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -279,11 +292,11 @@ def sparse_attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
         kv_block = tl.load(sel + t // (BLOCK_ELEMS // BLOCK_N))
-        in_block = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-        bias = tl.where(in_block < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
-        kv_rows = kv_block * BLOCK_ELEMS + in_block
-        k = tl.load(k_base + kv_rows[:, None] * stride_ks + d[None, :])
-        v = tl.load(v_base + kv_rows[:, None] * stride_ks + d[None, :])
+        sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
+        bias = tl.where(sub + tl.arange(0, BLOCK_N) < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
+        row0 = kv_block * BLOCK_ELEMS + sub
+        k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
+        v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -349,7 +362,7 @@ def sparse_attn_bwd_dq_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     H, q_len, n_q_blocks, idx_capacity, qk_scale_log2, sm_scale,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dQ, owned by query tiles (no atomics). With HAS_COARSE it also adds the pooling
     gradient dq_c[block] / q_count[block], so dQ is written once."""
@@ -366,18 +379,16 @@ def sparse_attn_bwd_dq_kernel(
     lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + bh * q_len + rows)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_kb + h * stride_kh
     sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
     n_tiles = tl.load(SEL_NUM + bh * n_q_blocks + q_block) * (BLOCK_ELEMS // BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
         kv_block = tl.load(sel + t // (BLOCK_ELEMS // BLOCK_N))
-        in_block = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-        bias = tl.where(in_block < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
-        kv_rows = kv_block * BLOCK_ELEMS + in_block
-        k = tl.load(k_base + kv_rows[:, None] * stride_ks + d[None, :])
-        v = tl.load(v_base + kv_rows[:, None] * stride_ks + d[None, :])
+        sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
+        bias = tl.where(sub + tl.arange(0, BLOCK_N) < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
+        row0 = kv_block * BLOCK_ELEMS + sub
+        k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
+        v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), UPCAST)
@@ -397,7 +408,7 @@ def sparse_attn_bwd_dkdv_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     H, q_len, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dK and dV, owned by KV tiles: each walks the query blocks that selected its block
     (the inverse lists). With HAS_COARSE it adds the pooling gradients dk_c/count and
@@ -415,17 +426,16 @@ def sparse_attn_bwd_dkdv_kernel(
     kv_ptr = b * stride_kb + h * stride_kh + kv_rows[:, None] * stride_ks + d[None, :]
     k = tl.load(K + kv_ptr)
     v = tl.load(V + kv_ptr)
-    q_base = b * stride_qb + h * stride_qh
     inv = INV_IDX + (bh * n_kv_blocks + kv_block) * idx_capacity
     n_tiles = tl.load(INV_NUM + bh * n_kv_blocks + kv_block) * (BLOCK_ELEMS // BLOCK_M)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
         q_block = tl.load(inv + t // (BLOCK_ELEMS // BLOCK_M))
-        rows = q_block * BLOCK_ELEMS + (t % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q_ptr = q_base + rows[:, None] * stride_qs + d[None, :]
-        q = tl.load(Q + q_ptr)
-        do = tl.load(DOUT + q_ptr)
+        row0 = q_block * BLOCK_ELEMS + (t % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        q = _load_rows(Q, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, USE_TMA)
+        do = _load_rows(DOUT, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, USE_TMA)
         lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         delta = tl.load(DELTA + bh * q_len + rows)

@@ -11,6 +11,7 @@ import math
 import os
 
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import triton_kernels as K
 from ..problem import AttnProblem
@@ -19,6 +20,9 @@ from ..runtime import INTERPRETING
 name = "triton"
 
 AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
+# K/V (forward, dQ) and Q/dO (dK/dV) tiles through tensor descriptors (TMA on Hopper);
+# VSA_TMA=0 falls back to pointer loads. The interpreter runs the descriptor path too.
+USE_TMA = os.environ.get("VSA_TMA", "1") != "0"
 
 
 class _TunedKernel:
@@ -28,14 +32,19 @@ class _TunedKernel:
     Tiles must not straddle two blocks, so a config fits only if BLOCK_M and BLOCK_N
     divide the block's token count E. With autotuning (GPU, VSA_AUTOTUNE != 0) Triton
     times the fitting configs once per key; otherwise the first fitting one runs.
+    `tiled_args` names the descriptor arguments and the tile size ("BLOCK_M"/"BLOCK_N")
+    of their rows; their block shape is set to match the config before each launch.
     """
 
-    def __init__(self, kernel, candidates, key):
+    def __init__(self, kernel, candidates, key, tiled_args):
         self.kernel = kernel
         self.candidates = [(64, 64, 4, 1)] if INTERPRETING else candidates
+        self.tiled_args = tiled_args
+        self.forced = None  # a config to run regardless of tuning (benchmarks/kernel_sweep.py)
         self.tuned = None
         if AUTOTUNE:
-            configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
+                                     pre_hook=self._set_block_shapes)
                        for m, n, w, s in candidates]
             self.tuned = triton.autotune(configs=configs, key=key,
                                          prune_configs_by={"early_config_prune": self._prune})(kernel)
@@ -48,27 +57,47 @@ class _TunedKernel:
         E = kwargs["BLOCK_ELEMS"]
         return [c for c in configs if self._fits(E, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]
 
+    def _set_block_shapes(self, nargs):
+        for name, tile in self.tiled_args.items():
+            desc = nargs[name]
+            if isinstance(desc, TensorDescriptor):
+                desc.block_shape = [1, 1, nargs[tile], desc.shape[-1]]
+
     def __call__(self, grid, *args, **kwargs):
         E = kwargs["BLOCK_ELEMS"]
-        if self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
+        if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
             self.tuned[grid](*args, **kwargs)
             return
-        m, n, w, s = next(c for c in self.candidates if self._fits(E, c[0], c[1]))
+        m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
         meta = {"BLOCK_M": m, "BLOCK_N": n}
+        names = self.kernel.arg_names
+        self._set_block_shapes({**dict(zip(names, args)), **meta})
         self.kernel[grid(meta)](*args, **kwargs, **meta, num_warps=w, num_stages=s)
+
+
+def _tiles(p: AttnProblem, x, seq_len: int):
+    """A descriptor over x's logical (B, H, S, D) view (block shape set per config),
+    or x itself for pointer loads."""
+    if not USE_TMA or x.data_ptr() % 16:
+        return x
+    return TensorDescriptor(x, [p.batch, p.heads, seq_len, p.head_dim], [*p.token_strides(seq_len), 1],
+                            [1, 1, 16, p.head_dim])
 
 
 _KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len"]
 
 _sparse_fwd = _TunedKernel(
     K.sparse_attn_fwd_kernel,
-    [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)], _KEY)
+    [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 4)], _KEY,
+    {"K": "BLOCK_N", "V": "BLOCK_N"})
 _sparse_bwd_dq = _TunedKernel(
     K.sparse_attn_bwd_dq_kernel,
-    [(64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2)], _KEY)
+    [(64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2)], _KEY,
+    {"K": "BLOCK_N", "V": "BLOCK_N"})
 _sparse_bwd_dkdv = _TunedKernel(
     K.sparse_attn_bwd_dkdv_kernel,
-    [(64, 64, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 8, 3), (128, 64, 8, 2)], _KEY + ["n_kv_blocks"])
+    [(64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)], _KEY + ["n_kv_blocks"],
+    {"Q": "BLOCK_M", "DOUT": "BLOCK_M"})
 
 COARSE_TILE = 16 if INTERPRETING else 64
 
@@ -131,15 +160,20 @@ def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
 
 
 # ---- the fine stage: the part a backend provides ---------------------------------------
+def _scales(p: AttnProblem):
+    scale = 1.0 / math.sqrt(p.head_dim)
+    return math.log2(math.e) * scale, scale
+
+
 def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
                    out_fine=None, **_unused):
-    qs, ks = p.token_strides(p.q_len), p.token_strides(p.kv_len)
-    _sparse_fwd(lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
-        q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate, out_coarse, out_fine, *qs, *ks,
-        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], math.log2(math.e) / math.sqrt(p.head_dim),
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim,
-        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, STORE_FINE=out_fine is not None,
-        UPCAST=INTERPRETING)
+    _sparse_fwd(
+        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
+        q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, gate,
+        out_coarse, out_fine, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
+        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], _scales(p)[0],
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
+        HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, UPCAST=INTERPRETING, USE_TMA=USE_TMA)
 
 
 def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
@@ -152,23 +186,35 @@ def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_co
         HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None)
 
 
+def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
+                       q_counts=None, dq_pool=None):
+    _sparse_bwd_dq(
+        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
+        q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num, kv_counts,
+        q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
+        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], *_scales(p),
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=INTERPRETING,
+        USE_TMA=USE_TMA)
+
+
+def sparse_backward_dkdv(p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
+                         dk_pool=None, dv_pool=None):
+    _sparse_bwd_dkdv(
+        lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)),
+        _tiles(p, q, p.q_len), k, v, _tiles(p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num, kv_counts,
+        dk_pool, dv_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
+        p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p),
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=INTERPRETING,
+        USE_TMA=USE_TMA)
+
+
 def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
                     sel_idx, sel_num, inv_idx, inv_num, kv_counts, q_counts=None,
                     dq_pool=None, dk_pool=None, dv_pool=None, **_unused):
     """Fine-stage dQ (query-owned) and dK/dV (KV-owned), no atomics. Given the pooling
     gradients (fp32 per block), each kernel adds grad/count to its tokens as it writes."""
-    has_coarse = dq_pool is not None
-    qs, ks = p.token_strides(p.q_len), p.token_strides(p.kv_len)
-    scale = 1.0 / math.sqrt(p.head_dim)
-    scale_log2 = math.log2(math.e) * scale
-    _sparse_bwd_dq(lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
-        q, k, v, dout, lse, delta, dq, sel_idx, sel_num, kv_counts, q_counts, dq_pool, *qs, *ks,
-        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], scale_log2, scale,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=has_coarse, UPCAST=INTERPRETING)
-    _sparse_bwd_dkdv(lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)),
-        q, k, v, dout, lse, delta, dk, dv, inv_idx, inv_num, kv_counts, dk_pool, dv_pool, *qs, *ks,
-        p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], scale_log2, scale,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=has_coarse, UPCAST=INTERPRETING)
+    sparse_backward_dq(p, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts, q_counts, dq_pool)
+    sparse_backward_dkdv(p, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts, dk_pool, dv_pool)
 
 
 def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):
