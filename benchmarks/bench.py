@@ -358,133 +358,155 @@ def random_block_map(shape: Shape, gen, device) -> "torch.Tensor":
     return torch.zeros(B, H, n, n, dtype=torch.bool, device=device).scatter_(-1, chosen, True)
 
 
-def run_shape(shape: Shape, args, timer: Timer, jax_mod, jax_reason) -> List[Row]:
-    device = args.device
-    dev = torch.device(device)
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    dtype = torch.bfloat16
-    B, H, S, D, E = shape.B, shape.H, shape.S, shape.D, shape.E
-    log(f"== {shape.describe()}")
+@dataclass
+class Inputs:
+    """One shape's random inputs, shared by every contender (JAX gets zero-copy views)."""
+    shape: Shape
+    q: "torch.Tensor"
+    k: "torch.Tensor"
+    v: "torch.Tensor"
+    gate: "torch.Tensor"       # VSA's compress_attn_weight
+    dout: "torch.Tensor"       # output gradient of every backward
+    block_map: "torch.Tensor"  # bool [B, H, nQ, nKV] for the fine stage and the peers
+    counts: "torch.Tensor"     # valid tokens per block: all E
+    jax: Optional[dict] = None
 
-    def randn(*size):
-        return torch.randn(*size, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+    @staticmethod
+    def random(shape: Shape, device: str, seed: int) -> "Inputs":
+        dev = torch.device(device)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        B, H, S, D = shape.B, shape.H, shape.S, shape.D
 
-    q, k, v = (randn(B, H, S, D).requires_grad_() for _ in range(3))
-    dout = randn(B, H, S, D)
-    gate = randn(B, H, S, D).requires_grad_()
-    block_map = random_block_map(shape, gen, dev)
-    counts = torch.full((shape.n_blocks,), E, dtype=torch.int32, device=dev)  # every block full
-    rows: List[Row] = []
-    peer_names = [p.strip() for p in args.peers.split(",") if p.strip()]
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    frontends = [f.strip() for f in args.frontends.split(",") if f.strip()]
+        def randn(grad):
+            x = torch.randn(B, H, S, D, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16)
+            return x.requires_grad_(grad)
 
-    # -- peers: FlexAttention on the same block map is also the fine stage's reference --
-    # Small shapes also get an exact one (masked fp32 SDPA), which checks flex itself.
+        return Inputs(shape, q=randn(True), k=randn(True), v=randn(True), gate=randn(True), dout=randn(False),
+                      block_map=random_block_map(shape, gen, dev),
+                      counts=torch.full((shape.n_blocks,), shape.E, dtype=torch.int32, device=dev))
+
+    def add_jax(self, device: str) -> None:
+        import jax.numpy as jnp
+        sync(device)  # the DLPack views must see finished data
+        self.jax = {n: torch_to_jax(getattr(self, n)) for n in ("q", "k", "v", "gate", "dout")}
+        self.jax["block_map"] = jnp.asarray(self.block_map.cpu().numpy())  # small; concrete under jit
+        self.jax["counts"] = self.counts.cpu().numpy()
+
+
+def our_contender(stage: str, backend: str, frontend: str, x: Inputs, jax_mod, device: str) -> Contender:
+    """Our `stage` ("fine": block_sparse_attn, "vsa": video_sparse_attn) through one frontend."""
+    E, topk = x.shape.E, x.shape.topk
+    if frontend == "jax":
+        j = x.jax
+        if stage == "fine":
+            def forward(q, k, v):
+                return jax_mod.block_sparse_attn(q, k, v, j["block_map"], j["counts"], E, backend=backend)[0]
+            return jax_contender(forward, (j["q"], j["k"], j["v"]), j["dout"], device)
+
+        def forward(q, k, v, gate):
+            return jax_mod.video_sparse_attn(q, k, v, j["counts"], j["counts"], topk, E,
+                                             compress_attn_weight=gate, backend=backend)
+        return jax_contender(forward, (j["q"], j["k"], j["v"], j["gate"]), j["dout"], device)
+
+    # the map and counts are arguments, not closure constants, so torch.compile sees them as inputs
+    if stage == "fine":
+        def forward(q, k, v, block_map, counts):
+            return block_sparse_attn(q, k, v, block_map, counts, E, backend=backend)[0]
+        extra, inputs = (x.block_map, x.counts), (x.q, x.k, x.v)
+    else:
+        def forward(q, k, v, gate, counts):
+            return video_sparse_attn(q, k, v, counts, counts, topk, E, compress_attn_weight=gate, backend=backend)
+        extra, inputs = (x.counts,), (x.q, x.k, x.v, x.gate)
+    if frontend == "compile":
+        forward = torch.compile(forward, dynamic=False, fullgraph=True)
+    elif frontend != "eager":
+        raise ValueError(f"unknown frontend {frontend!r} (eager, compile, jax)")
+    return torch_contender(lambda *xs: forward(*xs, *extra), inputs, x.dout)
+
+
+def run_peers(x: Inputs, args, timer: Timer, rows: List[Row]):
+    """Times the peers; returns the fine stage's reference (out, dq, dk, dv) and its name."""
+    device, shape = args.device, x.shape
+    q, k, v, dout = x.q, x.k, x.v, x.dout
+    names = [p.strip() for p in args.peers.split(",") if p.strip()]
+    # FlexAttention on the same block map is the fine stage's reference. Small shapes also
+    # get an exact one (masked fp32 SDPA), which checks flex itself.
     exact_ref = None
-    if B * H * S * S <= 2 ** 28:
-        exact_ref = peers.masked_reference(q, k, v, dout, block_map, E)
-    fine_ref, fine_ref_name = exact_ref, "masked fp32 sdpa"
-    if "flex" in peer_names:
+    if shape.B * shape.H * shape.S ** 2 <= 2 ** 28:
+        exact_ref = peers.masked_reference(q, k, v, dout, x.block_map, shape.E)
+    ref, ref_name = exact_ref, ("masked fp32 sdpa" if exact_ref is not None else None)
+    if "flex" in names:
         def try_fwd_bwd(forward):
             torch.autograd.grad(forward(q, k, v), (q, k, v), dout)
         t = time.perf_counter()
-        label, forward, failures = peers.make_flex(block_map, E, S, try_fwd_bwd)
+        label, forward, failures = peers.make_flex(x.block_map, shape.E, shape.S, try_fwd_bwd)
         for f in failures:
             log(f"  peer flex variant failed: {f}")
         row = Row(shape.name, "peer", f"flex ({label})" if label else "flex", flops_fwd=shape.sparse_flops())
+        rows.append(row)
         if forward is None:
             row.status = "error: " + "; ".join(failures)
         else:
-            flex_values = measure(row, torch_contender(forward, (q, k, v), dout), timer, device, args.tol,
-                                  exact_ref, "masked fp32 sdpa" if exact_ref is not None else None)
-            row.first_call_s = time.perf_counter() - t  # includes building the mask, compiling
-            if flex_values is not None and row.status == "ok":
-                fine_ref, fine_ref_name = flex_values, "flex"
-        rows.append(row)
-    if "sdpa" in peer_names:
+            values = measure(row, torch_contender(forward, (q, k, v), dout), timer, device, args.tol,
+                             exact_ref, ref_name)
+            row.first_call_s = time.perf_counter() - t  # includes building the masks, compiling
+            if values is not None and row.status == "ok":
+                ref, ref_name = values, "flex"
+    if "sdpa" in names:
         row = Row(shape.name, "peer", "sdpa-flash (dense)", dense=True, flops_fwd=shape.dense_flops())
+        rows.append(row)
         measure(row, torch_contender(peers.sdpa_flash_dense, (q, k, v), dout), timer, device, args.tol,
                 forward_only_ok=True)
-        rows.append(row)
-    if "fa4" in peer_names:
+    if "fa4" in names:
         row = Row(shape.name, "peer", "fa4 (dense)", dense=True, flops_fwd=shape.dense_flops())
+        rows.append(row)
         forward, why = peers.fa4_dense() if device == "cuda" else (None, "GPU only")
         if forward is None:
             row.status = f"skipped: {why}"
             log(f"  peer fa4 skipped: {why}")
         else:
             # FA4 takes [B, S, H, D]: give it tensors stored that way, viewed as [B, H, S, D]
-            def bshd(x, grad=True):
-                y = x.detach().transpose(1, 2).contiguous().transpose(1, 2)
-                return y.requires_grad_() if grad else y
-            measure(row, torch_contender(forward, (bshd(q), bshd(k), bshd(v)), bshd(dout, False)), timer, device,
-                    args.tol, forward_only_ok=True)
-        rows.append(row)
+            def bshd(t, grad=True):
+                return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(grad)
+            c = torch_contender(forward, (bshd(q), bshd(k), bshd(v)), bshd(dout, False))
+            measure(row, c, timer, device, args.tol, forward_only_ok=True)
+    return ref, ref_name
 
-    # -- ours ------------------------------------------------------------------------------
-    stages = [s for s in ("fine", "vsa") if args.only in (None, s)]
-    jax_inputs = None
+
+def run_shape(shape: Shape, args, timer: Timer, jax_mod, jax_reason) -> List[Row]:
+    device = args.device
+    log(f"== {shape.describe()}")
+    x = Inputs.random(shape, device, args.seed)
+    rows: List[Row] = []
+    fine_ref, fine_ref_name = run_peers(x, args, timer, rows)
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    frontends = [f.strip() for f in args.frontends.split(",") if f.strip()]
     if "jax" in frontends and jax_mod is not None:
-        sync(device)
-        jax_inputs = {n: torch_to_jax(t) for n, t in
-                      dict(q=q, k=k, v=v, dout=dout, gate=gate).items()}
-        jax_block_map = torch_to_jax(block_map) if device == "cuda" else None
-        if jax_block_map is None:
-            import jax.numpy as jnp
-            jax_block_map = jnp.asarray(block_map.cpu().numpy())
-        counts_np = counts.cpu().numpy()
-
-    for stage in stages:
+        x.add_jax(device)
+    for stage in [s for s in ("fine", "vsa") if args.only in (None, s)]:
+        # no peer computes VSA: each vsa row is checked against the first one that ran
         vsa_ref, vsa_ref_name = None, None
         for backend in backends:
             for frontend in frontends:
-                name = f"{backend}/{frontend}"
-                row = Row(shape.name, stage, name, backend=backend, frontend=frontend,
+                row = Row(shape.name, stage, f"{backend}/{frontend}", backend=backend, frontend=frontend,
                           flops_fwd=shape.sparse_flops())
                 rows.append(row)
                 if frontend == "jax" and jax_mod is None:
                     row.status = f"skipped: {jax_reason}"
-                    log(f"  {stage:4s} {name:28s} {row.status}")
+                    log(f"  {stage:4s} {row.name:28s} {row.status}")
                     continue
+                c = our_contender(stage, backend, frontend, x, jax_mod, device)
                 if stage == "fine":
-                    if frontend == "jax":
-                        def forward(q_, k_, v_, _b=backend):
-                            return jax_mod.block_sparse_attn(q_, k_, v_, jax_block_map, counts_np, E, backend=_b)[0]
-                        c = jax_contender(forward, (jax_inputs["q"], jax_inputs["k"], jax_inputs["v"]),
-                                          jax_inputs["dout"], device)
-                    else:
-                        def forward(q_, k_, v_, bm, cnt, _b=backend):
-                            return block_sparse_attn(q_, k_, v_, bm, cnt, E, backend=_b)[0]
-                        if frontend == "compile":
-                            forward = torch.compile(forward, dynamic=False, fullgraph=True)
-                        c = torch_contender(lambda q_, k_, v_, _f=forward: _f(q_, k_, v_, block_map, counts),
-                                            (q, k, v), dout)
-                    measure(row, c, timer, device, args.tol, fine_ref, fine_ref_name if fine_ref is not None else None)
+                    measure(row, c, timer, device, args.tol, fine_ref, fine_ref_name)
                 else:
-                    if frontend == "jax":
-                        def forward(q_, k_, v_, g_, _b=backend):
-                            return jax_mod.video_sparse_attn(q_, k_, v_, counts_np, counts_np, shape.topk, E,
-                                                             compress_attn_weight=g_, backend=_b)
-                        c = jax_contender(forward, tuple(jax_inputs[n] for n in ("q", "k", "v", "gate")),
-                                          jax_inputs["dout"], device)
-                    else:
-                        def forward(q_, k_, v_, g_, cnt, _b=backend):
-                            return video_sparse_attn(q_, k_, v_, cnt, cnt, shape.topk, E,
-                                                     compress_attn_weight=g_, backend=_b)
-                        if frontend == "compile":
-                            forward = torch.compile(forward, dynamic=False, fullgraph=True)
-                        c = torch_contender(lambda q_, k_, v_, g_, _f=forward: _f(q_, k_, v_, g_, counts),
-                                            (q, k, v, gate), dout)
-                    # no peer computes VSA: each row is checked against the first one that ran
                     values = measure(row, c, timer, device, args.tol, vsa_ref, vsa_ref_name,
                                      names=("out", "dq", "dk", "dv", "dgate"))
                     if vsa_ref is None and values is not None and row.status == "ok":
-                        vsa_ref, vsa_ref_name = values, name
+                        vsa_ref, vsa_ref_name = values, row.name
                 del c
                 if device == "cuda":
                     torch.cuda.empty_cache()
-
     add_speedups(rows)
     return rows
 
@@ -561,7 +583,8 @@ def print_table(shapes: List[Shape], rows: List[Row], shares: List[dict], best: 
             print(f"      coarse+selection share of VSA, {s['contender']}: fwd {100 * s['fwd_share']:.0f}%"
                   + (f", bwd {100 * s['bwd_share']:.0f}%" if s["bwd_share"] is not None else ""))
     print("\nxpeer: speedup over the fastest peer (time of peer / ours). *dense: FLOPs counted densely. "
-          "err: max relative-norm error of out and grads (fine: vs flex; vsa: vs the first VSA row).")
+          "err: max relative-norm error of out and grads (fine: vs flex, or exact masked fp32 where flex "
+          "cannot run; vsa: vs the first VSA row; flex: vs exact where the shape is small).")
 
 
 def versions() -> dict:
@@ -631,9 +654,9 @@ def main(args) -> int:
                   rep_ms=args.rep_ms or (50 if quick else 200),
                   warmup_ms=args.warmup_ms or (10 if quick else 25))
     # one compiled graph per shape and contender: more than the default recompile limit
-    torch._dynamo.config.cache_size_limit = 256
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 256
+    for limit in ("cache_size_limit", "recompile_limit"):  # renamed across torch versions
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 256)
     shapes = select_shapes(args)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=device_name(args.device),
                 device_kind=args.device, git_commit=git_commit(), versions=versions(),

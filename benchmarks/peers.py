@@ -91,14 +91,23 @@ def make_flex(block_map: Tensor, block_elems: int, seq_len: int, try_fwd_bwd: Ca
     flex = flex_attention_fn(block_map.device)
     failures = []
     for label, mask, options in flex_block_masks(block_map, block_elems, seq_len):
+        if label in _failed_flex_variants:  # failed at another shape: do not pay its compile again
+            failures.append(f"{label}: failed before, not retried")
+            continue
+
         def forward(q, k, v, _mask=mask, _options=options):
             return flex(q, k, v, block_mask=_mask, kernel_options=_options)
         try:
             try_fwd_bwd(forward)
             return label, forward, failures
         except Exception as e:  # a compile or launch failure: try the next formulation
+            if not isinstance(e, torch.cuda.OutOfMemoryError):  # memory may suffice at other shapes
+                _failed_flex_variants.add(label)
             failures.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     return None, None, failures
+
+
+_failed_flex_variants: set = set()
 
 
 def masked_reference(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, block_map: Tensor, block_elems: int):
