@@ -34,9 +34,9 @@ def flex_block_masks(block_map: Tensor, block_elems: int, seq_len: int):
 
     1. "blocks@E": the map itself at E-token granularity, every selected block marked
        full (the mask_mod is never evaluated). Inductor's default H100 tiles are 128
-       query rows, which do not divide E = 64, so for E = 64 we ask for 64x64 forward
-       tiles; its default backward config cannot take 64-token blocks on some torch
-       versions, which makes this variant fail at E = 64, hence:
+       rows, which do not divide E = 64, so for E = 64 we ask for 64x64 tiles; torch
+       versions that check the backward's default config before these options reject
+       64-token blocks in the backward, which makes this variant fail at E = 64, hence:
     2. "mask_mod@128" (E = 64): 128-token blocks, full where all four 64-blocks are
        selected, partial (mask_mod evaluated) where only some are.
     """
@@ -49,7 +49,10 @@ def flex_block_masks(block_map: Tensor, block_elems: int, seq_len: int):
 
     counts, indices = selected_lists(block_map)
     variants = []
-    options = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64} if block_elems < 128 and block_map.is_cuda else None
+    options = None
+    if block_elems < 128 and block_map.is_cuda:
+        options = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64,
+                   "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}
     mask = BlockMask.from_kv_blocks(torch.zeros_like(counts), indices, counts, indices, BLOCK_SIZE=block_elems,
                                     mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
     variants.append((f"blocks@{block_elems}", mask, options))
