@@ -31,15 +31,8 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s,
-               ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """ROWS consecutive token rows of (batch b, head h) starting at row0.
-
-    With USE_TMA, X is a tensor descriptor over the logical (B, H, S, D) view and the
-    tile arrives through the copy engine (Hopper TMA); otherwise X is a pointer.
-    """
-    if USE_TMA:
-        return X.load([b.to(tl.int32), h.to(tl.int32), row0.to(tl.int32), 0]).reshape(ROWS, HEAD_DIM)
+def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """ROWS consecutive token rows of (batch b, head h) starting at row0, by pointer."""
     rows = row0 + tl.arange(0, ROWS)
     return tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_s + tl.arange(0, HEAD_DIM)[None, :])
 
@@ -256,20 +249,19 @@ def compact_mask_kernel(
 # --------------------------------------------------------------------------------------
 # Block-sparse (fine) attention
 # --------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["store_fine"])  # one binary for store_fine 0 and 1
 def sparse_attn_fwd_kernel(
     Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, GATE, OUT_C, OUT_FINE,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    H, q_len, n_q_blocks, idx_capacity, qk_scale_log2,
+    H, q_len, n_q_blocks, idx_capacity, qk_scale_log2, store_fine,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr, UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Each query attends to the valid tokens of the KV blocks its block selected.
 
     With HAS_COARSE the coarse branch is mixed in here, so the output is written once:
     out = out_fine + gate * out_c[query block] (or + out_c without a gate).
-    STORE_FINE (training) also keeps out_fine in fp32 for the backward's
+    store_fine != 0 (training) also keeps out_fine in fp32 for the backward's
     delta = rowsum(dO * out_fine): where logits are large the softmax is near one-hot
     and dP - delta cancels, so a bf16-rounded out (FlashAttention's recipe) costs
     accuracy: measured on x16 inputs, 3.7e-2 relative error in dQ/dK from a bf16 out,
@@ -295,8 +287,12 @@ def sparse_attn_fwd_kernel(
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
         bias = tl.where(sub + tl.arange(0, BLOCK_N) < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
         row0 = kv_block * BLOCK_ELEMS + sub
-        k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
-        v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
+        if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
+            k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+            v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -309,7 +305,7 @@ def sparse_attn_fwd_kernel(
     l_safe = tl.where(has_any, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    if STORE_FINE:
+    if store_fine != 0:  # a run-time flag: training and inference run the same binary, same out
         tl.store(OUT_FINE + q_ptr, out)
     if HAS_COARSE:
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
@@ -387,8 +383,12 @@ def sparse_attn_bwd_dq_kernel(
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
         bias = tl.where(sub + tl.arange(0, BLOCK_N) < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
         row0 = kv_block * BLOCK_ELEMS + sub
-        k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
-        v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, USE_TMA)
+        if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
+            k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+            v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), UPCAST)
@@ -434,8 +434,12 @@ def sparse_attn_bwd_dkdv_kernel(
         q_block = tl.load(inv + t // (BLOCK_ELEMS // BLOCK_M))
         row0 = q_block * BLOCK_ELEMS + (t % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, USE_TMA)
-        do = _load_rows(DOUT, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, USE_TMA)
+        if USE_TMA:  # Q, DOUT are tensor descriptors over (B, H, S, D): tiles come by TMA
+            q = Q.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_M, HEAD_DIM)
+            do = DOUT.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_M, HEAD_DIM)
+        else:
+            q = _load_rows(Q, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
+            do = _load_rows(DOUT, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
         lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         delta = tl.load(DELTA + bh * q_len + rows)
