@@ -173,7 +173,26 @@ class Timer:
 
 def sync(device: str) -> None:
     if device == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the whole device: JAX's streams too
+
+
+def steady_ms(fn: Callable, device: str, budget_ms: float) -> float:
+    """Wall milliseconds per call of `fn` issued back to back, the way a training loop
+    issues them: host work (Python, dispatch, JAX's callback) overlaps the device's, so
+    this is max(host cost, device time) per call. Unlike do_bench (device events around
+    each call) it treats eager PyTorch and jitted JAX alike. The per-call host overhead
+    shows where the device time is short (the `small` shape)."""
+    fn()
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    n = max(5, min(1000, int(budget_ms / max((time.perf_counter() - t) * 1e3, 1e-3))))
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t) * 1e3 / n
 
 
 # ---- one contender: forward and forward+backward as timeable calls ----------------------
@@ -184,6 +203,9 @@ class Contender:
     fwd: Callable
     fwd_bwd: Callable
     to_torch: Callable = lambda x: x
+    # the same calls without waiting for the result (JAX: async dispatch), for steady_ms
+    fwd_async: Optional[Callable] = None
+    fwd_bwd_async: Optional[Callable] = None
 
 
 def torch_contender(forward: Callable, inputs: tuple, dout) -> Contender:
@@ -214,7 +236,9 @@ def jax_contender(forward: Callable, inputs_jax: tuple, dout_jax, device: str) -
 
     return Contender(fwd=wait_then(lambda: fwd_jit(*inputs_jax)),
                      fwd_bwd=wait_then(lambda: fwd_bwd_jit(dout_jax, *inputs_jax)),
-                     to_torch=jax_to_torch)
+                     to_torch=jax_to_torch,
+                     fwd_async=lambda: fwd_jit(*inputs_jax),
+                     fwd_bwd_async=lambda: fwd_bwd_jit(dout_jax, *inputs_jax))
 
 
 def jax_to_torch(x):
@@ -251,6 +275,8 @@ class Row:
     bwd_ms: Optional[float] = None
     fwd_tflops: Optional[float] = None
     bwd_tflops: Optional[float] = None
+    fwd_steady_ms: Optional[float] = None      # see steady_ms: back-to-back calls, wall clock
+    fwd_bwd_steady_ms: Optional[float] = None
     first_call_s: Optional[float] = None   # first forward + backward: compilation and autotuning
     errors: Dict[str, float] = field(default_factory=dict)
     check_against: Optional[str] = None
@@ -310,6 +336,9 @@ def measure(row: Row, c: Contender, timer: Timer, device: str, tol: float, refer
             row.fwd_bwd_ms = timer(c.fwd_bwd)
             row.bwd_ms = max(row.fwd_bwd_ms - row.fwd_ms, 0.0)
             row.bwd_tflops = 2.5 * row.flops_fwd / (row.bwd_ms * 1e-3) / 1e12 if row.bwd_ms else None
+        if row.stage != "peer" and device == "cuda":
+            row.fwd_steady_ms = steady_ms(c.fwd_async or c.fwd, device, timer.rep_ms)
+            row.fwd_bwd_steady_ms = steady_ms(c.fwd_bwd_async or c.fwd_bwd, device, timer.rep_ms)
         log(f"  {row.stage:4s} {row.name:28s} fwd {row.fwd_ms:9.3f} ms  bwd {fmt(row.bwd_ms, '9.3f')} ms  "
             f"first call {row.first_call_s:6.1f} s  {fmt_err(row)}  {row.status}")
         return values
@@ -582,6 +611,16 @@ def print_table(shapes: List[Shape], rows: List[Row], shares: List[dict], best: 
         for s in (s for s in shares if s["shape"] == shape.name):
             print(f"      coarse+selection share of VSA, {s['contender']}: fwd {100 * s['fwd_share']:.0f}%"
                   + (f", bwd {100 * s['bwd_share']:.0f}%" if s["bwd_share"] is not None else ""))
+        steady = {(r.stage, r.backend, r.frontend): r for r in rows
+                  if r.shape == shape.name and r.usable and r.fwd_steady_ms}
+        for (stage, backend, frontend), r in steady.items():
+            eager = steady.get((stage, backend, "eager"))
+            line = (f"      steady (back-to-back calls) {stage} {r.name}: fwd {r.fwd_steady_ms:.3f} ms, "
+                    f"fwd+bwd {fmt(r.fwd_bwd_steady_ms, '.3f')} ms")
+            if frontend != "eager" and eager is not None and r.fwd_bwd_steady_ms and eager.fwd_bwd_steady_ms:
+                line += (f"  vs eager: fwd {100 * (r.fwd_steady_ms / eager.fwd_steady_ms - 1):+.1f}%, "
+                         f"fwd+bwd {100 * (r.fwd_bwd_steady_ms / eager.fwd_bwd_steady_ms - 1):+.1f}%")
+            print(line)
     print("\nxpeer: speedup over the fastest peer (time of peer / ours). *dense: FLOPs counted densely. "
           "err: max relative-norm error of out and grads (fine: vs flex, or exact masked fp32 where flex "
           "cannot run; vsa: vs the first VSA row; flex: vs exact where the shape is small).")
