@@ -40,10 +40,17 @@ class DeviceInfo:
 
 
 def launch_stream(stream: Optional[int], device: torch.device):
-    """Context under which Triton launches go to `stream` (a raw cudaStream_t handle).
+    """Context under which Triton launches go to `device` and to `stream` (a raw
+    cudaStream_t handle; None keeps the framework's current stream, as PyTorch wants;
+    JAX passes XLA's stream).
 
-    None keeps the framework's current stream (PyTorch); JAX passes XLA's stream.
+    Triton launches on torch's *current* device, not the tensors' device, so a call on
+    cuda:1 while cuda:0 is current must switch device first.
     """
-    if stream is None or device.type != "cuda":
+    if device.type != "cuda":
         return contextlib.nullcontext()
-    return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device))
+    scope = contextlib.ExitStack()
+    scope.enter_context(torch.cuda.device(device))
+    if stream is not None:
+        scope.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)))
+    return scope
