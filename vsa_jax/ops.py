@@ -119,7 +119,9 @@ def vsa(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl):
 def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl):
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True)
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate)
-    return res["out"], (q, k, v, kv_counts, q_counts, gate, res)
+    # the backward reads everything but the top-k scores workspace ([B, H, nQ, nKV] fp32)
+    saved = {n: x for n, x in res.items() if n != "scores"}
+    return res["out"], (q, k, v, kv_counts, q_counts, gate, saved)
 
 
 def _vsa_bwd(topk, block_elems, layout, impl, residuals, dout):

@@ -52,6 +52,9 @@ def check_counts_once(name: str, counts: Tensor, block_elems: int) -> None:
 # ---- VSA --------------------------------------------------------------------------------
 _VSA_OUTPUTS = ("out", "lse", "q_pool", "k_pool", "v_pool", "out_coarse", "lse_coarse", "scores",
                 "sel_idx", "sel_num", "sel_mask", "out_fine")
+# what the backward reads: all but the top-k scores workspace ([B, H, nQ, nKV] fp32, 330 MB
+# at 720p with 64-token blocks), which is freed after the forward
+_VSA_SAVED = tuple(n for n in _VSA_OUTPUTS if n != "scores")
 
 
 def _vsa_outputs(p: AttnProblem, q: Tensor) -> dict:
@@ -86,7 +89,7 @@ def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
-                                    q_counts=q_counts, gate=gate, **dict(zip(_VSA_OUTPUTS, residuals)), **grads))
+                                    q_counts=q_counts, gate=gate, **dict(zip(_VSA_SAVED, residuals)), **grads))
     return [grads["dq"], grads["dk"], grads["dv"], grads.get("dgate", q.new_empty(0))]
 
 
@@ -98,7 +101,8 @@ def _(dout, q, k, v, kv_counts, q_counts, gate, residuals, topk, block_elems, la
 
 def _vsa_setup(ctx, inputs, output):
     q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, training = inputs
-    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, *output)
+    saved = dict(zip(_VSA_OUTPUTS, output))
+    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, *(saved[n] for n in _VSA_SAVED))
     ctx.static = (topk, block_elems, layout, backend)
     ctx.mark_non_differentiable(*output[1:])
 
