@@ -149,10 +149,6 @@ class AttnProblem:
             bufs["sel_mask"] = ((B, H, nq, nk), "int8")
         return bufs
 
-    def sparse_flops(self, selected_blocks_per_query_block: int) -> float:
-        """4*B*H*D*Sq*blocks*E: the FLOPs of the fine forward (backward is 2.5x)."""
-        return 4.0 * self.batch * self.heads * self.head_dim * self.q_len * selected_blocks_per_query_block * self.block_elems
-
 
 def _shape(x) -> Tuple[int, ...]:
     return tuple(int(s) for s in x.shape)

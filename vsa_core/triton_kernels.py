@@ -19,9 +19,6 @@ GPU it is False and the tensor cores see bf16/fp16 operands, as in FlashAttentio
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
