@@ -9,7 +9,18 @@ Layout conventions shared by all kernels:
   run without a transpose;
 - block-level tensors (pooled means, coarse outputs, their gradients) are
   BHSD-contiguous `[B, H, n_blocks, D]`, per-row statistics `[B, H, rows]`;
-- index lists are `[B, H, n_rows, row_capacity]` int32 with a count per row, ascending.
+- index lists are `[B, H, n_rows, row_capacity]` int32 with a count per row, ascending;
+- token offsets (row * stride) are int64: at BSHD with H40 D128 they pass 2^31 from
+  S = 419,431 on.
+
+Lists given by the caller (`block_sparse_attn_from_indices`) are bounded here, whatever
+their values (under jax.jit / torch.compile nothing is checked before launch): a count
+is clamped to [0, capacity] and an entry counts only if it is a KV block (in [0, nKV))
+and greater than the last entry counted in its row. Ascending lists without repeats
+are taken as they are; every consumer (forward, dQ, the mask the dK/dV lists come
+from, the FA4 lists) applies this same rule, so forward and backward agree and no
+block is weighted twice. Per-block token counts are clamped to [0, E] where they are
+loaded (a count above E means a full block, below 0 an empty one).
 
 `UPCAST` is set under TRITON_INTERPRET=1: the interpreter multiplies the bit
 patterns of bf16 operands in `tl.dot`, so tiles are widened to fp32 there. On a
@@ -28,9 +39,34 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _clamped_count(COUNTS, block, BLOCK_ELEMS: tl.constexpr):
+    """Valid tokens of `block`, clamped to [0, BLOCK_ELEMS] (callers' values are not trusted)."""
+    return tl.minimum(tl.maximum(tl.load(COUNTS + block), 0), BLOCK_ELEMS)
+
+
+@triton.jit
+def _list_entry(LIST, t, last, n_blocks, TILES_PER_ENTRY: tl.constexpr):
+    """Entry t // TILES_PER_ENTRY of a caller's index list, by the rule in the module doc.
+
+    Returns (keep, block, last): whether the entry counts, a block index that is always
+    safe to address (0 for a skipped entry), and the last counted entry once tile t is
+    the entry's last tile."""
+    entry = tl.load(LIST + t // TILES_PER_ENTRY)
+    keep = (entry > last) & (entry < n_blocks)
+    last = tl.where(keep & (t % TILES_PER_ENTRY == TILES_PER_ENTRY - 1), entry, last)
+    return keep, tl.where(keep, entry, 0), last
+
+
+@triton.jit
+def _list_length(NUM, row, capacity):
+    """A row's count clamped to [0, capacity]."""
+    return tl.minimum(tl.maximum(tl.load(NUM + row), 0), capacity)
+
+
+@triton.jit
 def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """ROWS consecutive token rows of (batch b, head h) starting at row0, by pointer."""
-    rows = row0 + tl.arange(0, ROWS)
+    rows = (row0 + tl.arange(0, ROWS)).to(tl.int64)
     return tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_s + tl.arange(0, HEAD_DIM)[None, :])
 
 
@@ -57,10 +93,10 @@ def block_mean_pool_kernel(
     base = X + b * stride_b + h * stride_h
     total = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for start in range(0, BLOCK_ELEMS, ROWS):
-        rows = block * BLOCK_ELEMS + start + tl.arange(0, ROWS)
+        rows = (block * BLOCK_ELEMS + start + tl.arange(0, ROWS)).to(tl.int64)
         x = tl.load(base + rows[:, None] * stride_s + d[None, :])
         total += tl.sum(x.to(tl.float32), axis=0)
-    count = tl.load(COUNTS + block).to(tl.float32)
+    count = _clamped_count(COUNTS, block, BLOCK_ELEMS).to(tl.float32)
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
     tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
 
@@ -250,7 +286,7 @@ def compact_mask_kernel(
 def sparse_attn_fwd_kernel(
     Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, GATE, OUT_C, OUT_FINE,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    H, q_len, n_q_blocks, idx_capacity, qk_scale_log2, store_fine,
+    H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, store_fine,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -271,18 +307,21 @@ def sparse_attn_fwd_kernel(
     h = bh % H
     q_block = pid_m // (BLOCK_ELEMS // BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     q_ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
     q = tl.load(Q + q_ptr)
     sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
-    n_tiles = tl.load(SEL_NUM + bh * n_q_blocks + q_block) * (BLOCK_ELEMS // BLOCK_N)
+    n_tiles = _list_length(SEL_NUM, bh * n_q_blocks + q_block, idx_capacity) * (BLOCK_ELEMS // BLOCK_N)
+    last = tl.full([], -1, tl.int32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
-        kv_block = tl.load(sel + t // (BLOCK_ELEMS // BLOCK_N))
+        # a skipped entry still loads block 0 (in bounds) and masks the whole tile: no branch
+        keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
-        bias = tl.where(sub + tl.arange(0, BLOCK_N) < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
+        n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
+        bias = tl.where(sub + tl.arange(0, BLOCK_N) < n_valid, 0.0, float("-inf"))
         row0 = kv_block * BLOCK_ELEMS + sub
         if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
             k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -334,7 +373,7 @@ def sparse_attn_bwd_preprocess_kernel(
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
     dcoarse = tl.zeros([HEAD_DIM], tl.float32)
     for start in range(0, BLOCK_ELEMS, ROWS):
-        rows = q_block * BLOCK_ELEMS + start + tl.arange(0, ROWS)
+        rows = (q_block * BLOCK_ELEMS + start + tl.arange(0, ROWS)).to(tl.int64)
         ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
         do = tl.load(DOUT + ptr).to(tl.float32)
         out_fine = tl.load(OUT_FINE + ptr).to(tl.float32)
@@ -353,7 +392,7 @@ def sparse_attn_bwd_preprocess_kernel(
 def sparse_attn_bwd_dq_kernel(
     Q, K, V, DOUT, LSE, DELTA, DQ, SEL_IDX, SEL_NUM, KV_COUNTS, Q_COUNTS, DQ_C,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    H, q_len, n_q_blocks, idx_capacity, qk_scale_log2, sm_scale,
+    H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -365,7 +404,7 @@ def sparse_attn_bwd_dq_kernel(
     h = bh % H
     q_block = pid_m // (BLOCK_ELEMS // BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     q_ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
     q = tl.load(Q + q_ptr)
     do = tl.load(DOUT + q_ptr)
@@ -373,12 +412,15 @@ def sparse_attn_bwd_dq_kernel(
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + bh * q_len + rows)
     sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
-    n_tiles = tl.load(SEL_NUM + bh * n_q_blocks + q_block) * (BLOCK_ELEMS // BLOCK_N)
+    n_tiles = _list_length(SEL_NUM, bh * n_q_blocks + q_block, idx_capacity) * (BLOCK_ELEMS // BLOCK_N)
+    last = tl.full([], -1, tl.int32)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
-        kv_block = tl.load(sel + t // (BLOCK_ELEMS // BLOCK_N))
+        # a skipped entry still loads block 0 (in bounds) and masks the whole tile: no branch
+        keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
-        bias = tl.where(sub + tl.arange(0, BLOCK_N) < tl.load(KV_COUNTS + kv_block), 0.0, float("-inf"))
+        n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
+        bias = tl.where(sub + tl.arange(0, BLOCK_N) < n_valid, 0.0, float("-inf"))
         row0 = kv_block * BLOCK_ELEMS + sub
         if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
             k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -393,7 +435,7 @@ def sparse_attn_bwd_dq_kernel(
         dq += _dot(ds.to(k.dtype), k, UPCAST)
     dq *= sm_scale
     if HAS_COARSE:
-        count = tl.load(Q_COUNTS + q_block).to(tl.float32)
+        count = _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS).to(tl.float32)
         dq_c = tl.load(DQ_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
         dq += tl.where(count > 0, dq_c / tl.maximum(count, 1.0), 0.0)[None, :]
     tl.store(DQ + q_ptr, dq.to(DQ.dtype.element_ty))
@@ -417,9 +459,9 @@ def sparse_attn_bwd_dkdv_kernel(
     kv_block = pid_n // (BLOCK_ELEMS // BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     in_block = (pid_n % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    count = tl.load(KV_COUNTS + kv_block)
+    count = _clamped_count(KV_COUNTS, kv_block, BLOCK_ELEMS)
     valid = in_block < count
-    kv_rows = kv_block * BLOCK_ELEMS + in_block
+    kv_rows = (kv_block * BLOCK_ELEMS + in_block).to(tl.int64)
     kv_ptr = b * stride_kb + h * stride_kh + kv_rows[:, None] * stride_ks + d[None, :]
     k = tl.load(K + kv_ptr)
     v = tl.load(V + kv_ptr)
@@ -462,12 +504,15 @@ def lists_to_mask_kernel(
     n_kv, idx_capacity,
     N_PAD: tl.constexpr,
 ):
-    """Scatters each query block's index list into its row of a 0/1 block mask."""
+    """Scatters each query block's index list into its row of a 0/1 block mask, by the
+    rule in the module doc (the dK/dV lists come from this mask)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, N_PAD)
     bits = tl.zeros([N_PAD], tl.int32)
-    for i in range(0, tl.load(NUM + row)):
-        bits = tl.where(cols == tl.load(IDX + row * idx_capacity + i), 1, bits)
+    last = tl.full([], -1, tl.int32)
+    for i in range(0, _list_length(NUM, row, idx_capacity)):
+        keep, block, last = _list_entry(IDX + row * idx_capacity, i, last, n_kv, 1)
+        bits = tl.where(keep & (cols == block), 1, bits)
     tl.store(MASK + row * n_kv + cols, bits.to(tl.int8), mask=cols < n_kv)
 
 
@@ -492,24 +537,34 @@ def kv_sub_counts_kernel(
 
 
 @triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def fa4_fwd_lists_kernel(
     SEL_IDX, SEL_NUM, KV_COUNTS, FULL_IDX, FULL_NUM, MASK_IDX, MASK_NUM,
-    idx_capacity, out_capacity,
+    n_kv_blocks, idx_capacity, out_capacity,
     SUB: tl.constexpr, TILE: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """Query-owned lists of TILE-token KV sub-blocks, one program per (b, h, query block).
 
     Selected block j stands for sub-blocks j*SUB .. j*SUB+SUB-1; each goes to the full
-    list (TILE valid tokens), the mask list (1..TILE-1) or nowhere (empty). The order
-    of the selection is kept, so ascending lists give ascending lists.
+    list (TILE valid tokens), the mask list (1..TILE-1) or nowhere (empty). Entries
+    count by the rule in the module doc; the counted ones ascend, so the lists do.
     """
     row = tl.program_id(0).to(tl.int64)
     pos = tl.arange(0, SLOTS)
     i = pos // SUB
     s = pos % SUB
-    num = tl.minimum(tl.load(SEL_NUM + row), idx_capacity)
-    taken = i < num
-    j = tl.load(SEL_IDX + row * idx_capacity + i, mask=taken, other=0)
+    listed = i < _list_length(SEL_NUM, row, idx_capacity)
+    j = tl.load(SEL_IDX + row * idx_capacity + i, mask=listed, other=-1)
+    # "greater than the last entry counted" == greater than every in-range entry before it
+    # (see _list_entry); ranked by (j, -i), an entry passes iff it tops the running max
+    in_range = listed & (j >= 0) & (j < n_kv_blocks)
+    rank = tl.where(in_range, j.to(tl.int64) * SLOTS + (SLOTS - 1 - i), -1)
+    taken = in_range & (rank == tl.associative_scan(rank, 0, _maximum))
+    j = tl.where(taken, j, 0)
     c = tl.load(KV_COUNTS + j, mask=taken, other=0).to(tl.int32) - s * TILE
     full = taken & (c >= TILE)
     part = taken & (c > 0) & (c < TILE)
@@ -563,7 +618,7 @@ def mix_coarse_kernel(
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     q_block = (pid * ROWS) // BLOCK_ELEMS
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     fine = tl.load(OUT + ptr).to(tl.float32)
@@ -593,7 +648,7 @@ def delta_to_dlse_kernel(
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     s = tl.sum(tl.load(OUT + ptr).to(tl.float32) * tl.load(DOUT + ptr).to(tl.float32), axis=1)
     at = DELTA + bh * q_len + rows
@@ -614,9 +669,9 @@ def add_block_grad_kernel(
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     block = (pid * ROWS) // BLOCK_ELEMS
-    count = tl.load(COUNTS + block).to(tl.float32)
+    count = _clamped_count(COUNTS, block, BLOCK_ELEMS).to(tl.float32)
     g = tl.load(POOL + (bh * n_blocks + block) * HEAD_DIM + d)
     g = tl.where(count > 0, g / tl.maximum(count, 1.0), 0.0)
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]

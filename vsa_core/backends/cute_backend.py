@@ -133,11 +133,12 @@ def sub_block_counts(p: AttnProblem, kv_counts: torch.Tensor, out: torch.Tensor)
 
 def forward_lists(p: AttnProblem, sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num) -> None:
     """FA4's query-owned full/mask lists ([B, H, nQ, C] int32, C = min(cap, nKV) * E/128) and
-    their counts ([B, H, nQ]) from our ascending per-query-block lists."""
+    their counts ([B, H, nQ]) from our per-query-block lists (bounded: see triton_kernels)."""
     cap = sel_idx.shape[-1]
     sub = _sub(p)
     K.fa4_fwd_lists_kernel[(p.batch * p.heads * p.n_q_blocks,)](
-        sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num, cap, full_idx.shape[-1],
+        sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num, p.n_kv_blocks, cap,
+        full_idx.shape[-1],
         SUB=sub, TILE=KV_TILE, SLOTS=max(16, triton.next_power_of_2(cap * sub)), num_warps=4)
 
 

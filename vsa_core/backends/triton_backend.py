@@ -172,7 +172,8 @@ def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_count
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, gate,
         out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
-        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], _scales(p)[0], int(out_fine is not None),
+        p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
+        int(out_fine is not None),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
         HAS_GATE=gate is not None, UPCAST=INTERPRETING, USE_TMA=USE_TMA)
 
@@ -193,7 +194,7 @@ def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, s
         lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num, kv_counts,
         q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
-        p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], *_scales(p),
+        p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=INTERPRETING,
         USE_TMA=USE_TMA)
 
