@@ -257,3 +257,33 @@ def check_index_lists(sel_idx, sel_num, problem: AttnProblem) -> None:
     for name, x in (("block_indices", sel_idx), ("block_counts", sel_num)):
         if dtype_name(x.dtype) != "int32":
             raise TypeError(f"{name} must be int32, got dtype {dtype_name(x.dtype)}")
+
+
+def check_index_values(block_indices: np.ndarray, block_counts: np.ndarray, n_kv_blocks: int) -> None:
+    """Values of index lists known on the host: each count in [0, capacity], and the
+    first `count` entries of each row strictly ascending KV block indices in [0, nKV).
+
+    Frontends call this in eager mode; under jit / compile the kernels apply the rule of
+    `vsa_core.reference.index_lists_to_block_map` instead (nothing out of bounds is read).
+    """
+    idx = np.asarray(block_indices).astype(np.int64, copy=False)
+    num = np.asarray(block_counts).astype(np.int64, copy=False)
+    capacity = idx.shape[-1]
+    bad = (num < 0) | (num > capacity)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_counts values must lie in [0, {capacity}] (the capacity of block_indices), "
+                         f"found {int(num[at])} at [b, h, i] = {list(at)}")
+    live = np.arange(capacity) < num[..., None]
+    bad = live & ((idx < 0) | (idx >= n_kv_blocks))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_indices entries (the first block_counts of each row) must be KV block indices "
+                         f"in [0, {n_kv_blocks}), found {int(idx[at])} at [b, h, i, j] = {list(at)}")
+    bad = live[..., 1:] & (idx[..., 1:] <= idx[..., :-1])
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        what = "a repeat" if idx[at[:-1] + (at[-1] + 1,)] == idx[at] else "out of order"
+        raise ValueError(f"block_indices rows must be strictly ascending (no repeats) within their count, found "
+                         f"{int(idx[at[:-1] + (at[-1] + 1,)])} after {int(idx[at])} ({what}) at [b, h, i] = "
+                         f"{list(at[:-1])}")

@@ -52,6 +52,23 @@ def topk_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.from_numpy((ranks < topk) & np.isfinite(s))
 
 
+def index_lists_to_block_map(block_indices, block_counts, n_kv_blocks: int) -> torch.Tensor:
+    """Bool [B, H, nQ, nKV] of the blocks a list selects, by the kernels' rule for lists
+    that eager mode would reject (under jit / compile): the count is clamped to
+    [0, capacity], and an entry counts only if it is in [0, nKV) and greater than the
+    last entry counted in its row (so repeats and entries out of order are dropped)."""
+    idx = np.asarray(block_indices, dtype=np.int64)
+    num = np.clip(np.asarray(block_counts, dtype=np.int64), 0, idx.shape[-1])
+    out = np.zeros(idx.shape[:-1] + (n_kv_blocks,), bool)
+    for row in np.ndindex(*idx.shape[:-1]):
+        last = -1
+        for entry in idx[row][: num[row]]:
+            if last < entry < n_kv_blocks:
+                out[row + (entry,)] = True
+                last = entry
+    return torch.from_numpy(out)
+
+
 def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int):
     """Fine branch: each query sees the valid tokens of its block's selected KV blocks.
 

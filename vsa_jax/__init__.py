@@ -10,8 +10,10 @@ or 128; S is a multiple of the block's token count E (64, 128 or 256).
 
 Works under jax.jit, jax.grad / jax.vjp (gradients to q, k, v and the gate) and
 jax.vmap. Arguments are checked at trace time and raise the same ValueError /
-TypeError as vsa_torch; the count values ([0, E]) are checked when the counts are
-concrete (numpy or a jax.Array outside jit), not when they are traced.
+TypeError as vsa_torch; the values of the counts ([0, E]) and of index lists are
+checked when they are concrete (numpy or a jax.Array outside jit). Traced values are not
+checked; the kernels bound them instead (out-of-range counts act as clamped to [0, E];
+index lists: see `block_sparse_attn_from_indices`), so no value reads out of bounds.
 """
 
 from __future__ import annotations
@@ -98,11 +100,20 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
                                    layout: str = "bhsd", backend: str = "auto") -> Tuple[jax.Array, jax.Array]:
     """`block_sparse_attn` with the selection given as lists: `block_indices`
     `[B, H, nQ, capacity]` int32 holds, for each query block, `block_counts[b, h, i]`
-    ascending KV block indices (entries past the count are ignored)."""
+    strictly ascending KV block indices (entries past the count are ignored).
+
+    Concrete lists (numpy, or jax.Arrays outside jit) are checked and bad values raise
+    ValueError naming `block_indices` / `block_counts` (a jax.Array once: it is
+    immutable). Traced lists are not checked, and the kernels never read out of bounds:
+    a count is clamped to [0, capacity], and an entry counts only if it is in [0, nKV)
+    and greater than the last counted entry of its row (repeats and entries out of order
+    are dropped; `vsa_core.reference.index_lists_to_block_map`), in the forward and the
+    backward alike."""
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="indices")
     check_index_lists(block_indices, block_counts, p)
+    _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     return _ops.bsa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, None, jnp.asarray(block_indices),

@@ -12,6 +12,7 @@ Inputs are only read; nothing is kept past the callback.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Optional
 
 import jax
@@ -21,7 +22,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from vsa_core import ops as core_ops
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import AttnProblem, check_count_values, describe_attention
+from vsa_core.problem import AttnProblem, check_count_values, check_index_values, describe_attention
 from vsa_core.runtime import DeviceInfo
 
 _DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8}
@@ -58,17 +59,48 @@ def backend_for(backend, p: AttnProblem, q):
     return resolve_backend(backend, p, device_info(q))
 
 
+# Value checks read the values on the host. A concrete jax.Array is immutable, so one
+# already checked (the same object) is not read again: steady-state eager calls do not
+# synchronise. numpy arrays are checked on every call (they can change in place).
+_checked: dict = {}
+
+
+def _check_once(arrays: tuple, what, check) -> None:
+    cacheable = all(isinstance(x, jax.Array) for x in arrays)
+    key = (tuple(id(x) for x in arrays), what)
+    if cacheable:
+        seen = _checked.get(key)
+        if seen is not None and all(r() is x for r, x in zip(seen, arrays)):
+            return
+    check()
+    if cacheable:
+        if len(_checked) > 256:
+            _checked.clear()
+        _checked[key] = tuple(weakref.ref(x) for x in arrays)
+
+
 def as_counts(name: str, counts, block_elems: int) -> jax.Array:
     """Any integer array -> int32 jax array. The values ([0, E]) are checked when they
     are known here (numpy, a concrete jax.Array); under jit they are tracers and only
-    their shape and dtype (checked by describe_attention) are known."""
+    their shape and dtype (checked by describe_attention) are known: the kernels then
+    clamp them to [0, E]."""
     if not hasattr(counts, "dtype"):
         counts = np.asarray(counts)
     if np.dtype(counts.dtype).kind not in "iu":
         raise TypeError(f"{name} must be an integer array, got dtype {counts.dtype}")
     if not _is_tracer(counts):
-        check_count_values(name, np.asarray(counts), block_elems)
+        _check_once((counts,), (name, block_elems),
+                    lambda: check_count_values(name, np.asarray(counts), block_elems))
     return jnp.asarray(counts, dtype=jnp.int32)
+
+
+def check_index_lists(block_indices, block_counts, n_kv_blocks: int) -> None:
+    """ValueError naming block_indices / block_counts for bad values, when both are
+    concrete; traced lists are bounded by the kernels instead (see vsa_core.triton_kernels)."""
+    if _is_tracer(block_indices) or _is_tracer(block_counts):
+        return
+    _check_once((block_indices, block_counts), n_kv_blocks,
+                lambda: check_index_values(np.asarray(block_indices), np.asarray(block_counts), n_kv_blocks))
 
 
 # ---- the callbacks ------------------------------------------------------------------------

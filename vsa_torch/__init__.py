@@ -89,12 +89,22 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
                                    backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """`block_sparse_attn` with the selection given as lists: `block_indices`
     `[B, H, nQ, capacity]` int32 holds, for each query block, `block_counts[b, h, i]`
-    ascending KV block indices (entries past the count are ignored)."""
+    strictly ascending KV block indices (entries past the count are ignored).
+
+    Eager calls check the values and raise ValueError naming `block_indices` /
+    `block_counts` (a CUDA pair is checked on the device once, then again only after it
+    is modified). Under torch.compile nothing is checked, and the kernels never read out
+    of bounds: a count is clamped to [0, capacity], and an entry counts only if it is in
+    [0, nKV) and greater than the last counted entry of its row (repeats and entries out
+    of order are dropped; `vsa_core.reference.index_lists_to_block_map`), in the forward
+    and the backward alike."""
     _require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="indices")
     check_index_lists(block_indices, block_counts, p)
     _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    if not torch.compiler.is_compiling():  # compiled: the kernels bound the lists instead
+        _ops.check_index_lists_once(block_indices, block_counts, p.n_kv_blocks)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     return _ops.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, None,
                             block_indices.contiguous(), block_counts.contiguous(), p.block_elems, layout, backend)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import weakref
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from vsa_core import ops as core_ops
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import AttnProblem, check_count_values, describe_attention
+from vsa_core.problem import AttnProblem, check_count_values, check_index_values, describe_attention
 from vsa_core.runtime import DeviceInfo
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -32,21 +33,56 @@ def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, sele
                               q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
 
 
-# Value checks of the count arrays read them on the host; a tensor already checked and
-# not modified since (same object, same version counter) is not read again.
+# Value checks read the values on the host. A device tensor already checked and not
+# modified since (same object, same version counter) is not read again, so steady-state
+# eager calls do not synchronise. Host tensors are checked on every call: reading them
+# costs no device sync, and one that aliases numpy memory (torch.from_numpy) can change
+# through numpy without torch's version counter seeing it.
 _checked: dict = {}
 
 
+def _check_once(tensors: Tuple[Tensor, ...], what, check) -> None:
+    cacheable = all(t.device.type != "cpu" for t in tensors)
+    key = (tuple(id(t) for t in tensors), what)
+    versions = tuple(t._version for t in tensors)
+    if cacheable:
+        seen = _checked.get(key)
+        if seen is not None and all(r() is t for r, t in zip(seen[0], tensors)) and seen[1] == versions:
+            return
+    check()
+    if cacheable:
+        if len(_checked) > 256:
+            _checked.clear()
+        _checked[key] = (tuple(weakref.ref(t) for t in tensors), versions)
+
+
 def check_counts_once(name: str, counts: Tensor, block_elems: int) -> None:
-    key = (id(counts), block_elems)
-    seen = _checked.get(key)
-    if seen is not None and seen[0]() is counts and seen[1] == counts._version:
-        return
-    lo, hi = (int(x) for x in torch.aminmax(counts.to(torch.int64)))
-    check_count_values(name, torch.tensor([lo, hi]).numpy(), block_elems)
-    if len(_checked) > 256:
-        _checked.clear()
-    _checked[key] = (weakref.ref(counts), counts._version)
+    def check():
+        lo, hi = (int(x) for x in torch.aminmax(counts.to(torch.int64)))  # one device sync
+        check_count_values(name, np.array([lo, hi]), block_elems)
+
+    _check_once((counts,), (name, block_elems), check)
+
+
+def check_index_lists_once(block_indices: Tensor, block_counts: Tensor, n_kv_blocks: int) -> None:
+    """ValueError naming block_indices / block_counts for counts outside [0, capacity] and
+    listed entries out of [0, nKV), repeated or out of order. On the device the rows are
+    checked there and one flag comes back (one sync per new or modified pair of lists)."""
+    def check():
+        idx, num = block_indices, block_counts
+        if idx.device.type != "cpu":
+            cap = idx.shape[-1]
+            num64 = num.to(torch.int64)
+            live = torch.arange(cap, device=idx.device) < num64.clamp(0, cap)[..., None]
+            bad = ((num64 < 0) | (num64 > cap)).any()
+            bad |= (live & ((idx < 0) | (idx >= n_kv_blocks))).any()
+            bad |= (live[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
+            if not bool(bad):
+                return
+            idx, num = idx.cpu(), num.cpu()  # bad lists only: find the first offender for the message
+        check_index_values(idx.numpy(), num.numpy(), n_kv_blocks)
+
+    _check_once((block_indices, block_counts), n_kv_blocks, check)
 
 
 # ---- VSA --------------------------------------------------------------------------------
