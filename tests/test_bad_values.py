@@ -279,3 +279,38 @@ def test_cuda_lists_rechecked_after_in_place_change():
     num.fill_(-1)
     with pytest.raises(ValueError, match="block_counts values"):
         vsa_torch.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E)
+
+
+@pytest.mark.parametrize("E_fa4", [128, 256])
+def test_fa4_lists_apply_the_rule(E_fa4):
+    """The CuTe backend's list builder (a Triton kernel: runs without FA4) keeps what the
+    rule keeps, on random garbage lists and counts; out-of-range token counts act clamped."""
+    from vsa_core.backends import cute_backend
+    from vsa_core.problem import AttnProblem
+
+    rng = np.random.default_rng(E_fa4)
+    B, H, nq, nk, cap = 2, 2, 3, 5, 7
+    p = AttnProblem(batch=B, heads=H, q_len=nq * E_fa4, kv_len=nk * E_fa4, head_dim=64, block_elems=E_fa4,
+                    dtype="bfloat16", selection="indices")
+    pool = np.array([-2**31, -2**20, -1, nk, nk + 1, 2**20, 2**31 - 1] + list(range(nk)) * 3)
+    idx = rng.choice(pool, (B, H, nq, cap)).astype(np.int32)
+    num = rng.choice(np.array([-2**31, -1, 0, 2, 4, cap, cap + 1, 2**16]), (B, H, nq)).astype(np.int32)
+    counts = np.array([E_fa4 + 9, -4, 100, 2**20, 0], np.int32)
+    block_map = R.index_lists_to_block_map(idx, num, nk).numpy()
+    sub, width = E_fa4 // 128, min(cap, nk) * (E_fa4 // 128)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)  # noqa: E731
+    out_idx = torch.full((2, B, H, nq, width), -1, dtype=torch.int32, device=DEVICE)
+    out_num = torch.full((2, B, H, nq), -1, dtype=torch.int32, device=DEVICE)
+    cute_backend.forward_lists(p, t(idx), t(num), t(counts), out_idx[0], out_num[0], out_idx[1], out_num[1])
+    sub_counts = torch.full((nk * sub,), -1, dtype=torch.int32, device=DEVICE)
+    cute_backend.sub_block_counts(p, t(counts), sub_counts)
+    clamped = np.clip(counts, 0, E_fa4)
+    sc = np.array([min(max(int(clamped[n // sub]) - (n % sub) * 128, 0), 128) for n in range(nk * sub)])
+    np.testing.assert_array_equal(sub_counts.cpu().numpy(), sc)
+    out_idx, out_num = out_idx.cpu().numpy(), out_num.cpu().numpy()
+    for row in np.ndindex(B, H, nq):
+        subs = [j * sub + s for j in np.flatnonzero(block_map[row]) for s in range(sub)]
+        full = [n for n in subs if sc[n] == 128]
+        part = [n for n in subs if 0 < sc[n] < 128]
+        assert out_num[(0,) + row] == len(full) and out_num[(1,) + row] == len(part), row
+        assert list(out_idx[(0,) + row][:len(full)]) == full and list(out_idx[(1,) + row][:len(part)]) == part

@@ -63,6 +63,9 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
     `backend`: "auto", "triton" or "cute" (VSA_BACKEND in the environment replaces "auto").
+    `variable_block_sizes` / `q_variable_block_sizes` values must lie in [0, E]: concrete
+    values raise ValueError otherwise; traced ones are not checked and act as clamped to
+    [0, E] (above E a full block, below 0 an empty one).
     `topk`, `block_size` and `backend` are static (Python values, not traced).
     """
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
