@@ -77,7 +77,7 @@ LIST_CASES = {
     "unsorted": ("block_indices", lambda: ([2, 0, 1], 3)),
 }
 COUNT_CASES = {  # video_sparse_attn: (kv counts, q counts) with values outside [0, E]
-    "variable_block_sizes": (np.array([E + 5, -3, 2**20] + [E] * (NK - 3)), np.full(NQ, E)),
+    "variable_block_sizes": (np.array([E + 5, -2**31, 2**31 - 1] + [E] * (NK - 3)), np.full(NQ, E)),
     "q_variable_block_sizes": (np.full(NK, E), np.array([-2**31, 2**31 - 1] + [E] * (NQ - 2))),
 }
 

@@ -295,7 +295,7 @@ def test_fa4_lists_apply_the_rule(E_fa4):
     pool = np.array([-2**31, -2**20, -1, nk, nk + 1, 2**20, 2**31 - 1] + list(range(nk)) * 3)
     idx = rng.choice(pool, (B, H, nq, cap)).astype(np.int32)
     num = rng.choice(np.array([-2**31, -1, 0, 2, 4, cap, cap + 1, 2**16]), (B, H, nq)).astype(np.int32)
-    counts = np.array([E_fa4 + 9, -4, 100, 2**20, 0], np.int32)
+    counts = np.array([E_fa4 + 9, -2**31, 100, 2**31 - 1, -4], np.int32)
     block_map = R.index_lists_to_block_map(idx, num, nk).numpy()
     sub, width = E_fa4 // 128, min(cap, nk) * (E_fa4 // 128)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)  # noqa: E731

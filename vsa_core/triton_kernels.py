@@ -48,13 +48,15 @@ def _clamped_count(COUNTS, block, BLOCK_ELEMS: tl.constexpr):
 def _list_entry(LIST, t, last, n_blocks, TILES_PER_ENTRY: tl.constexpr):
     """Entry t // TILES_PER_ENTRY of a caller's index list, by the rule in the module doc.
 
-    Returns (keep, block, last): whether the entry counts, a block index that is always
-    safe to address (0 for a skipped entry), and the last counted entry once tile t is
-    the entry's last tile."""
+    Returns (keep, block, last): whether the entry counts, the entry clamped into
+    [0, n_blocks) (always safe to address; a skipped entry's tile is masked by the caller),
+    and the last counted entry once tile t is the entry's last tile. The address depends
+    on the loaded entry only, not on the loop-carried `last`, so the software pipeliner
+    can still prefetch the next tiles."""
     entry = tl.load(LIST + t // TILES_PER_ENTRY)
     keep = (entry > last) & (entry < n_blocks)
     last = tl.where(keep & (t % TILES_PER_ENTRY == TILES_PER_ENTRY - 1), entry, last)
-    return keep, tl.where(keep, entry, 0), last
+    return keep, tl.minimum(tl.maximum(entry, 0), n_blocks - 1), last
 
 
 @triton.jit
@@ -317,7 +319,7 @@ def sparse_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
-        # a skipped entry still loads block 0 (in bounds) and masks the whole tile: no branch
+        # a skipped entry still loads a tile (in bounds) and masks all of it: no branch
         keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
         n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
@@ -416,7 +418,7 @@ def sparse_attn_bwd_dq_kernel(
     last = tl.full([], -1, tl.int32)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
-        # a skipped entry still loads block 0 (in bounds) and masks the whole tile: no branch
+        # a skipped entry still loads a tile (in bounds) and masks all of it: no branch
         keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
         n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
@@ -532,7 +534,7 @@ def kv_sub_counts_kernel(
     """SUB_COUNTS[n] = valid tokens of TILE-token sub-block n (SUB sub-blocks per block)."""
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < n_sub
-    c = tl.load(KV_COUNTS + n // SUB, mask=ok, other=0).to(tl.int32) - (n % SUB) * TILE
+    c = tl.minimum(tl.maximum(tl.load(KV_COUNTS + n // SUB, mask=ok, other=0), 0), SUB * TILE) - (n % SUB) * TILE
     tl.store(SUB_COUNTS + n, tl.minimum(tl.maximum(c, 0), TILE), mask=ok)
 
 
@@ -565,7 +567,7 @@ def fa4_fwd_lists_kernel(
     rank = tl.where(in_range, j.to(tl.int64) * SLOTS + (SLOTS - 1 - i), -1)
     taken = in_range & (rank == tl.associative_scan(rank, 0, _maximum))
     j = tl.where(taken, j, 0)
-    c = tl.load(KV_COUNTS + j, mask=taken, other=0).to(tl.int32) - s * TILE
+    c = tl.minimum(tl.maximum(tl.load(KV_COUNTS + j, mask=taken, other=0), 0), SUB * TILE) - s * TILE
     full = taken & (c >= TILE)
     part = taken & (c > 0) & (c < TILE)
     sub = j * SUB + s
@@ -591,7 +593,7 @@ def fa4_bwd_lists_kernel(
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     j = n // SUB
-    c = tl.load(KV_COUNTS + j).to(tl.int32) - (n % SUB) * TILE
+    c = _clamped_count(KV_COUNTS, j, SUB * TILE) - (n % SUB) * TILE
     num = tl.load(INV_NUM + bh * n_kv_blocks + j)
     out_row = bh * (n_kv_blocks * SUB) + n
     if COPY_IDX:
