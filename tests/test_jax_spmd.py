@@ -129,3 +129,128 @@ def test_shard_map_block_sparse_attn():
     got = sharded(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, block_map, dout)))
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert np.array_equal(np.asarray(g), np.asarray(w)), name
+
+
+# ---- jit over sharded arrays (explicit mesh axes) -----------------------------------------
+@pytest.fixture
+def local_problems(monkeypatch):
+    """The AttnProblems the callbacks ran with (their shapes are the per-device shapes)."""
+    from vsa_jax import ops
+
+    seen, real_run = [], ops._run
+
+    def spy_run(stage, p, impl, **inputs):
+        seen.append(p)
+        return real_run(stage, p, impl, **inputs)
+
+    monkeypatch.setattr(ops, "_run", spy_run)
+    return seen
+
+
+@pytest.mark.parametrize("layout,over", [("bhsd", "heads"), ("bhsd", "batch"), ("bshd", "heads"),
+                                         ("bshd", "batch")])
+def test_jit_over_sharded_arrays_splits_and_equals_one_device(layout, over, local_problems):
+    """jax.jit(jax.value_and_grad) on arrays sharded over the batch or the heads (an explicit
+    mesh: jax.make_mesh's default): the op runs per device on its slice (each callback sees
+    half the batch or half the heads: nothing is gathered), the output keeps the inputs'
+    sharding, and out and the gradients equal the one-device call bit for bit."""
+    case = Case(batch=2, heads=2, n_q_blocks=2, n_kv_blocks=3, layout=layout)
+    inputs = make_inputs(case, seed=71)
+    args = jax_args(case, inputs)
+    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"])
+
+    def loss(q, k, v, gate, dout):
+        out = f(q, k, v, gate)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, out), grads = step(*args)
+    want = [np.asarray(x) for x in (out, *grads)]
+    assert_close(case, to_numpy(case, dict(zip(NAMES, want))), reference(case, inputs))
+    assert {(p.batch, p.heads) for p in local_problems} == {(2, 2)}
+    local_problems.clear()
+
+    mesh, spec = mesh_of(), split_spec(layout, over)
+    (_, out), grads = step(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in args))
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    assert_bitwise((out, *grads), want, f"jit over {over}")
+    halves = (1, 2) if over == "batch" else (2, 1)
+    assert local_problems and {(p.batch, p.heads) for p in local_problems} == {halves}
+
+
+def test_jit_over_sharded_arrays_block_sparse_attn_from_indices(local_problems):
+    """block_sparse_attn_from_indices with q, k, v and the lists sharded over the heads."""
+    case = CASE
+    inputs = make_inputs(case, seed=72)
+    q, k, v, _, dout = jax_args(case, inputs)
+    rng = np.random.default_rng(73)
+    block_map = rng.random((2, 2, case.n_q_blocks, case.n_kv_blocks)) < 0.6
+    idx = np.zeros((2, 2, case.n_q_blocks, case.n_kv_blocks), np.int32)
+    for b, h, i in np.ndindex(*block_map.shape[:3]):
+        sel = np.flatnonzero(block_map[b, h, i])
+        idx[b, h, i, :sel.size] = sel
+    num = block_map.sum(-1).astype(np.int32)
+
+    @jax.jit
+    def fn(q, k, v, idx, num, dout):
+        (out, lse), vjp = jax.vjp(lambda q, k, v: vsa_jax.block_sparse_attn_from_indices(
+            q, k, v, idx, num, inputs["kv_counts"], case.E), q, k, v)
+        return (out, lse) + vjp((dout, jnp.zeros_like(lse)))
+
+    args = (q, k, v, jnp.asarray(idx), jnp.asarray(num), dout)
+    want = fn(*args)
+    mesh = mesh_of()
+    local_problems.clear()
+    got = fn(*(jax.device_put(x, NamedSharding(mesh, P(None, "x"))) for x in args))
+    assert {p.heads for p in local_problems} == {1}
+    assert got[1].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 3)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert np.array_equal(np.asarray(g), np.asarray(w)), name
+
+
+def _sharded(shape, spec, mesh):
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+
+
+BAD_SPLITS = {
+    # name: (q's shape, q's spec, k's spec (None: q's), words of the message)
+    "sequence split mid-block": ((1, 2, 192, 64), P(None, None, "x"), None,
+                                 r"q is sharded along its sequence axis .*96 tokens per shard, which splits the "
+                                 r"64-token blocks"),
+    "sequence split on blocks": ((1, 2, 256, 64), P(None, None, "x"), None,
+                                 r"q is sharded along its sequence axis .*128 tokens per shard\): video sparse "
+                                 r"attention partitions over batch and heads only"),
+    "head dim split": ((1, 2, 128, 64), P(None, None, None, "x"), None,
+                       r"q may be split over its batch and heads axes only, got its head dim axis over mesh axes \('x',\)"),
+    "k split unlike q": ((2, 2, 128, 64), P("x"), P(None, "x"),
+                         r"k must be split like q \(batch over mesh axes \('x',\), heads over no mesh axis"),
+    "k split, q not": ((2, 2, 128, 64), P(), P("x"), r"k is split over devices but q is not"),
+    "heads not divisible": ((1, 3, 128, 64), P(None, "x"), None, r"does not evenly divide the dimension size 3"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_SPLITS)
+def test_bad_sharding_raises_at_trace_time(name):
+    """Shardings the op cannot partition along raise while tracing (eval_shape: no data, no
+    kernel), naming the argument. Heads (or batch) that the mesh axis does not divide are
+    refused by JAX itself when the sharded type is formed, also at trace time."""
+    shape, q_spec, k_spec, words = BAD_SPLITS[name]
+    mesh = mesh_of()
+    counts = np.full(shape[2] // 64, 64)
+    with pytest.raises(ValueError, match=words):
+        q = _sharded(shape, q_spec, mesh)
+        k = _sharded(shape, k_spec if k_spec is not None else q_spec, mesh)
+        jax.eval_shape(lambda q, k: vsa_jax.video_sparse_attn(q, k, k, counts, counts, 1), q, k)
+
+
+def test_auto_axes_under_jit_are_not_split():
+    """Documented limit: with auto mesh axes (jax.sharding.Mesh's default) the sharding is
+    chosen after tracing, so the call is not split (but still correct)."""
+    case = CASE
+    inputs = make_inputs(case, seed=74)
+    q, k, v, gate, _ = jax_args(case, inputs)
+    f = jax.jit(vsa_fn(case, inputs["kv_counts"], inputs["q_counts"]))
+    want = np.asarray(f(q, k, v, gate))
+    mesh = mesh_of(AxisType.Auto)
+    got = f(*(jax.device_put(x, NamedSharding(mesh, P(None, "x"))) for x in (q, k, v, gate)))
+    assert np.array_equal(np.asarray(got), want)
