@@ -9,7 +9,9 @@ token order (see `build_vsa_metadata` / `to_tiled` / `from_tiled`), bf16 or fp16
 or 128; S is a multiple of the block's token count E (64, 128 or 256).
 
 Works under jax.jit, jax.grad / jax.vjp (gradients to q, k, v and the gate) and
-jax.vmap. Arguments are checked at trace time and raise the same ValueError /
+jax.vmap, and over several devices: inside jax.shard_map (each device runs its shard),
+and under jax.jit on arrays sharded over the batch and/or heads with explicit mesh axes
+(`jax.make_mesh`'s default), where the call is split per device (see vsa_jax/spmd.py). Arguments are checked at trace time and raise the same ValueError /
 TypeError as vsa_torch; the count values ([0, E]) are checked when the counts are
 concrete (numpy or a jax.Array outside jit), not when they are traced.
 """

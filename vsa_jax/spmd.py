@@ -14,14 +14,20 @@ bit for bit.
 
 Why a shard_map and not a `custom_partitioning` rule: the shard_map is decided at trace
 time from the arrays' types, so a sharding the op cannot honour (a split sequence or
-head dim, k sharded unlike q) raises a ValueError naming the argument at trace time;
-it composes with jax.grad / vmap like any JAX code (custom_partitioning does not
-differentiate: forward and backward callbacks would each need a rule); and it needs
-nothing from the launch path (callback or native) inside. What it cannot see: under
-jit with *auto* axes (`jax.sharding.Mesh`'s default) the sharding is chosen after
-tracing by the partitioner, so such a call is not split here (XLA gathers its inputs
-onto every device); use an explicit mesh (`jax.make_mesh`, `jax.set_mesh`) or
-`jax.shard_map` there.
+head dim, k sharded unlike q) raises a ValueError naming the argument at trace time
+(a partition rule runs inside XLA's partitioner, at compile time); it composes with
+jax.grad / vmap like any JAX code (custom_partitioning does not differentiate: the
+forward and the backward stage would each need a rule); and it works with the
+buffer_callback launch path, which custom_partitioning does not: the per-shard
+computation a partition rule returns is lowered into a separate module, so the host
+callback that buffer_callback registers with the module being lowered is lost
+(jax 0.10 on CPU, 2 devices: the process segfaults when the partitioned callback runs).
+What it cannot see: under jit with *auto* axes (`jax.sharding.Mesh`'s default) the
+sharding is chosen after tracing by the partitioner, so such a call is not split here
+(XLA gathers its inputs onto every device; the result is still correct); use an
+explicit mesh (`jax.make_mesh`, `jax.set_mesh`) or `jax.shard_map` there. A native
+launch path (a typed FFI custom call, no Python callback) could add a partition rule
+for auto axes.
 """
 
 from __future__ import annotations
