@@ -244,6 +244,19 @@ def test_bad_sharding_raises_at_trace_time(name):
         jax.eval_shape(lambda q, k: vsa_jax.video_sparse_attn(q, k, k, counts, counts, 1), q, k)
 
 
+def test_shard_map_splitting_a_block_raises_at_trace_time():
+    """Inside shard_map each device sees its shard: a sequence split that cuts a block
+    leaves a local length that is no multiple of the block, refused while tracing."""
+    mesh = mesh_of()
+    q = _sharded((1, 2, 192, 64), P(None, None, "x"), mesh)
+    counts = np.full(3, 64)
+    f = jax.shard_map(lambda q: vsa_jax.video_sparse_attn(q, q, q, counts, counts, 1), mesh=mesh,
+                      in_specs=P(None, None, "x"), out_specs=P(None, None, "x"))
+    with pytest.raises(ValueError, match="q sequence length must be a positive multiple of the block size 64, "
+                                         "got 96"):
+        jax.eval_shape(f, q)
+
+
 def test_auto_axes_under_jit_are_not_split():
     """Documented limit: with auto mesh axes (jax.sharding.Mesh's default) the sharding is
     chosen after tracing, so the call is not split (but still correct)."""
