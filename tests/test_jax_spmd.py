@@ -179,6 +179,23 @@ def test_jit_over_sharded_arrays_splits_and_equals_one_device(layout, over, loca
     assert local_problems and {(p.batch, p.heads) for p in local_problems} == {halves}
 
 
+def test_jit_over_arrays_sharded_over_batch_and_heads_on_a_2d_mesh(local_problems):
+    """Batch over mesh axis "y" (size 1 here: 2 devices) and heads over "x", both at once:
+    the split names both axes; results equal one device bit for bit."""
+    case = CASE
+    inputs = make_inputs(case, seed=75)
+    args = jax_args(case, inputs)
+    fn = jax.jit(out_and_grads_fn(case, inputs["kv_counts"], inputs["q_counts"]))
+    want = [np.asarray(x) for x in fn(*args)]
+    mesh = jax.make_mesh((1, 2), ("y", "x"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:2])
+    spec = P("y", "x")
+    local_problems.clear()
+    got = fn(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in args))
+    assert {(p.batch, p.heads) for p in local_problems} == {(2, 1)}
+    assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    assert_bitwise(got, want, "jit over batch and heads")
+
+
 def test_jit_over_sharded_arrays_block_sparse_attn_from_indices(local_problems):
     """block_sparse_attn_from_indices with q, k, v and the lists sharded over the heads."""
     case = CASE
