@@ -9,11 +9,14 @@ token order (see `build_vsa_metadata` / `to_tiled` / `from_tiled`), bf16 or fp16
 or 128; S is a multiple of the block's token count E (64, 128 or 256).
 
 Works under jax.jit, jax.grad / jax.vjp (gradients to q, k, v and the gate) and
-jax.vmap. Arguments are checked at trace time and raise the same ValueError /
-TypeError as vsa_torch; the values of the counts ([0, E]) and of index lists are
-checked when they are concrete (numpy or a jax.Array outside jit). Traced values are not
-checked; the kernels bound them instead (out-of-range counts act as clamped to [0, E];
-index lists: see `block_sparse_attn_from_indices`), so no value reads out of bounds.
+jax.vmap, and over several devices: inside jax.shard_map (each device runs its shard),
+and under jax.jit on arrays sharded over the batch and/or heads with explicit mesh axes
+(`jax.make_mesh`'s default), where the call is split per device (see vsa_jax/spmd.py).
+Arguments are checked at trace time and raise the same ValueError / TypeError as
+vsa_torch; the values of the counts ([0, E]) and of index lists are checked when they are
+concrete (numpy or a jax.Array outside jit). Traced values are not checked; the kernels
+bound them instead (out-of-range counts act as clamped to [0, E]; index lists: see
+`block_sparse_attn_from_indices`), so no value reads out of bounds.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_si
 from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention
 
 from . import ops as _ops
+from . import spmd as _spmd
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
            "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
@@ -48,9 +52,23 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     E = block_elements(block_size)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, E)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, E)
-    return _ops.vsa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, q_counts,
-                    None if compress_attn_weight is None else jnp.asarray(compress_attn_weight),
-                    int(topk), E, layout, impl)
+    gate = None if compress_attn_weight is None else jnp.asarray(compress_attn_weight)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, q_counts, gate)
+    kinds = (layout, layout, layout, "replicated", "replicated", layout)
+
+    def op(q, k, v, kv_counts, q_counts, gate):
+        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, int(topk), E, layout, impl)
+    return _split_call(op, layout, E, ("q", "k", "v", "variable_block_sizes", "q_variable_block_sizes",
+                                       "compress_attn_weight"), args, kinds, layout)
+
+
+def _split_call(op, layout, block_elems, names, args, kinds, out_kinds):
+    """op(*args), split over the devices when the arrays are sharded over batch / heads
+    (see vsa_jax.spmd); on one device (or inside a shard_map) the plain call."""
+    split = _spmd.plan_split(layout, block_elems, {n: (x, kind) for n, x, kind in zip(names, args, kinds)})
+    if split is None:
+        return op(*args)
+    return _spmd.run_split(op, split, args, kinds, out_kinds)
 
 
 def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes, q_variable_block_sizes,
@@ -94,8 +112,18 @@ def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.A
     check_block_map(block_map, p)
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _ops.bsa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, jnp.asarray(block_map),
-                    None, None, p.block_elems, layout, impl)
+    return _bsa(q, k, v, kv_counts, jnp.asarray(block_map), None, None, p.block_elems, layout, impl)
+
+
+def _bsa(q, k, v, kv_counts, block_map, block_indices, block_counts, block_elems, layout, impl):
+    """block-sparse attention with the selection as a map or as lists; split over devices like _vsa."""
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, block_map, block_indices, block_counts)
+    kinds = (layout, layout, layout, "replicated", "bh", "bh", "bh")
+
+    def op(q, k, v, kv_counts, block_map, sel_idx, sel_num):
+        return _ops.bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl)
+    return _split_call(op, layout, block_elems, ("q", "k", "v", "variable_block_sizes", "block_map",
+                                                 "block_indices", "block_counts"), args, kinds, (layout, "bh"))
 
 
 def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
@@ -119,8 +147,8 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _ops.bsa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, None, jnp.asarray(block_indices),
-                    jnp.asarray(block_counts), p.block_elems, layout, impl)
+    return _bsa(q, k, v, kv_counts, None, jnp.asarray(block_indices), jnp.asarray(block_counts), p.block_elems,
+                layout, impl)
 
 
 def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:

@@ -220,7 +220,16 @@ def as_counts(name: str, counts, like: Tensor, block_elems: int) -> Tensor:
         counts = torch.as_tensor(counts)
     if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer array, got dtype {counts.dtype}")
-    if not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        pass  # traced: values unknown (torch.compile checks nothing on the host per call)
+    elif like.is_cuda and torch.cuda.is_current_stream_capturing():
+        # CUDA-graph capture: a host read of device counts or a copy of host counts to the
+        # device synchronises, which breaks the capture. The values were checked on the
+        # eager warm-up call that capture needs anyway; shapes and dtypes still are.
+        if not counts.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor while a CUDA graph is being captured (host "
+                             f"counts would be copied to the device with a synchronisation), got {counts.device}")
+    else:
         check_counts_once(name, counts, block_elems)
     return counts.to(device=like.device, dtype=torch.int32)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -23,6 +24,13 @@ AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
 # K/V (forward, dQ) and Q/dO (dK/dV) tiles through tensor descriptors (TMA on Hopper);
 # VSA_TMA=0 falls back to pointer loads. The interpreter runs the descriptor path too.
 USE_TMA = os.environ.get("VSA_TMA", "1") != "0"
+
+# Triton's Autotuner keeps the current call's arguments on the kernel object (`self.nargs`,
+# read by the config's pre_hook and cleared after the launch), so two threads launching
+# the same tuned kernel at once can swap or clear each other's arguments. That happens
+# with several GPUs in one process: XLA runs each device's buffer callback on its own
+# thread. Tuned launches therefore take this lock (held for a launch's host work only).
+_AUTOTUNER_LOCK = threading.Lock()
 
 
 class _TunedKernel:
@@ -66,7 +74,8 @@ class _TunedKernel:
     def __call__(self, grid, *args, **kwargs):
         E = kwargs["BLOCK_ELEMS"]
         if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
-            self.tuned[grid](*args, **kwargs)
+            with _AUTOTUNER_LOCK:
+                self.tuned[grid](*args, **kwargs)
             return
         m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
         meta = {"BLOCK_M": m, "BLOCK_N": n}
