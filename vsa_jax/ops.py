@@ -24,6 +24,8 @@ from vsa_core.backends import resolve_backend
 from vsa_core.problem import AttnProblem, check_count_values, describe_attention
 from vsa_core.runtime import DeviceInfo
 
+from . import native as _native
+
 _DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8}
 _DLPACK_CPU = 1  # kDLCPU
 
@@ -99,7 +101,10 @@ def _callback(stage: str, p: AttnProblem, impl):
 
 def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     """Runs one stage; returns every output and workspace of its buffer table."""
-    return _callback(stage, p, impl)({n: x for n, x in inputs.items() if x is not None})
+    inputs = {n: x for n, x in inputs.items() if x is not None}
+    if _native.selected(impl):  # launch="native": XLA custom calls, no Python per call
+        return _native.run(stage, p, inputs)
+    return _callback(stage, p, impl)(inputs)
 
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True):
