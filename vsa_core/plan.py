@@ -133,33 +133,51 @@ def _constexpr_names(kernel, signature) -> set:
             if prm.annotation is tl.constexpr or "constexpr" in str(prm.annotation)}
 
 
+_recording = threading.local()  # the recorder of this thread, while it records
+
+
+def _recording_getitem(original):
+    """`kernel[grid]` that records on a thread that is recording, and launches elsewhere."""
+    def getitem(self, grid):
+        recorder = getattr(_recording, "recorder", None)
+        if recorder is None:
+            return original(self, grid)
+        return lambda *args, **kwargs: recorder.capture(self, grid, args, dict(kwargs))
+    getitem.vsa_original = original
+    return getitem
+
+
 @contextlib.contextmanager
 def _capturing(recorder: _Recorder):
-    """Every `kernel[grid](...)` of the Triton kernels records instead of launching; the
-    attention kernels run their default config with pointer loads."""
+    """Every `kernel[grid](...)` of the Triton kernels on this thread records instead of
+    launching; the attention kernels run their default config with pointer loads."""
     from . import triton_kernels as K
     from .backends import triton_backend as T
 
     kernel_types = {type(obj) for obj in vars(K).values() if hasattr(obj, "fn") and hasattr(obj, "run")}
-    tuned = [obj for obj in vars(T).values() if isinstance(obj, T._TunedKernel)]
-    saved_getitem = {cls: cls.__getitem__ for cls in kernel_types}
-    saved_tuned = [obj.tuned for obj in tuned]
-    saved_tma = T.USE_TMA
+    tuned_type = getattr(T, "_TunedKernel", None)
+    tuned = [obj for obj in vars(T).values() if tuned_type is not None and isinstance(obj, tuned_type)]
     with _record_lock:
+        saved_getitem = {cls: cls.__getitem__ for cls in kernel_types}
+        saved_tuned = [obj.tuned for obj in tuned]
+        saved_tma = getattr(T, "USE_TMA", None)
         try:
             for cls in kernel_types:
-                cls.__getitem__ = lambda self, grid: (
-                    lambda *args, **kwargs: recorder.capture(self, grid, args, dict(kwargs)))
+                cls.__getitem__ = _recording_getitem(cls.__getitem__)
             for obj in tuned:
                 obj.tuned = None
-            T.USE_TMA = False
+            if saved_tma is not None:
+                T.USE_TMA = False
+            _recording.recorder = recorder
             yield
         finally:
+            _recording.recorder = None
             for cls, getitem in saved_getitem.items():
                 cls.__getitem__ = getitem
             for obj, value in zip(tuned, saved_tuned):
                 obj.tuned = value
-            T.USE_TMA = saved_tma
+            if saved_tma is not None:
+                T.USE_TMA = saved_tma
 
 
 def _placeholder(shape, dtype: str, problem: AttnProblem) -> torch.Tensor:
@@ -306,7 +324,7 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
     for a in launch.args:
         if a.kind == "buffer":
             shape, dtype = shapes[a.value]
-            args.append(MockTensor(_TORCH_DTYPES[plan.problem.dtype if dtype == "input" else dtype], list(shape)))
+            args.append(MockTensor(_TORCH_DTYPES[plan.problem.dtype if dtype == "input" else dtype]))
         else:
             args.append(a.value)
     target = GPUTarget("cuda", capability, 32)
@@ -321,14 +339,15 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
     attrs = getattr(compiled.src, "attrs", {}) or {}
     params = []
     for index, a in enumerate(launch.args):
-        kind = signature[a.name]
+        kind = signature[a.name] if a.name in signature else signature[index]
         if kind == "constexpr":
             continue
         if a.kind == "buffer":
             attr = attrs.get((index,), [])
             params.append(("buffer", a.value, 16 if ["tt.divisibility", 16] in [list(x) for x in attr] else 0))
         elif a.kind == "scalar":
-            params.append(("scalar", a.value, kind))
+            value = bool(a.value) if kind == "i1" else float(a.value) if kind.startswith("fp") else int(a.value)
+            params.append(("scalar", value, kind))
         else:
             raise RuntimeError(f"{launch.kernel_name}: constexpr {a.name} compiled as a run-time {kind}")
     md = compiled.metadata
