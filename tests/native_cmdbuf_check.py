@@ -30,30 +30,33 @@ T.USE_TMA = False
 case = Case(batch=1)
 
 
-def step_fn(kv_counts, q_counts):
-    def loss(q, k, v, gate, dout):
-        out = vsa_jax.video_sparse_attn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate, backend="triton")
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+def loss(q, k, v, gate, dout, kv_counts, q_counts):
+    out = vsa_jax.video_sparse_attn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate, backend="triton")
+    return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
 
-base = make_inputs(case, seed=3)
+def arguments(inputs):
+    return ([jnp.asarray(inputs[n], jnp.bfloat16) for n in ("q", "k", "v", "gate", "dout")]
+            + [jnp.asarray(inputs[n], jnp.int32) for n in ("kv_counts", "q_counts")])
+
+
 fns = {}
 for mode in ("native", "callback"):
-    native.set_launch(mode)
-    fns[mode] = step_fn(base["kv_counts"], base["q_counts"])
-    fns[mode].lower(*(jnp.asarray(base[n], jnp.bfloat16) for n in ("q", "k", "v", "gate", "dout")))
+    native.set_launch(mode)  # read when tracing: trace now
+    fns[mode] = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    fns[mode].lower(*arguments(make_inputs(case, seed=3))).compile()
+    text = fns[mode].lower(*arguments(make_inputs(case, seed=3))).as_text()
+    assert (native.FFI_TARGET in text) == (mode == "native"), mode
 
 ok = True
 for replay in range(3):
-    inputs = make_inputs(case, seed=100 + replay)
-    inputs["kv_counts"], inputs["q_counts"] = base["kv_counts"], base["q_counts"]  # the counts are constants
-    args = [jnp.asarray(inputs[n], jnp.bfloat16) for n in ("q", "k", "v", "gate", "dout")]
+    inputs = make_inputs(case, seed=100 + replay)  # new values (and counts) on every replay
     res = {}
     for mode in ("native", "callback"):
-        (dq, dk, dv, dgate), out = fns[mode](*args)
-        res[mode] = {"out": out, "dq": dq, "dk": dk, "dv": dv, "dgate": dgate}
-        res[mode] = {n: np.asarray(x, np.float32) for n, x in res[mode].items()}
+        native.set_launch(mode)  # in case jit traces again
+        (dq, dk, dv, dgate), out = fns[mode](*arguments(inputs))
+        res[mode] = {n: np.asarray(x, np.float32) for n, x in
+                     {"out": out, "dq": dq, "dk": dk, "dv": dv, "dgate": dgate}.items()}
     assert_close(case, res["native"], reference(case, inputs))
     equal = {n: bool(np.array_equal(res["native"][n], res["callback"][n])) for n in res["native"]}
     ok &= all(equal.values())
