@@ -188,7 +188,8 @@ def test_native_program_is_one_custom_call_per_launch(monkeypatch):
 
 
 # ---- compiling for sm_90 (CPU, in a subprocess without the interpreter) -------------------------
-_COMPILE_SCRIPT = textwrap.dedent("""
+_COMPILE_SCRIPT = textwrap.dedent(r"""
+    import re
     from vsa_core import plan as P
     from vsa_core.problem import AttnProblem
     p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16",
@@ -197,10 +198,17 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         plan = P.record_plan(stage, p, inputs)
         for launch in plan.launches:
             c = P.compile_launch(launch, plan, 90)
-            assert c.cubin[:4] == b"\\x7fELF", launch.kernel_name
+            assert c.cubin[:4] == b"\x7fELF", launch.kernel_name
             assert ".target sm_90a" in c.ptx, launch.kernel_name
             assert tuple(x[1] for x in c.params if x[0] == "buffer") == launch.buffers, launch.kernel_name
             assert c.global_scratch_size == 0, launch.kernel_name
+            # the kernel's ABI: our run-time parameters in order, then the two pointers
+            # (global scratch, profiling) that jaxlib's KernelCall::Launch appends
+            entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", c.ptx, re.S).group(1)
+            ptx_types = re.findall(r"\.param\s+\.(\w+)", entry)
+            want = [{"buffer": "u64", "i32": "u32", "i64": "u64", "fp32": "f32"}[x[0] if x[0] == "buffer" else x[2]]
+                    for x in c.params] + ["u64", "u64"]
+            assert ptx_types == want, (launch.kernel_name, ptx_types, want)
             scalars = [x for x in c.params if x[0] == "scalar"]
             print(stage, c.name, c.num_warps, c.shared_mem_bytes, len(c.cubin), len(scalars))
     print("OK")
