@@ -336,3 +336,16 @@ def test_native_runs_no_python_per_call(fixed_configs, monkeypatch):
     again = call(fresh)
     assert_close(case, again, reference(case, fresh))
     assert not np.array_equal(first["out"], again["out"])
+
+
+def test_kernel_call_protos_carry_the_plan():
+    """jaxlib's own TritonKernelCall objects built from the compiled plan, decoded back
+    (needs jaxlib's CUDA Triton module: skipped where jax has no CUDA plugin)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "") or ("cuda" if torch.cuda.is_available() else "cpu")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "native_proto_check.py")], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode == 3:
+        pytest.skip("jaxlib has no CUDA Triton module (no jax CUDA plugin installed)")
+    assert proc.returncode == 0 and "PROTOS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
