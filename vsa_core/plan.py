@@ -22,7 +22,7 @@ import contextlib
 import inspect
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 import torch
 

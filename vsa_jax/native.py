@@ -27,7 +27,6 @@ from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from vsa_core import plan as core_plan
 from vsa_core.problem import AttnProblem
