@@ -32,9 +32,10 @@ from vsa_core.problem import block_elements, check_block_map, check_index_lists,
 
 from . import ops as _ops
 from . import spmd as _spmd
+from .native import set_launch
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
-           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
+           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata", "set_launch"]
 
 
 def _require_arrays(**arrays):

@@ -25,6 +25,8 @@ from vsa_core.backends import resolve_backend
 from vsa_core.problem import AttnProblem, check_count_values, check_index_values, describe_attention
 from vsa_core.runtime import DeviceInfo
 
+from . import native as _native
+
 _DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8}
 _DLPACK_CPU = 1  # kDLCPU
 
@@ -156,10 +158,14 @@ def _vary_alike(*xs):
 
 def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     """Runs one stage; returns every output and workspace of its buffer table, typed
-    as varying like its inputs (which vary alike, see _vary_alike)."""
+    as varying like its inputs (which vary alike, see _vary_alike). launch="native"
+    replays the stage's launch plan as XLA custom calls (no Python per call)."""
     inputs = {n: x for n, x in inputs.items() if x is not None}
     axes = frozenset().union(*(_vma(x) for x in inputs.values()))
-    results = _callback(stage, p, impl)(inputs)
+    if _native.selected(impl):
+        results = _native.run(stage, p, inputs)
+    else:
+        results = _callback(stage, p, impl)(inputs)
     return {n: _vary(x, axes) for n, x in results.items()}
 
 

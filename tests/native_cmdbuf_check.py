@@ -1,0 +1,70 @@
+"""GPU check run by tests/test_jax_native.py in a fresh process: the native path under XLA
+command buffers (CUDA graphs), replayed with new inputs, against the callback path.
+
+XLA reads XLA_FLAGS once, at backend start, hence a process of its own. Prints one line
+per replay and "ALL EQUAL" at the end when every result matched bit for bit.
+"""
+
+import glob
+import os
+import sys
+import tempfile
+
+DUMP = tempfile.mkdtemp(prefix="vsa_cmdbuf_")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                           " --xla_gpu_graph_min_graph_size=1 --xla_dump_to=" + DUMP).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import vsa_jax  # noqa: E402
+from common import Case, assert_close, make_inputs, reference  # noqa: E402
+from vsa_core.backends import triton_backend as T  # noqa: E402
+from vsa_jax import native  # noqa: E402
+
+for kernel in (T._sparse_fwd, T._sparse_bwd_dq, T._sparse_bwd_dkdv):
+    kernel.tuned = None  # the default config everywhere, as the plan runs
+T.USE_TMA = False
+
+case = Case(batch=1)
+
+
+def loss(q, k, v, gate, dout, kv_counts, q_counts):
+    out = vsa_jax.video_sparse_attn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate, backend="triton")
+    return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+
+
+def arguments(inputs):
+    return ([jnp.asarray(inputs[n], jnp.bfloat16) for n in ("q", "k", "v", "gate", "dout")]
+            + [jnp.asarray(inputs[n], jnp.int32) for n in ("kv_counts", "q_counts")])
+
+
+fns = {}
+for mode in ("native", "callback"):
+    native.set_launch(mode)  # read when tracing: trace now
+    fns[mode] = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    fns[mode].lower(*arguments(make_inputs(case, seed=3))).compile()
+    text = fns[mode].lower(*arguments(make_inputs(case, seed=3))).as_text()
+    assert (native.FFI_TARGET in text) == (mode == "native"), mode
+
+ok = True
+for replay in range(3):
+    inputs = make_inputs(case, seed=100 + replay)  # new values (and counts) on every replay
+    res = {}
+    for mode in ("native", "callback"):
+        native.set_launch(mode)  # in case jit traces again
+        (dq, dk, dv, dgate), out = fns[mode](*arguments(inputs))
+        res[mode] = {n: np.asarray(x, np.float32) for n, x in
+                     {"out": out, "dq": dq, "dk": dk, "dv": dv, "dgate": dgate}.items()}
+    assert_close(case, res["native"], reference(case, inputs))
+    equal = {n: bool(np.array_equal(res["native"][n], res["callback"][n])) for n in res["native"]}
+    ok &= all(equal.values())
+    print(f"replay {replay}: native == callback: {equal}")
+
+dumped = glob.glob(os.path.join(DUMP, "*"))
+mentions = [f for f in dumped if os.path.isfile(f) and "command_buffer" in open(f, errors="ignore").read()]
+print(f"XLA dump: {len(dumped)} files, {len(mentions)} mention command_buffer: "
+      + ", ".join(os.path.basename(f) for f in mentions[:5]))
+print("ALL EQUAL" if ok else "MISMATCH")
+sys.exit(0 if ok else 1)

@@ -1,0 +1,373 @@
+"""A call described as data: the launch plan of one stage (forward or backward) of one problem.
+
+`record_plan` runs the very launchers the eager path runs (`vsa_core.ops.forward` /
+`backward`), but hands them placeholder buffers (torch "meta" tensors, no memory) and
+captures each Triton launch instead of running it: the kernel, its grid, each argument
+as a named buffer (an input, or an output/workspace of the problem's buffer table), a
+scalar or a constexpr, and num_warps/num_stages. The plan is built once per problem, at
+trace time; an executor (`vsa_jax.native`) replays it with no Python per call.
+
+While recording, the attention kernels take their fixed default tile config (no autotune:
+a replay cannot time candidates) and pointer loads instead of TMA host descriptors (a
+host descriptor embeds the buffer's address, which only exists at run time).
+
+`compile_launch` compiles one recorded launch for a CUDA target through Triton's own
+specialization (`JITFunction.warmup`), so the binary comes from the same Triton source,
+with the same signature and attributes, as an eager launch with the same arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Tuple
+
+import torch
+
+from .problem import AttnProblem
+
+_TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8, "bool": torch.bool,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel parameter: kind "buffer" (value = buffer name), "scalar" (a Python int,
+    float or bool passed at run time) or "constexpr" (compiled in; None for an absent pointer)."""
+
+    name: str
+    kind: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: Any  # the triton JITFunction (an InterpretedFunction under TRITON_INTERPRET=1)
+    grid: Tuple[int, int, int]
+    args: Tuple[Arg, ...]
+    options: Tuple[Tuple[str, int], ...]  # num_warps, num_stages (as the launcher gave them)
+
+    @property
+    def kernel_name(self) -> str:
+        return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
+
+    @property
+    def buffers(self) -> Tuple[str, ...]:
+        """Buffer arguments in parameter order (the kernel's pointer parameters)."""
+        return tuple(a.value for a in self.args if a.kind == "buffer")
+
+    def arg(self, name: str) -> Arg:
+        return next(a for a in self.args if a.name == name)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    stage: str  # "forward" or "backward"
+    problem: AttnProblem
+    inputs: Dict[str, Tuple[Tuple[int, ...], str]]  # read-only buffers: name -> (shape, dtype)
+    buffers: Dict[str, Tuple[Tuple[int, ...], str]]  # outputs + workspaces (the stage's buffer table)
+    launches: Tuple[Launch, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """How one launch maps onto a custom call whose buffers are its operands followed by
+    its results, consumed in that order by the kernel's pointer parameters.
+
+    operands: buffers that exist before the launch, in parameter order; results: first
+    the buffers born here that the kernel takes (a suffix of its pointer parameters),
+    then the operands that are not inputs (updated in place: result i aliases operand j
+    for (j, i) in `aliases`), then buffers born here for later launches only."""
+
+    operands: Tuple[str, ...]
+    results: Tuple[str, ...]
+    aliases: Tuple[Tuple[int, int], ...]
+    n_param_results: int  # how many leading results the kernel takes as parameters
+
+
+# ---- recording ------------------------------------------------------------------------------
+_record_lock = threading.Lock()
+
+
+class _Recorder:
+    def __init__(self, names_by_id: Mapping[int, str]):
+        self.names_by_id = names_by_id
+        self.launches = []
+
+    def capture(self, kernel, grid, args, kwargs):
+        options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
+        signature = inspect.signature(kernel.fn)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        constexpr_names = _constexpr_names(kernel, signature)
+        recorded = []
+        for name, value in bound.arguments.items():
+            if name in constexpr_names:
+                recorded.append(Arg(name, "constexpr", value))
+            elif isinstance(value, torch.Tensor):
+                if id(value) not in self.names_by_id:
+                    raise RuntimeError(f"{kernel.fn.__name__}: argument {name} is not a buffer of the plan")
+                recorded.append(Arg(name, "buffer", self.names_by_id[id(value)]))
+            elif value is None:
+                recorded.append(Arg(name, "constexpr", None))  # Triton compiles an absent pointer in
+            elif isinstance(value, (bool, int, float)):
+                recorded.append(Arg(name, "scalar", value))
+            else:
+                raise NotImplementedError(f"{kernel.fn.__name__}: argument {name} of type {type(value).__name__} "
+                                          "cannot be replayed (a TMA descriptor? record with pointer loads)")
+        if callable(grid):
+            grid = grid(dict(bound.arguments))
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        self.launches.append(Launch(kernel, grid, tuple(recorded), tuple(sorted(options.items()))))
+
+
+def _constexpr_names(kernel, signature) -> set:
+    params = getattr(kernel, "params", None)
+    if params is not None:  # JITFunction
+        return {p.name for p in params if p.is_constexpr}
+    import triton.language as tl  # InterpretedFunction: read the annotations
+    return {n for n, prm in signature.parameters.items()
+            if prm.annotation is tl.constexpr or "constexpr" in str(prm.annotation)}
+
+
+_recording = threading.local()  # the recorder of this thread, while it records
+
+
+def _recording_getitem(original):
+    """`kernel[grid]` that records on a thread that is recording, and launches elsewhere."""
+    def getitem(self, grid):
+        recorder = getattr(_recording, "recorder", None)
+        if recorder is None:
+            return original(self, grid)
+        return lambda *args, **kwargs: recorder.capture(self, grid, args, dict(kwargs))
+    getitem.vsa_original = original
+    return getitem
+
+
+@contextlib.contextmanager
+def _capturing(recorder: _Recorder):
+    """Every `kernel[grid](...)` of the Triton kernels on this thread records instead of
+    launching; the attention kernels run their default config with pointer loads."""
+    from . import triton_kernels as K
+    from .backends import triton_backend as T
+
+    kernel_types = {type(obj) for obj in vars(K).values() if hasattr(obj, "fn") and hasattr(obj, "run")}
+    tuned_type = getattr(T, "_TunedKernel", None)
+    tuned = [obj for obj in vars(T).values() if tuned_type is not None and isinstance(obj, tuned_type)]
+    with _record_lock:
+        saved_getitem = {cls: cls.__getitem__ for cls in kernel_types}
+        saved_tuned = [obj.tuned for obj in tuned]
+        saved_tma = getattr(T, "USE_TMA", None)
+        try:
+            for cls in kernel_types:
+                cls.__getitem__ = _recording_getitem(cls.__getitem__)
+            for obj in tuned:
+                obj.tuned = None
+            if saved_tma is not None:
+                T.USE_TMA = False
+            _recording.recorder = recorder
+            yield
+        finally:
+            _recording.recorder = None
+            for cls, getitem in saved_getitem.items():
+                cls.__getitem__ = getitem
+            for obj, value in zip(tuned, saved_tuned):
+                obj.tuned = value
+            if saved_tma is not None:
+                T.USE_TMA = saved_tma
+
+
+def _placeholder(shape, dtype: str, problem: AttnProblem) -> torch.Tensor:
+    torch_dtype = _TORCH_DTYPES[problem.dtype if dtype == "input" else dtype]
+    return torch.empty(tuple(shape), dtype=torch_dtype, device="meta")
+
+
+def record_plan(stage: str, problem: AttnProblem, inputs: Mapping[str, Tuple[Tuple[int, ...], str]]) -> LaunchPlan:
+    """The launch plan of `stage` ("forward" / "backward") on the Triton backend.
+
+    `inputs`: the stage's input buffers by name (as `vsa_core.ops` names them) with their
+    shape and dtype name ("input" = q's dtype)."""
+    from . import ops
+    from .backends import triton_backend
+
+    if stage not in ("forward", "backward"):
+        raise ValueError(f"stage must be 'forward' or 'backward', got {stage!r}")
+    table = problem.forward_buffers() if stage == "forward" else problem.backward_buffers()
+    inputs = {n: (tuple(s), d) for n, (s, d) in inputs.items()}
+    both = set(inputs) & set(table)
+    if both:
+        raise ValueError(f"buffers {sorted(both)} are both inputs and outputs of the {stage}")
+    placeholders = {n: _placeholder(s, d, problem) for n, (s, d) in {**inputs, **table}.items()}
+    recorder = _Recorder({id(t): n for n, t in placeholders.items()})
+    run = ops.forward if stage == "forward" else ops.backward
+    with _capturing(recorder):
+        run(problem, triton_backend, placeholders)
+    return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches))
+
+
+# ---- scheduling onto custom calls -------------------------------------------------------------
+def schedule(plan: LaunchPlan) -> Tuple[Step, ...]:
+    """One Step per launch (see `Step`). A buffer is born (allocated, uninitialized, like
+    an output of the callback path) as a result of the first launch that takes it, when
+    it sits in the suffix of that launch's pointer parameters that follows every existing
+    buffer; otherwise (and for table buffers no launch takes) it is born, unused, by the
+    first launch, and passed as an operand from then on."""
+    launches = plan.launches
+    if not launches:
+        raise ValueError(f"the {plan.stage} plan has no launch")
+    inputs = set(plan.inputs)
+
+    def split(bufs, existing):
+        """(leading existing part, suffix of not-yet-existing buffers) or None if interleaved."""
+        i = len(bufs)
+        while i > 0 and bufs[i - 1] not in existing:
+            i -= 1
+        head, tail = bufs[:i], bufs[i:]
+        if any(b not in existing for b in head):
+            return None
+        return head, tail
+
+    # which buffers the first launch must bear in advance
+    existing = set(inputs)
+    early = []
+    for launch in launches:
+        bufs = launch.buffers
+        if split(bufs, existing) is None:
+            i = len(bufs)
+            while i > 0 and bufs[i - 1] not in existing:
+                i -= 1
+            early += [b for b in bufs[:i] if b not in existing and b not in early]
+            existing.update(bufs[:i])
+        existing.update(bufs)
+    early += [b for b in plan.buffers if b not in existing and b not in early]
+
+    steps = []
+    existing = set(inputs)
+    for index, launch in enumerate(launches):
+        bufs = launch.buffers
+        parts = split(bufs, existing)
+        if parts is None:
+            raise NotImplementedError(f"launch {index} ({launch.kernel_name}) takes a new buffer before an "
+                                      "existing one")
+        head, tail = parts
+        if len(set(tail)) != len(tail):
+            raise NotImplementedError(f"launch {index} ({launch.kernel_name}) takes a new buffer twice")
+        born_extra = tuple(b for b in early if b not in existing and b not in tail) if index == 0 else ()
+        in_place, aliases, seen = [], [], set()
+        for j, b in enumerate(head):
+            if b not in inputs and b not in seen:
+                seen.add(b)
+                aliases.append((j, len(tail) + len(in_place)))
+                in_place.append(b)
+        steps.append(Step(tuple(head), tuple(tail) + tuple(in_place) + born_extra, tuple(aliases), len(tail)))
+        existing.update(tail)
+        existing.update(born_extra)
+    missing = [b for b in plan.buffers if b not in existing]
+    if missing:
+        raise RuntimeError(f"buffers {missing} are never allocated")
+    return tuple(steps)
+
+
+# ---- compiling one launch for a CUDA target ----------------------------------------------------
+@dataclass(frozen=True)
+class CompiledLaunch:
+    launch: Launch
+    name: str  # the kernel's symbol in the binary
+    num_warps: int
+    num_ctas: int
+    shared_mem_bytes: int
+    ptx: str
+    cubin: bytes
+    # run-time parameters in order: ("buffer", name, ptr_divisibility) or ("scalar", value, type)
+    params: Tuple[Tuple, ...]
+    global_scratch_size: int
+
+
+class _TargetDriver:
+    """Stands in for Triton's active driver while compiling for a target without running
+    on it: device and stream are dummies (nothing is launched), the target is ours."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return ("vsa-plan", self.target.arch)  # its own entry in the kernel's per-device caches
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def __getattr__(self, name):
+        raise AttributeError(f"compiling for {self.target} without a device: driver.{name} is not available")
+
+
+_compile_lock = threading.Lock()
+
+
+def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> CompiledLaunch:
+    """Compiles `launch` for GPUTarget("cuda", capability, 32) (PTX and cubin, with
+    Triton's ptxas) through `JITFunction.warmup`, as an eager launch of these arguments
+    would be (buffers stand in as 16-byte aligned pointers of their dtype)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver as driver_config
+    from triton.runtime.jit import JITFunction, MockTensor
+
+    if not isinstance(launch.kernel, JITFunction):
+        raise RuntimeError("compiling needs Triton's compiler: unset TRITON_INTERPRET")
+    shapes = {**plan.inputs, **plan.buffers}
+    args = []
+    for a in launch.args:
+        if a.kind == "buffer":
+            shape, dtype = shapes[a.value]
+            args.append(MockTensor(_TORCH_DTYPES[plan.problem.dtype if dtype == "input" else dtype]))
+        else:
+            args.append(a.value)
+    target = GPUTarget("cuda", capability, 32)
+    with _compile_lock:
+        saved = driver_config._active
+        driver_config.set_active(_TargetDriver(target))
+        try:
+            compiled = launch.kernel.warmup(*args, grid=launch.grid, **dict(launch.options))
+        finally:
+            driver_config._active = saved
+    signature = compiled.src.signature
+    attrs = getattr(compiled.src, "attrs", {}) or {}
+    params = []
+    for index, a in enumerate(launch.args):
+        kind = signature[a.name] if a.name in signature else signature[index]
+        if kind == "constexpr":
+            continue
+        if a.kind == "buffer":
+            attr = attrs.get((index,), [])
+            params.append(("buffer", a.value, 16 if ["tt.divisibility", 16] in [list(x) for x in attr] else 0))
+        elif a.kind == "scalar":
+            value = bool(a.value) if kind == "i1" else float(a.value) if kind.startswith("fp") else int(a.value)
+            params.append(("scalar", value, kind))
+        else:
+            raise RuntimeError(f"{launch.kernel_name}: constexpr {a.name} compiled as a run-time {kind}")
+    md = compiled.metadata
+    return CompiledLaunch(launch, md.name, md.num_warps, getattr(md, "num_ctas", 1), md.shared, compiled.asm["ptx"],
+                          compiled.asm["cubin"], params, getattr(md, "global_scratch_size", 0) or 0)
+
+
+def forward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """The forward's input buffers of a VSA problem (q, k, v, counts, gate)."""
+    if not problem.is_vsa:
+        raise ValueError("forward_inputs describes VSA problems (selection='topk')")
+    inputs = {"q": (problem.token_shape(problem.q_len), "input"), "k": (problem.token_shape(problem.kv_len), "input"),
+              "v": (problem.token_shape(problem.kv_len), "input"), "kv_counts": ((problem.n_kv_blocks,), "int32"),
+              "q_counts": ((problem.n_q_blocks,), "int32")}
+    if problem.has_gate:
+        inputs["gate"] = (problem.token_shape(problem.q_len), "input")
+    return inputs
+
+
+def backward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """The VSA backward's inputs: dout, the forward's inputs and what it kept (all but `scores`)."""
+    kept = {n: spec for n, spec in problem.forward_buffers().items() if n != "scores"}
+    return {"dout": (problem.token_shape(problem.q_len), "input"), **forward_inputs(problem), **kept}

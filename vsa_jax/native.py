@@ -1,0 +1,126 @@
+"""Native launches for JAX on GPU: a stage's launch plan replayed as XLA custom calls.
+
+At trace time the stage's launch plan (`vsa_core.plan`) is recorded once per problem,
+each launch is compiled by Triton (the same kernel source and specialization the torch
+path compiles) for the device's compute capability, and the jitted program gets one
+custom call per launch to jaxlib's built-in `triton_kernel_call_ffi`: a typed XLA FFI
+handler that launches the kernel's PTX (compiled to a cubin once, when XLA instantiates
+the program) on the device's own XLA stream, marked command-buffer compatible (so XLA can
+capture it into a CUDA graph). No Python runs per call.
+
+Every output and workspace of the stage is an XLA buffer: it is born as a result of the
+first launch that takes it, and passed on to later launches with an input/output alias
+(updated in place), as `vsa_core.plan.schedule` lays out.
+
+Selected with `set_launch("native")` or VSA_JAX_LAUNCH=native (read at trace time: a
+function already jitted keeps the path it was traced with); "callback" (buffer_callback
+over vsa_core.ops) stays the default, the CPU (interpreter) path and the fallback. Only
+the Triton backend runs natively; the cute (FA4) backend stays on the callback path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import zlib
+from typing import Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from vsa_core import plan as core_plan
+from vsa_core.problem import AttnProblem
+
+LAUNCH_MODES = ("callback", "native")
+FFI_TARGET = "triton_kernel_call_ffi"
+_launch_mode = None  # set_launch(); None: VSA_JAX_LAUNCH or "callback"
+
+
+def set_launch(mode: str) -> None:
+    """Selects how later traced calls launch the kernels: "callback" or "native"."""
+    global _launch_mode
+    if mode not in LAUNCH_MODES:
+        raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {mode!r}")
+    _launch_mode = mode
+
+
+def launch_mode() -> str:
+    mode = _launch_mode or os.environ.get("VSA_JAX_LAUNCH", "callback") or "callback"
+    if mode not in LAUNCH_MODES:
+        raise ValueError(f"VSA_JAX_LAUNCH must be one of {LAUNCH_MODES}, got {mode!r}")
+    return mode
+
+
+def selected(impl) -> bool:
+    """True when this call launches natively: "native" is selected and the backend is Triton
+    (the cute backend has no plan yet and keeps the callback)."""
+    return launch_mode() == "native" and getattr(impl, "name", None) == "triton"
+
+
+# ---- trace time ----------------------------------------------------------------------------------
+def _capability() -> int:
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        device = jax.devices(device)[0]
+    if device.platform not in ("gpu", "cuda"):
+        raise RuntimeError(f"launch='native' needs a CUDA device (got {device.platform}); "
+                           "use the callback launch on the CPU")
+    major, minor = str(device.compute_capability).split(".")[:2]
+    return int(major) * 10 + int(minor)
+
+
+def _kernel_call(compiled: core_plan.CompiledLaunch, capability: int) -> bytes:
+    """The zlib-compressed TritonAnyKernelCall proto that triton_kernel_call_ffi reads."""
+    from jax._src.lib import gpu_triton  # importing it registers the FFI target with XLA
+
+    if getattr(gpu_triton, "TritonKernel", None) is None:
+        raise RuntimeError("jaxlib has no CUDA Triton support (install jax[cuda]); use the callback launch")
+    if compiled.global_scratch_size:
+        raise NotImplementedError(f"{compiled.name} needs a global scratch buffer")
+    kernel = gpu_triton.TritonKernel(compiled.name, compiled.num_warps, compiled.num_ctas,
+                                     compiled.shared_mem_bytes, compiled.ptx, "", capability)
+    params = []
+    for param in compiled.params:
+        if param[0] == "buffer":
+            params.append(gpu_triton.create_array_parameter(0, param[2]))
+        else:
+            _, value, kind = param
+            value = bool(value) if kind == "i1" else value
+            params.append(gpu_triton.create_scalar_parameter(value, kind))
+    call = gpu_triton.TritonKernelCall(kernel, *compiled.launch.grid, params)
+    return zlib.compress(call.to_proto(compiled.launch.kernel_name, b""))
+
+
+@functools.lru_cache(maxsize=None)
+def native_program(stage: str, p: AttnProblem, inputs: Tuple[Tuple[str, Tuple[int, ...], str], ...],
+                   capability: int):
+    """(plan, steps, kernel calls) of one stage of one problem, built once."""
+    plan = core_plan.record_plan(stage, p, {n: (s, d) for n, s, d in inputs})
+    steps = core_plan.schedule(plan)
+    calls = tuple(_kernel_call(core_plan.compile_launch(launch, plan, capability), capability)
+                  for launch in plan.launches)
+    return plan, steps, calls
+
+
+_DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8, "bool": jnp.bool_}
+
+
+def _result_type(spec, p: AttnProblem):
+    shape, dtype = spec
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(p.dtype) if dtype == "input" else _DTYPES[dtype])
+
+
+def run(stage: str, p: AttnProblem, inputs: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    """Same contract as the callback path: every output and workspace of the stage's table."""
+    described = tuple(sorted((n, tuple(int(s) for s in x.shape), jnp.dtype(x.dtype).name)
+                             for n, x in inputs.items()))
+    plan, steps, calls = native_program(stage, p, described, _capability())
+    current = dict(inputs)
+    for step, call in zip(steps, calls):
+        operands = [current[n] for n in step.operands]
+        specs = {**plan.inputs, **plan.buffers}
+        result_types = tuple(_result_type(specs[n], p) for n in step.results)
+        results = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=dict(step.aliases),
+                                   vmap_method="sequential")(*operands, opaque=call)
+        current.update(zip(step.results, results))
+    return {n: current[n] for n in plan.buffers}
