@@ -58,8 +58,6 @@ import functools
 import math
 from typing import Optional
 
-import torch
-
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
 from .cute_backend import add_block_grad, mix_coarse
