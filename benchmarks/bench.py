@@ -40,10 +40,11 @@ def parse_args(argv=None):
                    help="override topk of every shape: topk = round((1 - sparsity) * number of KV blocks)")
     p.add_argument("--only", choices=("fine", "vsa"), default=None,
                    help="run only the fine stage (block_sparse_attn) or only the whole VSA; peers always run")
-    p.add_argument("--backends", default="triton,cute", help="our fine-stage backends to run")
+    p.add_argument("--backends", default="triton,cute,cudnn", help="our fine-stage backends to run")
     p.add_argument("--frontends", default="eager,compile,jax",
                    help="eager (PyTorch), compile (torch.compile), jax (jax.jit)")
-    p.add_argument("--peers", default="flex,sdpa,fa4", help="flex (same block map), sdpa (dense), fa4 (dense)")
+    p.add_argument("--peers", default="flex,sdpa,fa4,cudnn",
+                   help="flex (same block map), sdpa (dense), fa4 (dense), cudnn (cuDNN BSA, same block map)")
     p.add_argument("--reps", type=int, default=None,
                    help="cuda: do_bench runs per measurement, median of their medians (default 1); "
                         "cpu: timed calls per measurement (default 3)")
@@ -499,6 +500,16 @@ def run_peers(x: Inputs, args, timer: Timer, rows: List[Row]):
                 return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(grad)
             c = torch_contender(forward, (bshd(q), bshd(k), bshd(v)), bshd(dout, False))
             measure(row, c, timer, device, args.tol, forward_only_ok=True)
+    if "cudnn" in names:
+        label, forward, why = peers.cudnn_bsa(x.block_map, shape.E) if device == "cuda" else (None, None, "GPU only")
+        row = Row(shape.name, "peer", label or "cudnn-bsa", flops_fwd=shape.sparse_flops())
+        rows.append(row)
+        if forward is None:
+            row.status = f"skipped: {why}"
+            log(f"  peer cudnn-bsa skipped: {why}")
+        else:
+            measure(row, torch_contender(forward, (q, k, v), dout), timer, device, args.tol, ref, ref_name,
+                    forward_only_ok=True)
     return ref, ref_name
 
 
@@ -635,6 +646,7 @@ def versions() -> dict:
     except Exception:
         info["jax"] = None
     info["fa4"] = peers.fa4_version()
+    info["cudnn_frontend"] = peers.cudnn_version()
     return info
 
 

@@ -4,7 +4,10 @@ on `[B, H, S, D]` tensors so the harness can time and differentiate them like ou
 - FlexAttention on the same block map (block-sparse, numerically comparable: it is the
   correctness reference of the fine stage);
 - torch SDPA with the FLASH backend, dense (what sparse attention replaces);
-- FlashAttention-4 (`flash_attn.cute`), dense, when installed.
+- FlashAttention-4 (`flash_attn.cute`), dense, when installed;
+- cuDNN frontend's block-sparse attention (`cudnn.BSA`) on the same block map, when installed:
+  the library as its own API takes it (fixed count per row, full blocks), 64-token blocks as
+  they are, 128/256-token blocks as 128-token blocks.
 """
 
 from __future__ import annotations
@@ -142,6 +145,54 @@ def fa4_dense() -> Tuple[Optional[Callable], Optional[str]]:
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2)
     return forward, None
+
+
+def cudnn_bsa(block_map: Tensor, block_elems: int) -> Tuple[Optional[str], Optional[Callable], Optional[str]]:
+    """cuDNN BSA forward (differentiable through its backward) on [B, H, S, D] tensors, for
+    the block map's KV blocks. Returns (label, forward, None) or (None, None, why not).
+
+    Its sparse block is 64 or 128 tokens: a 256-token block is 2x2 blocks of 128 (same
+    FLOPs). Every row of the bench's map has the same count, so it runs with a fixed
+    `block_sparse_num` and no `block_sizes` (all blocks full): the library's fastest form.
+    The lists are built here, once, not timed."""
+    try:
+        from cudnn import BSA
+    except Exception as e:
+        return None, None, f"cudnn.BSA does not import ({type(e).__name__}: {e})"
+    sparse = 64 if block_elems == 64 else 128
+    table = block_map
+    if block_elems > sparse:
+        r = block_elems // sparse
+        table = table.repeat_interleave(r, dim=-2).repeat_interleave(r, dim=-1)
+    counts, indices = selected_lists(table)
+    count = int(counts.max())
+    if int(counts.min()) != count:
+        return None, None, "cudnn-bsa peer: rows with different counts (the bench's maps have a fixed topk)"
+    indices = indices[..., :count].contiguous()
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            res = BSA.block_sparse_attention_forward(q, k, v, indices, count, sparse_block_size=sparse)
+            ctx.save_for_backward(q, k, v, res["o_tensor"], res["lse_tensor"])
+            return res["o_tensor"]
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            res = BSA.block_sparse_attention_backward(dout.contiguous(), q, k, v, out, lse, indices, count,
+                                                      sparse_block_size=sparse)
+            return res["dq_tensor"], res["dk_tensor"], res["dv_tensor"]
+
+    return f"cudnn-bsa (blk{sparse})", Attention.apply, None
+
+
+def cudnn_version() -> Optional[str]:
+    try:
+        import cudnn
+        return getattr(cudnn, "__version__", "installed (version unknown)")
+    except Exception:
+        return None
 
 
 def fa4_version() -> Optional[str]:

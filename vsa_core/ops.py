@@ -65,4 +65,4 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
             p, b["q"], b["k"], b["v"], b["lse"], b["dout"], b["delta"], b["dq"], b["dk"], b["dv"],
             b["sel_idx"], b["sel_num"], b["inv_idx"], b["inv_num"], b["kv_counts"], q_counts=b.get("q_counts"),
             dq_pool=b.get("dq_pool"), dk_pool=b.get("dk_pool"), dv_pool=b.get("dv_pool"),
-            out=b["out"], gate=b.get("gate"), out_coarse=b.get("out_coarse"))
+            out=b["out"], gate=b.get("gate"), out_coarse=b.get("out_coarse"), out_fine=b.get("out_fine"))

@@ -236,7 +236,15 @@ def topk_select_kernel(
     """Per score row: the `topk` highest finite scores (ties to the lower index).
 
     Writes the ascending index list, its length and the row of the 0/1 block mask.
-    Empty KV blocks carry a -inf score and are never taken.
+    Empty KV blocks carry a -inf score and are never taken; k = min(topk, finite scores).
+
+    One threshold pass instead of k rounds of max + argmin: each score's fp32 bit
+    pattern, read as an int32, is mapped to a key with the same order as the floats
+    (negative floats have their magnitude bits flipped), the k-th largest key T
+    is found bit by bit from the top (32 counting passes: keep a bit if at least k keys
+    are >= the threshold with it set), and the row takes every key > T plus the
+    lowest-index keys == T until it has k: the same set as k rounds of "largest score,
+    lowest index first". -0.0 is made +0.0 first, as the two compare equal.
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, N_PAD)
@@ -244,13 +252,18 @@ def topk_select_kernel(
     scores = tl.load(SCORES + row * n_kv + cols, mask=in_range, other=float("-inf"))
     n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
     k_eff = tl.minimum(topk, n_finite)
-    chosen = tl.zeros([N_PAD], tl.int32)
-    for i in range(0, k_eff):
-        best = tl.max(scores, axis=0)
-        pick = tl.min(tl.where(scores == best, cols, N_PAD), axis=0)
-        hit = cols == pick
-        chosen = tl.where(hit, 1, chosen)
-        scores = tl.where(hit, float("-inf"), scores)
+    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # ordered like the floats
+    threshold = tl.full([], -2147483648, tl.int64)  # the smallest key; raised one bit at a time
+    step = tl.full([], 1, tl.int64) << 31
+    for _ in range(0, 32):
+        candidate = threshold + step
+        threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= k_eff, candidate, threshold)
+        step = step >> 1
+    above = key > threshold  # fewer than k_eff of them
+    ties = (key == threshold).to(tl.int32)
+    need = k_eff - tl.sum(above.to(tl.int32), axis=0)
+    chosen = (above | ((ties > 0) & (tl.cumsum(ties, axis=0) <= need))).to(tl.int32)
     slot = tl.cumsum(chosen, axis=0) - 1
     tl.store(SEL_IDX + row * idx_capacity + slot, cols, mask=chosen > 0)
     tl.store(SEL_NUM + row, k_eff)

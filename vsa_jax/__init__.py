@@ -81,7 +81,7 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
-    `backend`: "auto", "triton" or "cute" (VSA_BACKEND in the environment replaces "auto").
+    `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").
     `variable_block_sizes` / `q_variable_block_sizes` values must lie in [0, E]: concrete
     values raise ValueError otherwise; traced ones are not checked and act as clamped to
     [0, E] (above E a full block, below 0 an empty one).

@@ -3,8 +3,10 @@
 The coarse branch and the sparse metadata always run on the Triton kernels; a
 backend provides `sparse_forward` / `sparse_backward` for the fine stage, plus
 `unavailable_reason(problem, device)` (None when it can run). `backend="auto"`
-takes the first available entry of AUTO_ORDER (fastest first); `VSA_BACKEND` in the
-environment replaces "auto". Asking for a backend by name that cannot run raises
+takes the first available backend of `auto_table.auto_order(problem, device)`: the
+fastest first, per (architecture, block size, head dim, dtype), from a measured table,
+DEFAULT_ORDER for shapes it has no entry for; `VSA_BACKEND` in the environment
+replaces "auto". Asking for a backend by name that cannot run raises
 BackendUnavailableError with the reason.
 """
 
@@ -14,10 +16,10 @@ import os
 
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING, DeviceInfo
-from . import cute_backend, triton_backend
+from . import cudnn_backend, cute_backend, triton_backend
+from .auto_table import auto_order
 
-BACKENDS = {"triton": triton_backend, "cute": cute_backend}
-AUTO_ORDER = ("cute", "triton")
+BACKENDS = {"triton": triton_backend, "cute": cute_backend, "cudnn": cudnn_backend}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -41,7 +43,7 @@ def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo):
         backend = os.environ.get("VSA_BACKEND", "auto") or "auto"
     if backend == "auto":
         reasons = []
-        for candidate in AUTO_ORDER:
+        for candidate in auto_order(problem, device):
             reason = BACKENDS[candidate].unavailable_reason(problem, device)
             if reason is None:
                 return BACKENDS[candidate]

@@ -1,0 +1,44 @@
+"""The order in which backend="auto" tries the backends: fastest first, per
+(architecture, block size, head dim, dtype), as measured by benchmarks/bench.py.
+
+Each entry is a measurement, not a guess: it says where its numbers come from. A key
+that is not here falls back to DEFAULT_ORDER; a backend that cannot run a call (not
+installed, or the call is outside what it supports, e.g. a backward it cannot do)
+falls through to the next one, with its reason kept for the error message when none can.
+Update the entries from a benchmark run (fine stage, forward and backward TFLOPS) and
+say so in the comment.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from ..problem import AttnProblem
+from ..runtime import DeviceInfo
+
+# the order before any table entry existed: FA4 CuTe where it runs, Triton everywhere
+DEFAULT_ORDER: Tuple[str, ...] = ("cute", "triton")
+
+# (arch, tokens per block E, head dim, dtype) -> backends, fastest first
+TABLE = {
+    # H200 (sm_90), bf16, D=128, fine stage, fwd / bwd TFLOPS on sparse FLOPs, measured side by
+    # side in one process before the cudnn backend existed (issue 9, 2026-11-29): 480p-64
+    # (B1 H12 S39936, top-62): cuDNN frontend 1.32 BSA 525 / 422, triton 408 / 395.
+    # PROVISIONAL: to be replaced by benchmarks/cudnn_check.py / bench.py rows of the cudnn backend.
+    ("sm_90", 64, 128, "bfloat16"): ("cudnn", "triton"),
+    # H200 (sm_90), bf16, D=128, same run: 480p-256 (top-20) cute 630 / 547, cuDNN BSA as
+    # 128-token blocks 550 / 529, triton below both; 720p-256 (B1 H40 S92160, top-45) cute
+    # 640 / 517, cuDNN BSA 562 / 525. The cudnn backend does not take 256-token blocks.
+    ("sm_90", 256, 128, "bfloat16"): ("cute", "triton"),
+}
+
+
+def arch_of(device: DeviceInfo) -> Optional[str]:
+    if device.kind != "cuda" or device.capability is None:
+        return None
+    return f"sm_{device.capability[0]}{device.capability[1]}"
+
+
+def auto_order(problem: AttnProblem, device: DeviceInfo) -> Tuple[str, ...]:
+    key = (arch_of(device), problem.block_elems, problem.head_dim, problem.dtype)
+    return TABLE.get(key, DEFAULT_ORDER)

@@ -1,0 +1,160 @@
+"""cuDNN backend: NVIDIA cuDNN frontend's block-sparse attention (`cudnn.BSA`) for the fine stage.
+
+Same contract as the Triton and CuTe backends (`sparse_forward` / `sparse_backward` on
+the buffers of `AttnProblem.forward_buffers` / `backward_buffers`, same outputs). The
+kernels are CuTe DSL kernels shipped in nvidia-cudnn-frontend 1.32.0 (no libcudnn
+call); the package is imported lazily: importing vsa_core never needs it.
+
+What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_attention/):
+- forward: `_interface.bsa_attn_fwd` (the function behind the public
+  `block_sparse_attention_forward`, which has no `out=`/`lse=` arguments), with
+  sparse_block_size = E. At E = 64 (the sm_90 "blk64" kernel) it writes the output
+  straight into our `out` buffer through a strided view, either layout, and copies its
+  lse into ours; at E = 128 (the sm_90 "blk128" kernel, which allocates its outputs)
+  out and lse are copied into our buffers.
+- backward: the public `block_sparse_attention_backward` with dq/dk/dv given
+  (`dq_tensor=...`): gradients are written into our buffers, either layout. It rebuilds
+  its own K-to-Q lists from the query-owned lists on every call (CuTe kernels, atomics:
+  the order of those lists, and hence dK/dV's summation order, and dQ's atomic adds,
+  are not deterministic run to run).
+- selection: our own. `sel_idx` [B, H, nQ, capacity] (ascending, int32) and `sel_num`
+  [B, H, nQ] go in as q2k_block_index / q2k_block_nums, and `kv_counts` (valid tokens
+  at the start of each block) as block_sizes [nKV]: the kernels mask KV tokens at or past
+  a block's size. Nothing is converted, nothing is synchronised with the host.
+  `allow_empty_block_nums=True`: a query block with no (or only empty) blocks gives
+  out 0 and lse -inf (the kernel's "empty-safe" finaliser; without it such rows are NaN).
+- lse: natural-log fp32 [B, H, Sq], -inf where a row sees nothing: our contract as is.
+  The backward takes it back in the same form (it converts to log2 itself).
+- coarse mixing (VSA): like the CuTe backend, `mix_coarse` turns the fine output in
+  `out` into out_fine + gate * out_c in place and, training, keeps the fine output in
+  fp32 (`out_fine`, holding exactly the values written in q's dtype).
+- backward delta: cuDNN's backward forms delta = rowsum(O * dO) from the O it is given
+  and has no dlse input. With the coarse branch we give it O = out_fine cast back to
+  q's dtype (exact: those are the fine output's own values), so its delta is our
+  rowsum(dO * out_fine) up to summation order: FlashAttention's recipe from a bf16 O,
+  as in the CuTe backend. This allocates one O-sized tensor per backward.
+- pooling gradients (VSA): cuDNN writes dq/dk/dv of the fine branch; then
+  `add_block_grad` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count in place.
+- streams: every cuDNN BSA launch goes to `torch.cuda.current_stream()` of the current
+  device, which `vsa_core.runtime.launch_stream` has made the caller's (XLA's under JAX).
+
+What it supports (sm_90 only: the architecture this is wired and tested for): forward
+bf16/fp16, head dim 64/128, 64- and 128-token blocks; backward bf16 and head dim 128
+only (one KV head per query head: always ours). A call that may need a backward
+(`problem.training`, which the frontends set whenever gradients may be asked for) is
+refused where the backward cannot run, so training never mixes two backends; inference
+(torch.no_grad or no input requiring grad) of fp16 or head dim 64 runs the forward here.
+256-token blocks are not handled (the CuTe backend is faster there).
+
+Allocation: unlike the Triton backend, cuDNN's wrappers allocate (on the current stream,
+torch's caching allocator): lse and an expanded copy of block_sizes per forward, the
+K-to-Q lists and an fp32 workspace (dQ/dK/dV accumulators) per backward, plus our O
+copy; none of it is declared in the buffer tables, which stay backend-independent.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+from ..problem import AttnProblem
+from ..runtime import DeviceInfo
+from .cute_backend import add_block_grad, mix_coarse
+
+name = "cudnn"
+TESTED_VERSION = "1.32.0"
+INSTALL_HINT = "pip install 'vsa[cudnn]' (nvidia-cudnn-frontend[cutedsl]==1.32.0, nvidia-cutlass-dsl==4.8.1)"
+
+BLOCK_ELEMS = (64, 128)         # cuDNN BSA's sparse block sizes on sm_90; our blocks map one to one
+BACKWARD_DTYPE = "bfloat16"     # its sm_90 backward: bf16, head dim 128
+BACKWARD_HEAD_DIM = 128
+ALIGN = 128                     # its sm_90 blk64 forward compiles q/k/v/out with assumed_align=128 (bytes)
+
+
+# ---- availability --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _cudnn_import_error() -> Optional[str]:
+    """None when cuDNN frontend's BSA interface imports, else the error (imported once, on demand)."""
+    try:
+        import cudnn
+        from cudnn.block_sparse_attention import _interface  # noqa: F401  (compiles nothing yet)
+        from cudnn.block_sparse_attention import api  # noqa: F401
+    except Exception as e:  # ImportError, or a cutlass-dsl / CUDA setup that fails at import
+        return f"{type(e).__name__}: {e}"
+    version = getattr(cudnn, "__version__", "?")
+    if version != TESTED_VERSION:
+        # we call its private forward (for out=): only the tested version is trusted
+        return f"nvidia-cudnn-frontend {version} is installed, the cudnn backend is tested with {TESTED_VERSION}"
+    return None
+
+
+def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
+    if device.kind != "cuda":
+        return f"it runs on NVIDIA GPUs only, the tensors are on {device.kind}"
+    cap = device.capability or (0, 0)
+    if cap[0] != 9:
+        return (f"the cudnn backend runs cuDNN BSA's sm_90 kernels (H100/H200); this GPU is sm_{cap[0]}{cap[1]}")
+    if problem.block_elems not in BLOCK_ELEMS:
+        return (f"{problem.block_elems}-token blocks: cuDNN BSA's sm_90 kernels take blocks of {BLOCK_ELEMS} tokens "
+                "(256-token blocks run on the cute or triton backend)")
+    if problem.training and (problem.dtype != BACKWARD_DTYPE or problem.head_dim != BACKWARD_HEAD_DIM):
+        return (f"cuDNN BSA's sm_90 backward needs {BACKWARD_DTYPE} and head dim {BACKWARD_HEAD_DIM} "
+                f"(got {problem.dtype}, head dim {problem.head_dim}) and this call may need a backward; "
+                "its forward runs in inference (torch.no_grad(), or no input requiring grad)")
+    err = _cudnn_import_error()
+    if err is not None:
+        return f"cuDNN frontend's block-sparse attention cannot be used ({err}); install it: {INSTALL_HINT}"
+    return None
+
+
+def _cudnn():
+    from cudnn.block_sparse_attention import _interface, api
+    return _interface.bsa_attn_fwd, api.block_sparse_attention_backward
+
+
+def _check_aligned(**tensors) -> None:
+    for arg, t in tensors.items():
+        if t.data_ptr() % ALIGN:
+            raise ValueError(f"the cudnn backend needs {arg} to start at a {ALIGN}-byte aligned address "
+                             f"(cuDNN BSA's TMA loads assume it); got address {t.data_ptr():#x}")
+
+
+# ---- the fine stage -------------------------------------------------------------------------
+def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
+                   out_fine=None, **_unused):
+    bsa_fwd, _ = _cudnn()
+    _check_aligned(q=q, k=k, v=v, out=out)
+    direct = p.block_elems == 64  # the blk64 forward writes into given out/lse; blk128 allocates its own
+    o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], kv_counts, q2k_block_nums=sel_num,
+                   allow_empty_block_nums=True, softmax_scale=1.0 / math.sqrt(p.head_dim), return_lse=True,
+                   out=out if direct else None, lse=lse if direct else None, layout=p.layout, kv_splits=1,
+                   sparse_block_size=p.block_elems)
+    if not direct:
+        out.copy_(o)
+        lse.copy_(m)
+    if out_coarse is not None:
+        mix_coarse(p, out, out_coarse, gate=gate, out_fine=out_fine)
+
+
+def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
+                    sel_idx, sel_num, inv_idx, inv_num, kv_counts, q_counts=None,
+                    dq_pool=None, dk_pool=None, dv_pool=None, out=None, out_coarse=None, out_fine=None,
+                    **_unused):
+    """dq, dk, dv of the fine stage by cuDNN (from the query-owned lists: it builds its own
+    K-to-Q lists), then the pooling gradients. `delta`, `inv_idx`, `inv_num` are not used."""
+    _, bsa_bwd = _cudnn()
+    if out_coarse is not None:
+        if out_fine is None:
+            raise ValueError("the cudnn backend's VSA backward needs the forward's fp32 fine output `out_fine`")
+        o = out_fine.to(q.dtype)  # the fine output's own values (exact), for cuDNN's delta = rowsum(O * dO)
+    else:
+        if out is None:
+            raise ValueError("the cudnn backend's backward needs the forward output `out`")
+        o = out
+    bsa_bwd(dout, q, k, v, o, lse, sel_idx, None, kv_counts, sel_num, softmax_scale=1.0 / math.sqrt(p.head_dim),
+            dq_tensor=dq, dk_tensor=dk, dv_tensor=dv, sparse_block_size=p.block_elems, layout=p.layout)
+    if dq_pool is not None:
+        add_block_grad(p, dq, dq_pool, q_counts, p.q_len)
+        add_block_grad(p, dk, dk_pool, kv_counts, p.kv_len)
+        add_block_grad(p, dv, dv_pool, kv_counts, p.kv_len)
