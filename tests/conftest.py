@@ -5,6 +5,11 @@ import os
 import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# two CPU devices, so the SPMD tests (shard_map, sharded jit) run without a GPU; XLA reads
+# the flag when jax first creates its CPU backend, so it is set before anything imports jax
+_HOST_DEVICES = "--xla_force_host_platform_device_count=2"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _HOST_DEVICES).strip()
 # the repo root, for runs without an install (the GPU machine: PYTHONPATH-free pytest from tests/)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Triton's interpreter keeps global state while it runs a kernel (it patches the
+# `triton.language` functions for the duration of a launch), so two threads
+# interpreting at once break each other. That happens as soon as a process holds
+# several CPU devices: XLA runs each device's buffer callback on its own thread
+# (XLA_FLAGS=--xla_force_host_platform_device_count=N). CPU launches therefore
+# take this process-wide lock; GPU launches (compiled kernels) never do.
+_INTERPRETER_LOCK = threading.RLock()
 
 
 def as_tensor(buf) -> torch.Tensor:
@@ -45,10 +54,12 @@ def launch_stream(stream: Optional[int], device: torch.device):
     JAX passes XLA's stream).
 
     Triton launches on torch's *current* device, not the tensors' device, so a call on
-    cuda:1 while cuda:0 is current must switch device first.
+    cuda:1 while cuda:0 is current must switch device first. On the CPU (the Triton
+    interpreter) the context holds the interpreter lock: one call's launches at a time
+    per process.
     """
     if device.type != "cuda":
-        return contextlib.nullcontext()
+        return _INTERPRETER_LOCK
     scope = contextlib.ExitStack()
     scope.enter_context(torch.cuda.device(device))
     if stream is not None:

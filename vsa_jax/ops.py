@@ -97,9 +97,38 @@ def _callback(stage: str, p: AttnProblem, impl):
     return buffer_callback(callback, _shape_dtypes(specs, dtype), vmap_method="sequential")
 
 
+# ---- varying manual axes (jax.shard_map with check_vma) -------------------------------------
+# Inside shard_map every value's type says over which manual mesh axes it varies (its
+# "vma"). A buffer_callback's results carry none (they are typed as invariant), but
+# each device computes its own values: they vary exactly as the inputs do. So the
+# inputs are first made to vary alike (outside the custom_vjp, where JAX's own
+# transpose of the cast sums the gradient of an input that did not vary), and every
+# callback result is cast to that common vma.
+def _vma(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; later versions: aval.vma
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary(x, axes: frozenset):
+    """x, cast to vary over `axes` (a superset of its own vma)."""
+    missing = tuple(a for a in axes if a not in _vma(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _vary_alike(*xs):
+    """The arrays of xs (None kept), each cast to vary over the union of their vmas."""
+    axes = frozenset().union(*(_vma(x) for x in xs if x is not None))
+    return tuple(None if x is None else _vary(x, axes) for x in xs)
+
+
 def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
-    """Runs one stage; returns every output and workspace of its buffer table."""
-    return _callback(stage, p, impl)({n: x for n, x in inputs.items() if x is not None})
+    """Runs one stage; returns every output and workspace of its buffer table, typed
+    as varying like its inputs (which vary alike, see _vary_alike)."""
+    inputs = {n: x for n, x in inputs.items() if x is not None}
+    axes = frozenset().union(*(_vma(x) for x in inputs.values()))
+    results = _callback(stage, p, impl)(inputs)
+    return {n: _vary(x, axes) for n, x in results.items()}
 
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True):
@@ -109,8 +138,13 @@ def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, sele
 
 # ---- VSA ----------------------------------------------------------------------------------
 # topk, block_elems, layout and the resolved backend module are static (hashable).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def vsa(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl):
+    q, k, v, kv_counts, q_counts, gate = _vary_alike(q, k, v, kv_counts, q_counts, gate)
+    return _vsa(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _vsa(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl):
     """Primal (no gradient asked for): the inference forward, nothing kept for a backward."""
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False)
     return _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate)["out"]
@@ -133,7 +167,7 @@ def _vsa_bwd(topk, block_elems, layout, impl, residuals, dout):
     return grads["dq"], grads["dk"], grads["dv"], None, None, grads.get("dgate")
 
 
-vsa.defvjp(_vsa_fwd, _vsa_bwd)
+_vsa.defvjp(_vsa_fwd, _vsa_bwd)
 
 
 # ---- block-sparse attention with a given selection ----------------------------------------
@@ -169,5 +203,6 @@ _bsa.defvjp(_bsa_fwd, _bsa_bwd)
 
 
 def bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl):
+    q, k, v, kv_counts, block_map, sel_idx, sel_num = _vary_alike(q, k, v, kv_counts, block_map, sel_idx, sel_num)
     out, lse = _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl)
     return out, jax.lax.stop_gradient(lse)
