@@ -140,10 +140,10 @@ def test_gloo_equals_one_device_and_bad_shards_raise(tmp_path):
     for job, case in enumerate(CPU_CASES):
         check_against_one_device(case, gathered(ranks, job), "auto", "cpu", ("out",) + GRADS)
 
-    expect = {"heads": "not divisible by the process group's size 2",
+    expect = {"heads": "not divisible by the group size 2",
               "whole_blocks": "not a whole number of 64-token blocks",
               "cover": "must cover the whole sequence",
-              "unequal": "every rank must hold an equal shard"}
+              "unequal": "every device must hold an equal shard"}
     for rank, r in enumerate(ranks):
         for name, text in expect.items():
             kind, message = r["errors"][name]

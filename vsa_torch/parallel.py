@@ -25,15 +25,13 @@ length (a check across ranks would cost a collective and a host sync per call).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vsa_core.problem import block_elements, describe_attention
+from vsa_core.sequence_parallel import check_ulysses_shards
 
 from . import _require_tensors, video_sparse_attn_bshd
 
@@ -107,48 +105,6 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _num_blocks(name: str, counts) -> int:
-    shape = tuple(counts.shape) if hasattr(counts, "shape") else np.shape(counts)
-    if len(shape) != 1:
-        raise ValueError(f"{name} must be a 1-D array of per-block token counts of the whole sequence, "
-                         f"got shape {shape}")
-    return shape[0]
-
-
-def _check_shards(q, k, v, gate, kv_counts, q_counts, block_size, topk, P: int):
-    """Checks this rank's shards against the group and the counts; returns the problem
-    each rank runs after the exchange (described by shape only, before any collective)."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("compress_attn_weight", gate)):
-        if x is not None and x.dim() != 4:
-            raise ValueError(f"{name} must be this rank's shard [B, S/P, H, D], got shape {tuple(x.shape)}")
-    E = block_elements(block_size)
-    heads = q.shape[2]
-    if heads % P:
-        raise ValueError(f"q has {heads} heads, not divisible by the process group's size {P} "
-                         f"(Ulysses gives each rank H/P whole heads)")
-    for name, x, counts_name, counts in (("q", q, "q_variable_block_sizes", q_counts),
-                                         ("k", k, "variable_block_sizes", kv_counts)):
-        shard = x.shape[1]
-        if shard < E or shard % E:
-            raise ValueError(f"{name}'s shard holds {shard} tokens on this rank, not a whole number of "
-                             f"{E}-token blocks (each rank must hold whole blocks of the tile order)")
-        n_blocks = _num_blocks(counts_name, counts)
-        if n_blocks * E != P * shard:
-            raise ValueError(f"{counts_name} describes {n_blocks} blocks = {n_blocks * E} tokens, but "
-                             f"{P} ranks x {shard}-token {name} shards hold {P * shard}: the counts must "
-                             f"cover the whole sequence and every rank must hold an equal shard")
-    if v.shape[1] != k.shape[1]:
-        raise ValueError(f"v's shard must have k's length ({k.shape[1]}), got {v.shape[1]}")
-
-    def after_exchange(x):  # [B, s, H, D] -> [B, P*s, H/P, D]
-        B, s, H, D = x.shape
-        return SimpleNamespace(shape=(B, P * s, H // P, D), dtype=x.dtype)
-
-    return describe_attention(after_exchange(q), after_exchange(k), after_exchange(v), block_size=block_size,
-                              layout="bshd", kv_counts=kv_counts, q_counts=q_counts, topk=topk,
-                              gate=None if gate is None else after_exchange(gate))
-
-
 # ---- the operator -------------------------------------------------------------------------
 def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes,
                               topk: int, block_size=64, compress_attn_weight: Optional[Tensor] = None, *,
@@ -164,8 +120,8 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     """
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     P = _group_size(group)
-    _check_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes, block_size,
-                  topk, P)
+    check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
+                         block_size=block_size, topk=topk, group_size=P)
     if P == 1:
         return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
                                       compress_attn_weight, backend=backend)
