@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices"
 NAMES = ("out", "dq", "dk", "dv", "dgate")
 CASES = [
     Case(batch=1, heads=2, n_q_blocks=4, n_kv_blocks=4, layout="bshd"),   # gate, partial and empty blocks
-    Case(batch=2, heads=4, n_q_blocks=2, n_kv_blocks=4, topk=3, gate=False, layout="bshd", dtype="float16",
-         block=(4, 4, 4)),                                                # Sq != Skv, 2 heads per device
+    Case(batch=2, heads=6, n_q_blocks=2, n_kv_blocks=4, topk=3, gate=False, layout="bshd", dtype="float16",
+         block=(4, 4, 4)),                                                # Sq != Skv, 3 heads per device
 ]
 
 

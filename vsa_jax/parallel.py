@@ -32,22 +32,29 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vsa_core.problem import block_elements
-from vsa_core.sequence_parallel import check_ulysses_shards
+from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
 
 from . import _ops, _require_arrays, video_sparse_attn_bshd
 
 __all__ = ["ulysses_video_sparse_attn", "ulysses_video_sparse_attn_on_mesh"]
 
 
-def _sequence_to_heads(x, axis_name):
-    """[B, S/P, H, D] on each device -> [B, S, H/P, D]: heads split, sequence gathered in
-    device order along the axis (tiled: chunk i of the split goes to device i)."""
+def _sequence_to_heads(x, axis_name, heads=None):
+    """[B, S/P, H, D] on each device -> [B, S, h, D] for the chunk [h0, h1) of every device's
+    H/P heads (default: all of them): device p receives its heads p*H/P + [h0, h1), the
+    sequence gathered in device order along the axis (tiled: chunk i goes to device i)."""
+    B, s, H, D = x.shape
+    P = jax.lax.axis_size(axis_name)
+    h0, h1 = heads or (0, H // P)
+    x = x.reshape(B, s, P, H // P, D)[:, :, :, h0:h1].reshape(B, s, P * (h1 - h0), D)
     return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
 def _heads_to_sequence(x, axis_name):
-    """[B, S, H/P, D] -> [B, S/P, H, D], the inverse exchange."""
-    return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+    """[B, S, h, D] -> [B, S/P, P, h, D]: this device's sequence shard of every device's chunk."""
+    B, S, h, D = x.shape
+    P = jax.lax.axis_size(axis_name)
+    return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True).reshape(B, S // P, P, h, D)
 
 
 def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes,
@@ -67,13 +74,20 @@ def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable
     group_size = jax.lax.axis_size(axis_name)
     check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
                          block_size=block_size, topk=topk, group_size=group_size)
-    gate = compress_attn_weight
-    if group_size > 1:
-        q, k, v = (_sequence_to_heads(x, axis_name) for x in (q, k, v))
-        gate = None if gate is None else _sequence_to_heads(gate, axis_name)
-    out = video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, gate,
-                                 backend=backend)
-    return _heads_to_sequence(out, axis_name) if group_size > 1 else out
+    if group_size == 1:
+        return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
+                                      compress_attn_weight, backend=backend)
+    # chunks of heads, each exchanged and computed on its own, so that XLA can overlap one
+    # chunk's all-to-all with another's VSA
+    outs = []
+    for heads in head_chunks(q.shape[2] // group_size):
+        qh, kh, vh = (_sequence_to_heads(x, axis_name, heads) for x in (q, k, v))
+        gh = None if compress_attn_weight is None else _sequence_to_heads(compress_attn_weight, axis_name, heads)
+        out = video_sparse_attn_bshd(qh, kh, vh, variable_block_sizes, q_variable_block_sizes, topk, block_size,
+                                     gh, backend=backend)
+        outs.append(_heads_to_sequence(out, axis_name))
+    B, s, H, D = q.shape
+    return jnp.concatenate(outs, axis=3).reshape(B, s, H, D)
 
 
 def _place(x, mesh: Mesh, spec: P):

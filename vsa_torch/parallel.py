@@ -17,6 +17,13 @@ The data moves only through torch.distributed collectives (NCCL on GPUs, gloo on
 CPU), so the same code runs across nodes. Gradients flow through the collectives: the
 backward of an all-to-all is the reverse all-to-all.
 
+The exchanges overlap the computation: each rank's H/P heads are processed in a few
+chunks (VSA_ULYSSES_CHUNKS, default 4), every chunk's input all-to-all is started at once
+(asynchronously, on NCCL's stream), chunk c's VSA runs as soon as its inputs have
+arrived while the later chunks still travel, and its output travels back while chunk
+c+1 computes; the backward does the same with dout and the gradients. Chunking splits
+heads only, so every head is still computed whole by the same kernels.
+
 Every rank must make the same calls with the same shapes (as with any collective). The
 counts describe the whole sequence and must be the same on every rank; then the check
 that they cover P shards of this rank's length also proves every rank's shard has that
@@ -25,76 +32,121 @@ length (a check across ranks would cost a collective and a host sync per call).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vsa_core.sequence_parallel import check_ulysses_shards
+from vsa_core.problem import block_elements
+from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
 
 from . import _require_tensors, video_sparse_attn_bshd
+from . import ops as _ops
 
 __all__ = ["ulysses_video_sparse_attn"]
 
 
-# ---- the two all-to-alls ------------------------------------------------------------------
-def _sequence_to_heads(recv: Tensor, P: int) -> Tensor:
-    """Post-processing of the seq->heads exchange: recv[p] is rank p's sequence shard of
-    this rank's heads, [P, B, s, H/P, D] -> [B, P*s, H/P, D] (a view when B == 1)."""
-    _, B, s, hp, D = recv.shape
-    return recv.transpose(0, 1).reshape(B, P * s, hp, D)
+# ---- the exchanges ------------------------------------------------------------------------
+# Shapes: this rank's shard x is [B, s, H, D] (s = S/P); after the exchange a rank holds
+# [B, S, h, D] for a chunk of h of its H/P heads. A chunk is a range [h0, h1) inside every
+# rank's H/P heads: rank p computes global heads p*H/P + [h0, h1).
+class _Exchange:
+    """All-to-alls started asynchronously; `finish()` waits for them (a stream wait on NCCL,
+    no host block) and returns the received tensors in the target layout."""
+
+    def __init__(self, tensors: Sequence[Tensor], group, P: int, heads: Tuple[int, int], to_heads: bool):
+        self.P, self.to_heads = P, to_heads
+        self.transfers = []
+        for x in tensors:
+            send = _pack(x, P, heads, to_heads)
+            recv = torch.empty_like(send)
+            # `send` is kept referenced until its transfer is done
+            self.transfers.append((send, recv, dist.all_to_all_single(recv, send, group=group, async_op=True)))
+
+    def finish(self) -> List[Tensor]:
+        out = []
+        for _, recv, work in self.transfers:
+            work.wait()
+            out.append(recv)
+        self.transfers = []
+        return out
 
 
-def _heads_to_sequence(recv: Tensor, P: int) -> Tensor:
-    """recv[p] is this rank's sequence shard of rank p's heads: [P, B, s, H/P, D] -> [B, s, H, D]."""
-    _, B, s, hp, D = recv.shape
-    return recv.permute(1, 2, 0, 3, 4).reshape(B, s, P * hp, D)
-
-
-def _send_buffer(x: Tensor, P: int, to_heads: bool) -> Tensor:
-    """[P, B, s, H/P, D], chunk p going to rank p (contiguous: all_to_all_single splits dim 0)."""
-    if to_heads:  # x: [B, s, H, D], rank p gets heads [p*H/P, (p+1)*H/P)
+def _pack(x: Tensor, P: int, heads: Tuple[int, int], to_heads: bool) -> Tensor:
+    """The send buffer [P, B, s, h, D], chunk p going to rank p (contiguous: all_to_all_single
+    splits dim 0)."""
+    h0, h1 = heads
+    if to_heads:  # x: [B, s, H, D]; rank p gets its heads p*H/P + [h0, h1) of this sequence shard
         B, s, H, D = x.shape
-        return x.reshape(B, s, P, H // P, D).permute(2, 0, 1, 3, 4).contiguous()
-    B, S, hp, D = x.shape  # x: [B, S, H/P, D], rank p gets tokens [p*S/P, (p+1)*S/P)
-    return x.reshape(B, P, S // P, hp, D).transpose(0, 1).contiguous()
+        return x.reshape(B, s, P, H // P, D)[:, :, :, h0:h1].permute(2, 0, 1, 3, 4).contiguous()
+    B, S, h, D = x.shape  # x: [B, S, h, D]; rank p gets tokens [p*S/P, (p+1)*S/P)
+    return x.reshape(B, P, S // P, h, D).transpose(0, 1).contiguous()
 
 
-def _exchange(tensors: Sequence[Tensor], group, to_heads: bool) -> List[Tensor]:
-    """seq->heads (`to_heads`) or heads->seq for each tensor. The all-to-alls are started
-    asynchronously, so on NCCL one tensor's transfer overlaps the next one's packing copy."""
-    P = dist.get_world_size(group)
-    started = []
-    for x in tensors:
-        send = _send_buffer(x, P, to_heads)
-        recv = torch.empty_like(send)
-        started.append((send, recv, dist.all_to_all_single(recv, send, group=group, async_op=True)))
-    unpack = _sequence_to_heads if to_heads else _heads_to_sequence
-    out = []
-    for send, recv, work in started:  # `send` stays referenced until its transfer is done
-        work.wait()
-        out.append(unpack(recv, P))
-    return out
+def _sequence_of_heads(recv: Tensor) -> Tensor:
+    """recv[p] = rank p's sequence shard of this rank's heads: [P, B, s, h, D] -> [B, P*s, h, D]
+    (a view when B == 1)."""
+    P, B, s, h, D = recv.shape
+    return recv.transpose(0, 1).reshape(B, P * s, h, D)
 
 
-class _AllToAll(torch.autograd.Function):
-    """seq->heads or heads->seq for several tensors; the backward is the reverse exchange
-    of the gradients (only of the inputs that need one: every rank asks for the same ones)."""
+def _store_heads(dest: Tensor, recv: Tensor, heads: Tuple[int, int]) -> None:
+    """recv[p] = this rank's sequence shard of rank p's heads p*H/P + [h0, h1): written into
+    dest [B, s, H, D]."""
+    P, B, s, h, D = recv.shape
+    dest.view(B, s, P, dest.shape[2] // P, D)[:, :, :, heads[0]:heads[1]].copy_(recv.permute(1, 2, 0, 3, 4))
+
+
+# ---- the operator as one autograd Function -------------------------------------------------
+class _UlyssesVSA(torch.autograd.Function):
+    """Exchange, VSA and exchange back, chunk by chunk (see the module docstring); the
+    backward exchanges dout, runs VSA's backward per chunk and sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, group, to_heads: bool, *tensors: Tensor):
-        ctx.group, ctx.to_heads = group, to_heads
-        return tuple(_exchange(tensors, group, to_heads))
+    def forward(ctx, q, k, v, gate, kv_counts, q_counts, topk, block_elems, backend, group, chunks, training):
+        P = dist.get_world_size(group)
+        inputs = [q, k, v] + ([gate] if gate is not None else [])
+        incoming = [_Exchange(inputs, group, P, c, to_heads=True) for c in chunks]
+        out = torch.empty_like(q)
+        outgoing, saved = [], []
+        for c, exchange in zip(chunks, incoming):
+            qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
+            gh = gh[0] if gh else None
+            results = _ops._vsa_fwd(qh, kh, vh, kv_counts, q_counts, gh, topk, block_elems, "bshd", backend,
+                                    training)
+            outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
+            if training:
+                named = dict(zip(_ops._VSA_OUTPUTS, results))
+                saved += [qh, kh, vh] + ([gh] if gh is not None else []) + [named[n] for n in _ops._VSA_SAVED]
+        for c, exchange in zip(chunks, outgoing):
+            _store_heads(out, exchange.finish()[0], c)
+        ctx.save_for_backward(kv_counts, q_counts, *saved)
+        ctx.static = (topk, block_elems, backend, group, chunks, gate is not None)
+        ctx.kv_shape = k.shape
+        return out
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
-        moved = _exchange([grads[i] for i in wanted], ctx.group, not ctx.to_heads)
-        result: List[Optional[Tensor]] = [None] * len(grads)
-        for i, g in zip(wanted, moved):
-            result[i] = g
-        return (None, None, *result)
+    def backward(ctx, dout):
+        topk, block_elems, backend, group, chunks, has_gate = ctx.static
+        kv_counts, q_counts, *saved = ctx.saved_tensors
+        P = dist.get_world_size(group)
+        per_chunk = 3 + has_gate + len(_ops._VSA_SAVED)
+        incoming = [_Exchange([dout.contiguous()], group, P, c, to_heads=True) for c in chunks]
+        grads = [dout.new_empty(shape) for shape in (dout.shape, ctx.kv_shape, ctx.kv_shape, dout.shape)[:3 + has_gate]]
+        outgoing = []
+        for i, (c, exchange) in enumerate(zip(chunks, incoming)):
+            douth = _sequence_of_heads(exchange.finish()[0])
+            qh, kh, vh, *rest = saved[i * per_chunk:(i + 1) * per_chunk]
+            gh, residuals = (rest[0], rest[1:]) if has_gate else (None, rest)
+            dq, dk, dv, dgate = _ops._vsa_bwd(douth, qh, kh, vh, kv_counts, q_counts, gh, residuals, topk,
+                                              block_elems, "bshd", backend)
+            outgoing.append(_Exchange([dq, dk, dv] + ([dgate] if has_gate else []), group, P, c, to_heads=False))
+        for c, exchange in zip(chunks, outgoing):
+            for dest, recv in zip(grads, exchange.finish()):
+                _store_heads(dest, recv, c)
+        dgate = grads[3] if has_gate else None
+        return grads[0], grads[1], grads[2], dgate, None, None, None, None, None, None, None, None
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -125,9 +177,13 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     if P == 1:
         return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
                                       compress_attn_weight, backend=backend)
-    inputs = [q, k, v] + ([compress_attn_weight] if compress_attn_weight is not None else [])
-    moved = _AllToAll.apply(group, True, *inputs)
-    gate = moved[3] if compress_attn_weight is not None else None
-    out = video_sparse_attn_bshd(moved[0], moved[1], moved[2], variable_block_sizes, q_variable_block_sizes,
-                                 topk, block_size, gate, backend=backend)
-    return _AllToAll.apply(group, False, out)[0]
+    gate = compress_attn_weight
+    _ops.check_devices(q, k=k, v=v, compress_attn_weight=gate)
+    E = block_elements(block_size)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
+    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, E)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
+    chunks = head_chunks(q.shape[2] // P)
+    return _UlyssesVSA.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                             None if gate is None else gate.contiguous(), kv_counts, q_counts, int(topk), E,
+                             backend, group, chunks, training)
