@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, default=2, help="P, the devices the sequence is split over")
     p.add_argument("--frontends", default="torch,jax")
     p.add_argument("--backends", default="triton,cute")
+    p.add_argument("--chunks", default="1,4",
+                   help="VSA_ULYSSES_CHUNKS settings to time (1: no overlap of the exchanges with compute)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 20; cpu 1)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per number, median taken")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -83,6 +85,7 @@ class Row:
     frontend: str
     backend: str
     stage: str            # "fwd" or "fwd+bwd"
+    chunks: int           # VSA_ULYSSES_CHUNKS of the P-GPU run
     one_ms: float         # 1 GPU, whole sequence
     many_ms: float        # P GPUs, Ulysses
     local_ms: float       # each rank's VSA on H/P heads, no exchange
@@ -123,7 +126,7 @@ def median_ms(run_timed: Callable[[], float], repeats: int) -> float:
 # ---- PyTorch: P processes --------------------------------------------------------------------
 def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> None:
     from vsa_torch import video_sparse_attn_bshd
-    from vsa_torch.parallel import _exchange, ulysses_video_sparse_attn
+    from vsa_torch.parallel import _Exchange, ulysses_video_sparse_attn
 
     cuda = args.device == "cuda"
     if port is not None:  # spawned here, not by torchrun
@@ -185,16 +188,16 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
             return lambda: torch.autograd.grad(f(*xs), xs, g)
 
         fwd_inputs = [x.detach() for x in shards]
-        heads_out = [x.detach() for x in heads[:1]]
+        all_heads = (0, hp)
 
         def a2a_fwd():
-            _exchange(fwd_inputs, None, to_heads=True)
-            _exchange(heads_out, None, to_heads=False)
+            _Exchange(fwd_inputs, None, P, all_heads, to_heads=True).finish()
+            _Exchange([heads[0].detach()], None, P, all_heads, to_heads=False).finish()
 
         def a2a_fwd_bwd():
             a2a_fwd()
-            _exchange([dout_shard], None, to_heads=True)
-            _exchange([x.detach() for x in heads], None, to_heads=False)
+            _Exchange([dout_shard], None, P, all_heads, to_heads=True).finish()
+            _Exchange([x.detach() for x in heads], None, P, all_heads, to_heads=False).finish()
 
         # correctness: the gathered P-GPU results against the 1-GPU ones
         out_one = one(*full)
@@ -215,10 +218,14 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
                 ("fwd+bwd", fwd_bwd(one, full, dout), fwd_bwd(many, shards, dout_shard),
                  fwd_bwd(one, heads, dout_heads), a2a_fwd_bwd, grads_equal)):
             ms = {name: median_ms(timed(fn), args.repeats)
-                  for name, fn in (("one", f_one), ("many", f_many), ("local", f_local), ("a2a", f_a2a))}
-            rows.append(asdict(Row("torch", backend, stage, ms["one"], ms["many"], ms["local"], ms["a2a"], equal)))
-            if rank == 0:
-                log(f"torch {backend} {stage}: {ms}")
+                  for name, fn in (("one", f_one), ("local", f_local), ("a2a", f_a2a))}
+            for chunks in args.chunks.split(","):
+                os.environ["VSA_ULYSSES_CHUNKS"] = chunks  # read at each call
+                ms["many"] = median_ms(timed(f_many), args.repeats)
+                rows.append(asdict(Row("torch", backend, stage, int(chunks), ms["one"], ms["many"], ms["local"],
+                                       ms["a2a"], equal)))
+                if rank == 0:
+                    log(f"torch {backend} {stage} chunks {chunks}: {ms}")
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(rows, f)
@@ -311,24 +318,29 @@ def run_jax(args, P: int) -> List[dict]:
         def one(q, k, v, gate):
             return video_sparse_attn_bshd(q, k, v, counts, counts, topk, E, gate, backend=backend)
 
-        def many(q, k, v, gate):
-            return ulysses_video_sparse_attn_on_mesh(q, k, v, counts, counts, topk, E, gate, mesh=mesh,
-                                                     axis_name="sp", backend=backend)
+        def many_of():  # a new function for each VSA_ULYSSES_CHUNKS (read when traced)
+            def many(q, k, v, gate):
+                return ulysses_video_sparse_attn_on_mesh(q, k, v, counts, counts, topk, E, gate, mesh=mesh,
+                                                         axis_name="sp", backend=backend)
+            return many
 
-        one_fwd, many_fwd = jax.jit(one), jax.jit(many)
-        one_bwd, many_bwd = with_grads(one), with_grads(many)
-        out_equal = bool(np.array_equal(np.asarray(many_fwd(*sharded[:4])), np.asarray(one_fwd(*full[:4]))))
-        grads_equal = all(np.array_equal(np.asarray(g), np.asarray(w))
-                          for g, w in zip(many_bwd(*sharded), one_bwd(*full)))
-        for stage, f_one, f_many, f_local, f_a2a, equal in (
-                ("fwd", lambda: one_fwd(*full[:4]), lambda: many_fwd(*sharded[:4]), lambda: one_fwd(*heads[:4]),
-                 a2a_fwd, out_equal),
-                ("fwd+bwd", lambda: one_bwd(*full), lambda: many_bwd(*sharded), lambda: one_bwd(*heads),
-                 a2a_fwd_bwd, grads_equal)):
-            ms = {name: median_ms(timed(fn), args.repeats)
-                  for name, fn in (("one", f_one), ("many", f_many), ("local", f_local), ("a2a", f_a2a))}
-            rows.append(asdict(Row("jax", backend, stage, ms["one"], ms["many"], ms["local"], ms["a2a"], equal)))
-            log(f"jax {backend} {stage}: {ms}")
+        one_fwd, one_bwd = jax.jit(one), with_grads(one)
+        for chunks in args.chunks.split(","):
+            os.environ["VSA_ULYSSES_CHUNKS"] = chunks
+            many_fwd, many_bwd = jax.jit(many_of()), with_grads(many_of())
+            out_equal = bool(np.array_equal(np.asarray(many_fwd(*sharded[:4])), np.asarray(one_fwd(*full[:4]))))
+            grads_equal = all(np.array_equal(np.asarray(g), np.asarray(w))
+                              for g, w in zip(many_bwd(*sharded), one_bwd(*full)))
+            for stage, f_one, f_many, f_local, f_a2a, equal in (
+                    ("fwd", lambda: one_fwd(*full[:4]), lambda: many_fwd(*sharded[:4]),
+                     lambda: one_fwd(*heads[:4]), a2a_fwd, out_equal),
+                    ("fwd+bwd", lambda: one_bwd(*full), lambda: many_bwd(*sharded), lambda: one_bwd(*heads),
+                     a2a_fwd_bwd, grads_equal)):
+                ms = {name: median_ms(timed(fn), args.repeats)
+                      for name, fn in (("one", f_one), ("many", f_many), ("local", f_local), ("a2a", f_a2a))}
+                rows.append(asdict(Row("jax", backend, stage, int(chunks), ms["one"], ms["many"], ms["local"],
+                                       ms["a2a"], equal)))
+                log(f"jax {backend} {stage} chunks {chunks}: {ms}")
     return rows
 
 
@@ -336,7 +348,7 @@ def run_jax(args, P: int) -> List[dict]:
 def print_table(rows: List[dict], P: int, shape) -> None:
     B, H, S, D, E, topk = shape
     log(f"\nUlysses VSA, B{B} H{H} S{S} D{D} E{E} topk {topk}, bf16, every block full: 1 device vs {P}")
-    head = (f"| frontend | backend | stage | 1 dev ms | {P} dev ms | speedup | efficiency | local ms "
+    head = (f"| frontend | backend | stage | chunks | 1 dev ms | {P} dev ms | speedup | efficiency | local ms "
             f"| a2a ms | a2a share | P-dev == 1-dev |")
     log(head)
     log("|" + " --- |" * (head.count("|") - 1))
@@ -345,13 +357,16 @@ def print_table(rows: List[dict], P: int, shape) -> None:
             log(f"| {r['frontend']} | {r['backend']} | skipped: {r['skipped']} |")
             continue
         row = Row(**r)
-        log(f"| {row.frontend} | {row.backend} | {row.stage} | {row.one_ms:.2f} | {row.many_ms:.2f} "
+        log(f"| {row.frontend} | {row.backend} | {row.stage} | {row.chunks} | {row.one_ms:.2f} | {row.many_ms:.2f} "
             f"| {row.one_ms / row.many_ms:.2f}x | {100 * row.efficiency(P):.1f}% | {row.local_ms:.2f} "
             f"| {row.a2a_ms:.2f} | {100 * row.a2a_ms / row.many_ms:.1f}% | {'bitwise' if row.bitwise else 'NO'} |")
     log("efficiency = t(1 device) / (P * t(P devices)); local = each device's VSA on H/P heads with no "
         "exchange; a2a = the exchanges alone (fwd: q, k, v, gate, out; fwd+bwd: also dout, dq, dk, dv, "
         "dgate); the last column: output (fwd) or gradients (fwd+bwd) of the P-device run, gathered, "
-        "equal the 1-device ones bit for bit.")
+        "equal the 1-device ones bit for bit (Triton autotunes per process, so a rank may pick another "
+        "tile config than the 1-device run: VSA_AUTOTUNE=0 for a bitwise check; FA4's dQ is not "
+        "reproducible even on one device). chunks: VSA_ULYSSES_CHUNKS, head chunks whose exchanges "
+        "overlap the other chunks' compute (1: none).")
 
 
 def main(args) -> int:
