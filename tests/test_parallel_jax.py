@@ -99,6 +99,22 @@ def test_on_mesh_eager_forward_equals_one_device():
     assert_close(case, to_numpy(case, {"out": got}), {"out": reference(case, inputs)["out"]})
 
 
+def test_on_mesh_with_a_batch_axis():
+    """A 2-D mesh ("dp" x "sp" = 1 x 2): the batch split over "dp", the sequence over "sp"."""
+    case = Case(batch=2, heads=2, n_q_blocks=2, n_kv_blocks=2, topk=1, layout="bshd")
+    inputs = make_inputs(case, seed_of(case))
+    q, k, v, gate, _ = jax_args(case, inputs)
+    mesh = jax.make_mesh((1, 2), ("dp", "sp"), devices=jax.devices()[:2])
+    run = jax.jit(lambda q, k, v, gate: ulysses_video_sparse_attn_on_mesh(
+        q, k, v, inputs["kv_counts"], inputs["q_counts"], case.topk, case.block, gate, mesh=mesh, axis_name="sp",
+        batch_axis_name="dp"))
+    got = run(q, k, v, gate)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", "sp")), 4)
+    want = vsa_jax.video_sparse_attn_bshd(q, k, v, inputs["kv_counts"], inputs["q_counts"], case.topk, case.block,
+                                          gate)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
 # ---- inside the user's own shard_map ---------------------------------------------------------
 def test_grad_of_a_loss_inside_shard_map_with_traced_counts():
     """jax.grad of a per-device loss inside jax.shard_map (default checks), the counts passed
