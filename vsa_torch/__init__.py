@@ -118,6 +118,3 @@ def from_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
 
 
 from . import parallel  # noqa: E402,F401  (vsa_torch.parallel: sequence parallelism; needs the names above)
-
-
-from . import parallel  # noqa: E402,F401  (vsa_torch.parallel: sequence parallelism; needs the names above)
