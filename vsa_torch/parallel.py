@@ -52,11 +52,11 @@ __all__ = ["ulysses_video_sparse_attn"]
 # [B, S, h, D] for a chunk of h of its H/P heads. A chunk is a range [h0, h1) inside every
 # rank's H/P heads: rank p computes global heads p*H/P + [h0, h1).
 class _Exchange:
-    """All-to-alls started asynchronously; `finish()` waits for them (a stream wait on NCCL,
-    no host block) and returns the received tensors in the target layout."""
+    """One all-to-all per tensor, started asynchronously (seq->heads of the chunk `heads`
+    with `to_heads`, else heads->seq); `finish()` waits for them (on NCCL a stream wait, no
+    host block) and returns the receive buffers, [P, B, s, h, D] each."""
 
     def __init__(self, tensors: Sequence[Tensor], group, P: int, heads: Tuple[int, int], to_heads: bool):
-        self.P, self.to_heads = P, to_heads
         self.transfers = []
         for x in tensors:
             send = _pack(x, P, heads, to_heads)
