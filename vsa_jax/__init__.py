@@ -164,3 +164,6 @@ def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
 def from_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
     """Padded tile-contiguous order along `dim` -> raw token order (padding dropped)."""
     return jnp.take(x, meta.non_pad_index[meta.raw_from_tiled], axis=dim % x.ndim)
+
+
+from . import parallel  # noqa: E402,F401  (vsa_jax.parallel: sequence parallelism; needs the names above)

@@ -128,3 +128,6 @@ def from_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
     """Padded tile-contiguous order along `dim` -> raw token order (padding dropped)."""
     idx = torch.as_tensor(meta.non_pad_index[meta.raw_from_tiled], device=x.device)
     return x.index_select(dim % x.dim(), idx)
+
+
+from . import parallel  # noqa: E402,F401  (vsa_torch.parallel: sequence parallelism; needs the names above)

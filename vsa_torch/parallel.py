@@ -1,0 +1,189 @@
+"""Sequence parallelism for VSA over torch.distributed (Ulysses: head-parallel all-to-all).
+
+Each of the P ranks of a process group holds a contiguous slice of the tile-ordered
+sequence, `[B, S/P, H, D]`, rank r holding tokens [r*S/P, (r+1)*S/P). VSA works per
+head, so an all-to-all trades every rank's sequence shard of all heads for the whole
+sequence of H/P heads, VSA runs on those unchanged, and a second all-to-all trades the
+output back. Each head is computed whole on one rank by the same kernels as on one
+device, so output and gradients equal the single-device VSA on the full sequence.
+
+    import torch.distributed as dist
+    from vsa_torch.parallel import ulysses_video_sparse_attn
+    dist.init_process_group("nccl")                  # torchrun --nproc_per_node P ...
+    out = ulysses_video_sparse_attn(q, k, v, counts, counts, topk=45, block_size=(4, 8, 8),
+                                    compress_attn_weight=gate)      # [B, S/P, H, D] shards
+
+The data moves only through torch.distributed collectives (NCCL on GPUs, gloo on the
+CPU), so the same code runs across nodes. Gradients flow through the collectives: the
+backward of an all-to-all is the reverse all-to-all.
+
+The exchanges overlap the computation: each rank's H/P heads are processed in a few
+chunks (VSA_ULYSSES_CHUNKS, default 4), every chunk's input all-to-all is started at once
+(asynchronously, on NCCL's stream), chunk c's VSA runs as soon as its inputs have
+arrived while the later chunks still travel, and its output travels back while chunk
+c+1 computes; the backward does the same with dout and the gradients. Chunking splits
+heads only, so every head is still computed whole by the same kernels.
+
+Every rank must make the same calls with the same shapes (as with any collective). The
+counts describe the whole sequence and must be the same on every rank; then the check
+that they cover P shards of this rank's length also proves every rank's shard has that
+length (a check across ranks would cost a collective and a host sync per call).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vsa_core.problem import block_elements
+from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
+
+from . import _require_tensors, video_sparse_attn_bshd
+from . import ops as _ops
+
+__all__ = ["ulysses_video_sparse_attn"]
+
+
+# ---- the exchanges ------------------------------------------------------------------------
+# Shapes: this rank's shard x is [B, s, H, D] (s = S/P); after the exchange a rank holds
+# [B, S, h, D] for a chunk of h of its H/P heads. A chunk is a range [h0, h1) inside every
+# rank's H/P heads: rank p computes global heads p*H/P + [h0, h1).
+class _Exchange:
+    """One all-to-all per tensor, started asynchronously (seq->heads of the chunk `heads`
+    with `to_heads`, else heads->seq); `finish()` waits for them (on NCCL a stream wait, no
+    host block) and returns the receive buffers, [P, B, s, h, D] each."""
+
+    def __init__(self, tensors: Sequence[Tensor], group, P: int, heads: Tuple[int, int], to_heads: bool):
+        self.transfers = []
+        for x in tensors:
+            send = _pack(x, P, heads, to_heads)
+            recv = torch.empty_like(send)
+            # `send` is kept referenced until its transfer is done
+            self.transfers.append((send, recv, dist.all_to_all_single(recv, send, group=group, async_op=True)))
+
+    def finish(self) -> List[Tensor]:
+        out = []
+        for _, recv, work in self.transfers:
+            work.wait()
+            out.append(recv)
+        self.transfers = []
+        return out
+
+
+def _pack(x: Tensor, P: int, heads: Tuple[int, int], to_heads: bool) -> Tensor:
+    """The send buffer [P, B, s, h, D], chunk p going to rank p (contiguous: all_to_all_single
+    splits dim 0)."""
+    h0, h1 = heads
+    if to_heads:  # x: [B, s, H, D]; rank p gets its heads p*H/P + [h0, h1) of this sequence shard
+        B, s, H, D = x.shape
+        return x.reshape(B, s, P, H // P, D)[:, :, :, h0:h1].permute(2, 0, 1, 3, 4).contiguous()
+    B, S, h, D = x.shape  # x: [B, S, h, D]; rank p gets tokens [p*S/P, (p+1)*S/P)
+    return x.reshape(B, P, S // P, h, D).transpose(0, 1).contiguous()
+
+
+def _sequence_of_heads(recv: Tensor) -> Tensor:
+    """recv[p] = rank p's sequence shard of this rank's heads: [P, B, s, h, D] -> [B, P*s, h, D]
+    (a view when B == 1)."""
+    P, B, s, h, D = recv.shape
+    return recv.transpose(0, 1).reshape(B, P * s, h, D)
+
+
+def _store_heads(dest: Tensor, recv: Tensor, heads: Tuple[int, int]) -> None:
+    """recv[p] = this rank's sequence shard of rank p's heads p*H/P + [h0, h1): written into
+    dest [B, s, H, D]."""
+    P, B, s, h, D = recv.shape
+    dest.view(B, s, P, dest.shape[2] // P, D)[:, :, :, heads[0]:heads[1]].copy_(recv.permute(1, 2, 0, 3, 4))
+
+
+# ---- the operator as one autograd Function -------------------------------------------------
+class _UlyssesVSA(torch.autograd.Function):
+    """Exchange, VSA and exchange back, chunk by chunk (see the module docstring); the
+    backward exchanges dout, runs VSA's backward per chunk and sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gate, kv_counts, q_counts, topk, block_elems, backend, group, chunks, training):
+        P = dist.get_world_size(group)
+        inputs = [q, k, v] + ([gate] if gate is not None else [])
+        incoming = [_Exchange(inputs, group, P, c, to_heads=True) for c in chunks]
+        out = torch.empty_like(q)
+        outgoing, saved = [], []
+        for c, exchange in zip(chunks, incoming):
+            qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
+            gh = gh[0] if gh else None
+            results = _ops._vsa_fwd(qh, kh, vh, kv_counts, q_counts, gh, topk, block_elems, "bshd", backend,
+                                    training)
+            outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
+            if training:
+                named = dict(zip(_ops._VSA_OUTPUTS, results))
+                saved += [qh, kh, vh] + ([gh] if gh is not None else []) + [named[n] for n in _ops._VSA_SAVED]
+        for c, exchange in zip(chunks, outgoing):
+            _store_heads(out, exchange.finish()[0], c)
+        ctx.save_for_backward(kv_counts, q_counts, *saved)
+        ctx.static = (topk, block_elems, backend, group, chunks, gate is not None)
+        ctx.kv_shape = k.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        topk, block_elems, backend, group, chunks, has_gate = ctx.static
+        kv_counts, q_counts, *saved = ctx.saved_tensors
+        P = dist.get_world_size(group)
+        per_chunk = 3 + has_gate + len(_ops._VSA_SAVED)
+        incoming = [_Exchange([dout.contiguous()], group, P, c, to_heads=True) for c in chunks]
+        grads = [dout.new_empty(shape) for shape in (dout.shape, ctx.kv_shape, ctx.kv_shape, dout.shape)[:3 + has_gate]]
+        outgoing = []
+        for i, (c, exchange) in enumerate(zip(chunks, incoming)):
+            douth = _sequence_of_heads(exchange.finish()[0])
+            qh, kh, vh, *rest = saved[i * per_chunk:(i + 1) * per_chunk]
+            gh, residuals = (rest[0], rest[1:]) if has_gate else (None, rest)
+            dq, dk, dv, dgate = _ops._vsa_bwd(douth, qh, kh, vh, kv_counts, q_counts, gh, residuals, topk,
+                                              block_elems, "bshd", backend)
+            outgoing.append(_Exchange([dq, dk, dv] + ([dgate] if has_gate else []), group, P, c, to_heads=False))
+        for c, exchange in zip(chunks, outgoing):
+            for dest, recv in zip(grads, exchange.finish()):
+                _store_heads(dest, recv, c)
+        dgate = grads[3] if has_gate else None
+        return grads[0], grads[1], grads[2], dgate, None, None, None, None, None, None, None, None
+
+
+# ---- checks -------------------------------------------------------------------------------
+def _group_size(group) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ulysses_video_sparse_attn needs torch.distributed: call "
+                           "torch.distributed.init_process_group first (e.g. under torchrun)")
+    return dist.get_world_size(group)
+
+
+# ---- the operator -------------------------------------------------------------------------
+def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes,
+                              topk: int, block_size=64, compress_attn_weight: Optional[Tensor] = None, *,
+                              group: Optional[dist.ProcessGroup] = None, backend: str = "auto") -> Tensor:
+    """`video_sparse_attn_bshd` with the sequence sharded over a process group.
+
+    q, k, v and the gate are this rank's contiguous shard `[B, S/P, H, D]` of the
+    tile-ordered sequence (rank r of `group` holds the r-th slice; S/P a multiple of the
+    block's token count; q and k may have different lengths). The counts describe the
+    whole sequence and are the same on every rank. H must be divisible by P. Returns
+    this rank's shard `[B, S/P, H, D]` of the output; differentiable in q, k, v and the gate.
+    `group`: the process group (default: the whole world).
+    """
+    _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    P = _group_size(group)
+    check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
+                         block_size=block_size, topk=topk, group_size=P)
+    if P == 1:
+        return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
+                                      compress_attn_weight, backend=backend)
+    gate = compress_attn_weight
+    _ops.check_devices(q, k=k, v=v, compress_attn_weight=gate)
+    E = block_elements(block_size)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
+    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, E)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
+    chunks = head_chunks(q.shape[2] // P)
+    return _UlyssesVSA.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                             None if gate is None else gate.contiguous(), kv_counts, q_counts, int(topk), E,
+                             backend, group, chunks, training)
