@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
+# root on the device machine, after the CuTe carry (../shared/device/README.md):
+#   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
+# Steps: tests | safety | bench1 | multi | bench
+# Each command has its own timeout so that one hang does not take the others' output with it.
+set -uo pipefail
+step=${1:?step}
+# At most 8 files come back from a device run: each step writes one log, and whatever the
+# scripts write (JSON, charts) is packed into one tarball at the end.
+final=${OUT:-gpu_out}; mkdir -p "$final"
+out=$(mktemp -d); export OUT=$out
+trap 'tar -C "$out" -czf "$final/$step-files.tgz" . ; cp "$out/$step.log" "$final/" 2>/dev/null' EXIT
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false OPENBLAS_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[[ -f .device-carry/part2/unpack.sh ]] && bash .device-carry/part2/unpack.sh > "$out/unpack.log" 2>&1
+
+t() {  # t <seconds> <log name> <command...>
+  local secs=$1 log=$step.log; shift 2
+  echo "### $(date -u +%H:%M:%S) $*" | tee -a "$out/$log"
+  timeout "$secs" "$@" >> "$out/$log" 2>&1
+  echo "### rc=$? after $*" | tee -a "$out/$log"
+  tail -4 "$out/$log"
+}
+
+versions() {
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 - <<'EOF'
+import importlib, torch, triton, jax
+print("torch", torch.__version__, "triton", triton.__version__, "jax", jax.__version__, "gpus", torch.cuda.device_count())
+for m in ("flash_attn.cute", "cudnn", "cutlass"):
+    try:
+        mod = importlib.import_module(m); print(m, getattr(mod, "__version__", "ok"))
+    except Exception as e:
+        print(m, "unavailable:", type(e).__name__, e)
+EOF
+}
+
+case $step in
+  tests)  # the whole suite on the GPU (2-GPU tests included), parallel workers, big-offset test apart
+    versions | tee "$out/versions.txt"
+    t 560 pytest_gpu.log python3 -m pytest -q -rs -n 6 tests --ignore=tests/test_large_offsets.py
+    ;;
+  safety)  # 64-bit offsets, bad values under jit/compile, memcheck, coarse precision/time, cuDNN check
+    t 150 large_offsets.log python3 -m pytest -q -rs tests/test_large_offsets.py
+    t 90 safety_gpu.log python3 benchmarks/safety_gpu.py
+    t 120 memcheck.log compute-sanitizer --tool memcheck python3 benchmarks/safety_gpu.py --small --frontends torch
+    t 90 coarse_bench.log python3 benchmarks/coarse_bench.py
+    t 120 cudnn_check.log python3 benchmarks/cudnn_check.py
+    ;;
+  multi)  # 2 GPUs: SPMD split, Ulysses, host cost, JAX native
+    t 200 spmd_bench.log python3 benchmarks/spmd_bench.py --out "$out"
+    t 240 ulysses_bench.log python3 benchmarks/ulysses_bench.py --out "$out" --chunks 1,4
+    t 100 jax_native_bench.log python3 benchmarks/jax_native_bench.py --iters 300
+    ;;
+  bench)  # the headline table: every backend and frontend against the peers
+    t 560 bench.log python3 benchmarks/bench.py --quick --shapes small,480p-64,480p-256,720p-256 --out "$out/bench"
+    ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
