@@ -358,6 +358,26 @@ def test_block_sparse_varlen_matches_per_sequence_and_reference():
     assert_equal_or_close(run_jax_bsa(pack, x, lists=lists), got, "jax lists vs torch map")
 
 
+def test_pack_block_indices_from_per_sequence_lists():
+    """FastVideo's per-sequence lists (local indices, [1, H, nQ_i, C_i]) packed by
+    pack_block_indices select exactly the blocks of the packed map (both frontends)."""
+    pack = PACKS[0]
+    x = make_pack(pack, seed=93)
+    bm = own_sequence_map(pack, x, seed=94)
+    cq, ck = np.cumsum((0,) + pack.q_blocks), np.cumsum((0,) + pack.kv_blocks)
+    local = [map_to_lists(bm[:, cq[i]:cq[i + 1], ck[i]:ck[i + 1]], capacity=pack.kv_blocks[i], junk=0)
+             for i in range(len(pack.q_blocks))]
+    for frontend, to in ((vsa_torch, torch.from_numpy), (vsa_jax, jnp.asarray)):
+        idx, num = frontend.pack_block_indices([to(a[None]) for a, _ in local], [to(n[None]) for _, n in local],
+                                               list(pack.kv_blocks))
+        idx, num = np.asarray(idx), np.asarray(num)
+        assert idx.shape == (pack.heads, sum(pack.q_blocks), max(pack.kv_blocks))
+        rebuilt = np.zeros_like(bm)
+        for h, i in np.ndindex(*num.shape):
+            rebuilt[h, i, idx[h, i, :num[h, i]]] = True
+        np.testing.assert_array_equal(rebuilt, bm)
+
+
 def test_cross_sequence_selection_rejected_eagerly_and_ignored_under_jit():
     pack = Pack(q_blocks=(1, 2), kv_blocks=(2, 1), heads=1)
     x = make_pack(pack, seed=95)

@@ -29,7 +29,7 @@ from . import ops as _ops
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
            "video_sparse_attn_varlen", "block_sparse_attn_varlen", "block_sparse_attn_varlen_from_indices",
-           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
+           "pack_block_indices", "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
 
 
 def _require_arrays(**arrays):
@@ -190,6 +190,26 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
     out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, None, _packed(block_indices),
                         _packed(block_counts), p.block_elems, "bshd", impl, cu_q, cu_k)
     return out[0], lse[0]
+
+
+def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence
+                       ) -> Tuple[jax.Array, jax.Array]:
+    """Per-sequence index lists (FastVideo's `q2k_idx_list` / `q2k_num_list`: `[1, H, nQ_i, C_i]`
+    or `[H, nQ_i, C_i]` local KV block indices and `[1, H, nQ_i]` / `[H, nQ_i]` counts) -> the
+    packed lists of `block_sparse_attn_varlen_from_indices` (`[H, nQ, max C_i]` indices into the
+    packed KV blocks, `[H, nQ]` counts). `kv_blocks_per_sequence`: each sequence's number of KV
+    blocks (Python ints). Traceable (no host values needed but the static shapes)."""
+    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
+        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
+                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
+                         f"{len(kv_blocks_per_sequence)}")
+    idx = [jnp.asarray(t)[0] if jnp.ndim(t) == 4 else jnp.asarray(t) for t in block_indices_list]
+    num = [jnp.asarray(t)[0] if jnp.ndim(t) == 3 else jnp.asarray(t) for t in block_counts_list]
+    capacity = max(t.shape[-1] for t in idx)
+    offsets = np.concatenate([[0], np.cumsum([int(n) for n in kv_blocks_per_sequence])[:-1]])
+    packed = [jnp.pad(t.astype(jnp.int32) + int(off), ((0, 0), (0, 0), (0, capacity - t.shape[-1])))
+              for t, off in zip(idx, offsets)]
+    return jnp.concatenate(packed, axis=1), jnp.concatenate([t.astype(jnp.int32) for t in num], axis=1)
 
 
 def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:

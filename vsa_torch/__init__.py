@@ -23,7 +23,7 @@ from . import ops as _ops
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
            "video_sparse_attn_varlen", "block_sparse_attn_varlen", "block_sparse_attn_varlen_from_indices",
-           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
+           "pack_block_indices", "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
 
 
 def _require_tensors(**tensors):
@@ -182,6 +182,26 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
                                 block_indices.contiguous()[None], block_counts.contiguous()[None], p.block_elems,
                                 "bshd", backend, cu_q, cu_k)
     return out[0], lse[0]
+
+
+def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence) -> Tuple[Tensor, Tensor]:
+    """Per-sequence index lists (FastVideo's `q2k_idx_list` / `q2k_num_list`: `[1, H, nQ_i, C_i]`
+    or `[H, nQ_i, C_i]` local KV block indices and `[1, H, nQ_i]` / `[H, nQ_i]` counts) -> the
+    packed lists of `block_sparse_attn_varlen_from_indices` (`[H, nQ, max C_i]` indices into the
+    packed KV blocks, `[H, nQ]` counts). `kv_blocks_per_sequence`: each sequence's number of KV
+    blocks (Python ints, e.g. the lengths of its `variable_block_sizes`). Device ops only."""
+    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
+        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
+                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
+                         f"{len(kv_blocks_per_sequence)}")
+    idx = [t[0] if t.dim() == 4 else t for t in block_indices_list]
+    num = [t[0] if t.dim() == 3 else t for t in block_counts_list]
+    capacity = max(t.shape[-1] for t in idx)
+    offsets = [0]
+    for n in kv_blocks_per_sequence[:-1]:
+        offsets.append(offsets[-1] + int(n))
+    packed = [torch.nn.functional.pad(t.to(torch.int32) + off, (0, capacity - t.shape[-1])) for t, off in zip(idx, offsets)]
+    return torch.cat(packed, dim=1), torch.cat([t.to(torch.int32) for t in num], dim=1)
 
 
 def to_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
