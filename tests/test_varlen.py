@@ -289,7 +289,8 @@ def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True) -> dict:
     cu_q, cu_k = (torch.from_numpy(x[n]).to(DEVICE) for n in ("cu_q", "cu_k"))
     if not check:  # the ops below the eager checks: what torch.compile runs
         idx, num = (None, None) if lists is None else (torch.from_numpy(a)[None].to(DEVICE) for a in lists)
-        out, lse = torch_ops.bsa_forward(q[None], k[None], v[None], torch.from_numpy(x["kv_counts"]).to(DEVICE, torch.int32),
+        counts = torch.from_numpy(x["kv_counts"]).to(DEVICE, torch.int32)
+        out, lse = torch_ops.bsa_forward(q[None], k[None], v[None], counts,
                                          None if bm is None else torch.from_numpy(bm)[None].to(DEVICE), idx, num,
                                          pack.E, "bshd", "auto", cu_q, cu_k)
         out, lse = out[0], lse[0]

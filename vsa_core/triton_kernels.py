@@ -95,13 +95,13 @@ def coarse_attn_fwd_kernel(
     for start in range(0, n_kv, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < n_kv
-        valid = (tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0)[None, :]
-        if VARLEN:
-            valid = valid & (tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None])
+        valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
         k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * sm_scale
-        s = tl.where(valid, s, float("-inf"))
+        s = tl.where(valid[None, :], s, float("-inf"))
+        if VARLEN:  # a KV block of another sequence: masked like an empty block
+            s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
         tl.store(SCORES + (bh * n_q + rows[:, None]) * n_kv + cols[None, :], s,
                  mask=row_ok[:, None] & col_ok[None, :])
         s2 = s * 1.4426950408889634
@@ -147,13 +147,13 @@ def coarse_attn_bwd_dq_kernel(
     for start in range(0, n_kv, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < n_kv
-        valid = (tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0)[None, :]
-        if VARLEN:
-            valid = valid & (tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None])
+        valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
         k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * sm_scale
-        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        if VARLEN:  # a KV block of another sequence: exp(-inf - lse) = 0, as for an empty block
+            s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
+        p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v.to(tl.float32)))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds, k.to(tl.float32))
@@ -173,7 +173,7 @@ def coarse_attn_bwd_dkdv_kernel(
     d = tl.arange(0, HEAD_DIM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_kv
-    valid = (tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0)[:, None]
+    valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
     if VARLEN:
         kv_seq = tl.load(KV_SEQ + cols, mask=col_ok, other=-1)
     col_ptr = (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
@@ -192,10 +192,9 @@ def coarse_attn_bwd_dkdv_kernel(
         lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         st = _dot(k, tl.trans(q), UPCAST) * sm_scale
-        keep = valid
-        if VARLEN:
-            keep = keep & (kv_seq[:, None] == tl.load(Q_SEQ + rows, mask=row_ok, other=-2)[None, :])
-        pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
+        if VARLEN:  # a query block of another sequence: exp(-inf - lse) = 0
+            st = tl.where(kv_seq[:, None] == tl.load(Q_SEQ + rows, mask=row_ok, other=-2)[None, :], st, float("-inf"))
+        pt = tl.where(valid[:, None], tl.exp(st - lse[None, :]), 0.0)
         dv += tl.dot(pt, do)
         dpt = tl.dot(v.to(tl.float32), tl.trans(do))
         dst = pt * (dpt - delta[None, :])

@@ -200,7 +200,8 @@ def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequ
     offsets = [0]
     for n in kv_blocks_per_sequence[:-1]:
         offsets.append(offsets[-1] + int(n))
-    packed = [torch.nn.functional.pad(t.to(torch.int32) + off, (0, capacity - t.shape[-1])) for t, off in zip(idx, offsets)]
+    packed = [torch.nn.functional.pad(t.to(torch.int32) + off, (0, capacity - t.shape[-1]))
+              for t, off in zip(idx, offsets)]
     return torch.cat(packed, dim=1), torch.cat([t.to(torch.int32) for t in num], dim=1)
 
 
