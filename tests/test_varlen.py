@@ -284,7 +284,7 @@ def bsa_reference(pack: Pack, x: dict, bm: np.ndarray) -> dict:
     return res, lse.detach()[0].numpy()
 
 
-def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True) -> dict:
+def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True, backend="auto") -> dict:
     q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v"))
     cu_q, cu_k = (torch.from_numpy(x[n]).to(DEVICE) for n in ("cu_q", "cu_k"))
     if not check:  # the ops below the eager checks: what torch.compile runs
@@ -292,14 +292,15 @@ def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True) -> dict:
         counts = torch.from_numpy(x["kv_counts"]).to(DEVICE, torch.int32)
         out, lse = torch_ops.bsa_forward(q[None], k[None], v[None], counts,
                                          None if bm is None else torch.from_numpy(bm)[None].to(DEVICE), idx, num,
-                                         pack.E, "bshd", "auto", cu_q, cu_k)
+                                         pack.E, "bshd", backend, cu_q, cu_k)
         out, lse = out[0], lse[0]
     elif bm is not None:
         out, lse = vsa_torch.block_sparse_attn_varlen(q, k, v, cu_q, cu_k, torch.from_numpy(bm).to(DEVICE),
-                                                      x["kv_counts"], pack.block)
+                                                      x["kv_counts"], pack.block, backend=backend)
     else:
         out, lse = vsa_torch.block_sparse_attn_varlen_from_indices(
-            q, k, v, cu_q, cu_k, *(torch.from_numpy(a).to(DEVICE) for a in lists), x["kv_counts"], pack.block)
+            q, k, v, cu_q, cu_k, *(torch.from_numpy(a).to(DEVICE) for a in lists), x["kv_counts"], pack.block,
+            backend=backend)
     out.backward(torch.from_numpy(x["dout"]).to(DEVICE, BF16))
     return {n: t.detach().float().cpu().numpy() for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad),
                                                              ("dv", v.grad), ("lse", lse))}
@@ -432,6 +433,7 @@ BAD_INPUTS = [
     ("variable_block_sizes", np.array([64, 64]), ValueError, "variable_block_sizes must have shape (3,)"),
     ("q_variable_block_sizes", np.array([64, 64, 64, 64]), ValueError, "q_variable_block_sizes must have shape (3,)"),
     ("q", np.zeros((1, 192, 2, 64), np.float32), ValueError, "q must be a rank-3 packed tensor [total, H, D]"),
+    ("gate", np.zeros((128, 2, 64), np.float32), ValueError, "compress_attn_weight must have q's shape (192, 2, 64)"),
 ]
 
 
@@ -442,17 +444,19 @@ def test_bad_input_names_the_argument(frontend, name, value, exc, message):
     args[name] = value
     if frontend == "torch":
         conv = {n: torch.from_numpy(a) for n, a in args.items()}
-        for n in ("q", "k"):
-            conv[n] = conv[n].to(BF16)
+        for n in ("q", "k", "gate"):
+            if n in conv:
+                conv[n] = conv[n].to(BF16)
         fn = vsa_torch.video_sparse_attn_varlen
     else:
         conv = {n: jnp.asarray(a) if a.dtype != np.int64 else a for n, a in args.items()}
-        for n in ("q", "k"):
-            conv[n] = conv[n].astype(jnp.bfloat16)
+        for n in ("q", "k", "gate"):
+            if n in conv:
+                conv[n] = conv[n].astype(jnp.bfloat16)
         fn = vsa_jax.video_sparse_attn_varlen
     with pytest.raises(exc, match=re.escape(message)):
         fn(conv["q"], conv["k"], conv["k"], conv["cu_seqlens_q"], conv["cu_seqlens_k"], conv["variable_block_sizes"],
-           conv["q_variable_block_sizes"], 2, 64)
+           conv["q_variable_block_sizes"], 2, 64, conv.get("gate"))
 
 
 def test_jit_checks_only_shapes_of_traced_offsets():
@@ -492,22 +496,42 @@ GPU_PACKS = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend,pack", GPU_PACKS, ids=[f"{b}-{p.id()}" for b, p in GPU_PACKS])
-def test_vsa_varlen_gpu_backends(backend, pack):
+def _skip_unless_backend_runs(backend: str, pack: Pack) -> None:
     from vsa_core.backends import resolve_backend
     from vsa_core.problem import describe_attention
     from vsa_core.runtime import DeviceInfo
-    if backend == "cute":
-        probe = describe_attention(torch.empty(1, 1, pack.E, pack.head_dim, dtype=BF16),
-                                   *[torch.empty(1, 1, pack.E, pack.head_dim, dtype=BF16)] * 2,
-                                   block_size=pack.block, layout="bshd", kv_counts=np.array([pack.E]),
-                                   q_counts=np.array([pack.E]), topk=1)
-        try:
-            resolve_backend("cute", probe, DeviceInfo.of(torch.empty(1, device="cuda")))
-        except Exception as e:  # noqa: BLE001 (FA4 not installed / another GPU: say why)
-            pytest.skip(str(e))
+    probe = describe_attention(torch.empty(1, 1, pack.E, pack.head_dim, dtype=BF16),
+                               *[torch.empty(1, 1, pack.E, pack.head_dim, dtype=BF16)] * 2,
+                               block_size=pack.block, layout="bshd", kv_counts=np.array([pack.E]),
+                               q_counts=np.array([pack.E]), topk=1)
+    try:
+        resolve_backend(backend, probe, DeviceInfo.of(torch.empty(1, device="cuda")))
+    except Exception as e:  # noqa: BLE001 (FA4 not installed / another GPU: say why)
+        pytest.skip(str(e))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,pack", GPU_PACKS, ids=[f"{b}-{p.id()}" for b, p in GPU_PACKS])
+def test_vsa_varlen_gpu_backends(backend, pack):
+    _skip_unless_backend_runs(backend, pack)
     x = make_pack(pack, seed_of(pack))
     got = run_torch_varlen(pack, x, backend=backend)
     assert_close(_tol_case(pack), got, pack_reference(pack, x))
     assert_equal_or_close(got, run_torch_per_sequence(pack, x, backend=backend), "packed vs per-sequence")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,pack", GPU_PACKS, ids=[f"{b}-{p.id()}" for b, p in GPU_PACKS])
+def test_block_sparse_varlen_gpu_backends(backend, pack):
+    """The fine stage alone with each backend: map and lists, against the float64 reference;
+    cross-sequence entries dropped (torch ops below the eager check)."""
+    _skip_unless_backend_runs(backend, pack)
+    x = make_pack(pack, seed_of(pack))
+    bm = own_sequence_map(pack, x, seed=7)
+    ref, _ = bsa_reference(pack, x, bm)
+    got = run_torch_bsa(pack, x, bm=bm, backend=backend)
+    assert_close(_tol_case(pack), {n: got[n] for n in ref}, ref)
+    lists = map_to_lists(bm, capacity=max(pack.kv_blocks) + 1)
+    assert_equal_or_close(run_torch_bsa(pack, x, lists=lists, backend=backend), got, "lists vs map")
+    crossed = bm | (np.random.default_rng(8).random(bm.shape) < 0.3)
+    assert_equal_or_close(run_torch_bsa(pack, x, bm=crossed, check=False, backend=backend), got, "cross entries")

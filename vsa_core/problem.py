@@ -318,7 +318,7 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(_shape(x)) != 3:
             raise ValueError(f"{name} must be a rank-3 packed tensor [total, H, D], got shape {_shape(x)}")
-    if gate is not None and len(_shape(gate)) != 3:
+    if gate is not None and _shape(gate) != _shape(q):
         raise ValueError(f"compress_attn_weight must have q's shape {_shape(q)}, got {_shape(gate)}")
     n = _check_offsets_shape("cu_seqlens_q", cu_seqlens_q)
     n_k = _check_offsets_shape("cu_seqlens_k", cu_seqlens_k)
