@@ -227,6 +227,24 @@ def test_jax_one_compile_serves_two_packings():
     assert len(traces) == 1
 
 
+def test_empty_sequences():
+    """Repeated offsets: sequence 1 has a query block but no KV block (its output is 0, no
+    NaN), sequence 2 KV blocks but no query (their gradients are 0); sequence 0 is unaffected."""
+    E, rng = 64, np.random.default_rng(5)
+    cu_q, cu_k = torch.tensor([0, 64, 128, 128], dtype=torch.int32), torch.tensor([0, 64, 64, 192], dtype=torch.int32)
+    q, k, v = (torch.from_numpy(rng.standard_normal((n, 1, 64), np.float32)).to(DEVICE, BF16).requires_grad_()
+               for n in (128, 192, 192))
+    full = torch.full((3,), E)
+    out = vsa_torch.video_sparse_attn_varlen(q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), full, full[:2], 2, E)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert (out[64:] == 0).all() and (k.grad[64:] == 0).all() and (v.grad[64:] == 0).all()
+    alone = vsa_torch.video_sparse_attn_bshd(q[:64][None].detach(), k[:64][None].detach(), v[:64][None].detach(),
+                                             full[:1], full[:1], 2, E)[0]
+    assert_equal_or_close({"out": out[:64].detach().float().cpu().numpy()}, {"out": alone.float().cpu().numpy()},
+                          "sequence 0 packed with empty sequences vs alone")
+
+
 def test_torch_compile_fullgraph_matches_eager():
     pack = Pack(q_blocks=(1, 1), kv_blocks=(1, 2), heads=1, topk=1)
     x = make_pack(pack, seed=80)
