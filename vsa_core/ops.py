@@ -20,23 +20,38 @@ def _views(buffers: Mapping):
     return {name: as_tensor(buf) for name, buf in buffers.items()}
 
 
+def _sequence_ids(p: AttnProblem, b: dict) -> None:
+    """Packed sequences: the sequence id of every query and KV block, from the offsets
+    cu_seqlens_q / cu_seqlens_k (device inputs, never read on the host)."""
+    if p.varlen:
+        T.block_seq_ids(p, b["cu_seqlens_q"], b["q_seq"], p.n_q_blocks)
+        T.block_seq_ids(p, b["cu_seqlens_k"], b["kv_seq"], p.n_kv_blocks)
+
+
 def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
     """VSA (p.selection == "topk") or block-sparse attention forward.
 
     Inputs: q, k, v, kv_counts, and q_counts (+ gate) for VSA, block_map or
-    sel_idx/sel_num for the block-sparse variants. Outputs: p.forward_buffers().
+    sel_idx/sel_num for the block-sparse variants; packed sequences (p.varlen) also
+    cu_seqlens_q/cu_seqlens_k, and their given lists come as given_idx/given_num (the
+    forward writes the lists it runs, kept to each query's own sequence, to sel_idx/
+    sel_num). Outputs: p.forward_buffers().
     """
     b = _views(buffers)
     with launch_stream(stream, b["q"].device):
+        _sequence_ids(p, b)
         if p.is_vsa:
             T.block_mean_pool(p, b["q"], b["q_counts"], b["q_pool"], p.q_len)
             T.block_mean_pool(p, b["k"], b["kv_counts"], b["k_pool"], p.kv_len)
             T.block_mean_pool(p, b["v"], b["kv_counts"], b["v_pool"], p.kv_len)
             T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
-                             b["out_coarse"], b["lse_coarse"])
+                             b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
             T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
         elif p.selection == "block_map":
-            T.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"])
+            T.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
+        elif p.varlen:  # given lists: keep each query block's entries of its own sequence only
+            T.same_seq_lists(p, b["given_idx"], b["given_num"], b["q_seq"], b["kv_seq"], b["sel_idx"],
+                             b["sel_num"])
         backend.sparse_forward(p, b["q"], b["k"], b["v"], b["out"], b["lse"], b["sel_idx"], b["sel_num"],
                                b["kv_counts"], gate=b.get("gate"), out_coarse=b.get("out_coarse"),
                                out_fine=b.get("out_fine"), q_counts=b.get("q_counts"))
@@ -48,8 +63,9 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
     b = _views(buffers)
     with launch_stream(stream, b["q"].device):
         if p.is_vsa:
+            _sequence_ids(p, b)
             block_mask = b["sel_mask"]
-        elif p.selection == "block_map":
+        elif p.selection == "block_map" and not p.varlen:
             block_mask = b["block_map"]
         else:
             block_mask = b["sel_mask"]
@@ -60,7 +76,8 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
                               dout_coarse=b.get("dout_coarse"))
         if p.is_vsa:
             T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
-                              b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"])
+                              b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],
+                              q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
         backend.sparse_backward(
             p, b["q"], b["k"], b["v"], b["lse"], b["dout"], b["delta"], b["dq"], b["dk"], b["dv"],
             b["sel_idx"], b["sel_num"], b["inv_idx"], b["inv_num"], b["kv_counts"], q_counts=b.get("q_counts"),

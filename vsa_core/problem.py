@@ -8,6 +8,7 @@ workspace buffers a call needs; each frontend allocates them its own way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
@@ -66,6 +67,16 @@ class AttnProblem:
     selection: str = "topk"
     # the forward keeps what the backward needs (VSA: the fine branch's own output)
     training: bool = True
+    # packed variable-length sequences (varlen): the number of sequences N packed along the
+    # (single) batch's sequence axis, 0 when not packed. Block i of the stream belongs to one
+    # sequence; attention never crosses sequences. The offsets themselves are a device input.
+    n_seqs: int = 0
+    # row length of given index lists that the call copies (varlen "indices" selection)
+    list_capacity: Optional[int] = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.n_seqs > 0
 
     @property
     def n_q_blocks(self) -> int:
@@ -82,7 +93,9 @@ class AttnProblem:
     @property
     def select_capacity(self) -> int:
         """Row length of the query-owned index lists."""
-        return self.topk if self.topk is not None else self.n_kv_blocks
+        if self.topk is not None:
+            return self.topk
+        return self.list_capacity if self.list_capacity is not None else self.n_kv_blocks
 
     def token_shape(self, seq_len: int) -> Tuple[int, ...]:
         if self.layout == "bhsd":
@@ -118,12 +131,19 @@ class AttnProblem:
             })
             if self.training:
                 bufs["out_fine"] = (self.token_shape(self.q_len), "float32")
-        elif self.selection == "block_map":
+        elif self.selection == "block_map" or self.varlen:
+            # lists from the map, or (varlen) the given lists kept to each query's own sequence
             bufs.update({
-                "sel_idx": ((B, H, nq, nk), "int32"),
+                "sel_idx": ((B, H, nq, self.select_capacity), "int32"),
                 "sel_num": ((B, H, nq), "int32"),
             })
+        if self.varlen:
+            bufs.update(self._seq_id_buffers())
         return bufs
+
+    def _seq_id_buffers(self) -> dict:
+        """Sequence id of every query / KV block of the packed stream (computed on the device)."""
+        return {"q_seq": ((self.n_q_blocks,), "int32"), "kv_seq": ((self.n_kv_blocks,), "int32")}
 
     def backward_buffers(self) -> dict:
         B, H, D = self.batch, self.heads, self.head_dim
@@ -145,7 +165,9 @@ class AttnProblem:
             })
             if self.has_gate:
                 bufs["dgate"] = (self.token_shape(self.q_len), "input")
-        elif self.selection == "indices":
+            if self.varlen:
+                bufs.update(self._seq_id_buffers())
+        elif self.selection == "indices" or self.varlen:
             bufs["sel_mask"] = ((B, H, nq, nk), "int8")
         return bufs
 
@@ -239,21 +261,29 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
 
 
 def check_block_map(block_map, problem: AttnProblem) -> None:
+    """Packed sequences (problem.varlen) take the map without the batch axis: [H, nQ, nKV]."""
     want = (problem.batch, problem.heads, problem.n_q_blocks, problem.n_kv_blocks)
+    axes = "[B, H, nQ, nKV]"
+    if problem.varlen:
+        want, axes = want[1:], "[H, nQ, nKV]"
     if _shape(block_map) != want:
-        raise ValueError(f"block_map must have shape [B, H, nQ, nKV] = {want}, got {_shape(block_map)}")
+        raise ValueError(f"block_map must have shape {axes} = {want}, got {_shape(block_map)}")
     if dtype_name(block_map.dtype) != "bool":
         raise TypeError(f"block_map must be a bool array, got dtype {dtype_name(block_map.dtype)}")
 
 
 def check_index_lists(sel_idx, sel_num, problem: AttnProblem) -> None:
+    """Packed sequences (problem.varlen) take the lists without the batch axis: [H, nQ, capacity]."""
     nq = problem.n_q_blocks
-    lead = (problem.batch, problem.heads, nq)
-    if len(_shape(sel_idx)) != 4 or _shape(sel_idx)[:3] != lead or _shape(sel_idx)[3] < 1:
-        raise ValueError(f"block_indices must have shape [B, H, nQ, capacity] with [B, H, nQ] = {lead}, "
+    lead, axes = (problem.batch, problem.heads, nq), "[B, H, nQ]"
+    if problem.varlen:
+        lead, axes = lead[1:], "[H, nQ]"
+    rank = len(lead) + 1
+    if len(_shape(sel_idx)) != rank or _shape(sel_idx)[:-1] != lead or _shape(sel_idx)[-1] < 1:
+        raise ValueError(f"block_indices must have shape {axes[:-1]}, capacity] with {axes} = {lead}, "
                          f"got {_shape(sel_idx)}")
     if _shape(sel_num) != lead:
-        raise ValueError(f"block_counts must have shape [B, H, nQ] = {lead}, got {_shape(sel_num)}")
+        raise ValueError(f"block_counts must have shape {axes} = {lead}, got {_shape(sel_num)}")
     for name, x in (("block_indices", sel_idx), ("block_counts", sel_num)):
         if dtype_name(x.dtype) != "int32":
             raise TypeError(f"{name} must be int32, got dtype {dtype_name(x.dtype)}")
@@ -287,3 +317,102 @@ def check_index_values(block_indices: np.ndarray, block_counts: np.ndarray, n_kv
         raise ValueError(f"block_indices rows must be strictly ascending (no repeats) within their count, found "
                          f"{int(idx[at[:-1] + (at[-1] + 1,)])} after {int(idx[at])} ({what}) at [b, h, i] = "
                          f"{list(at[:-1])}")
+
+
+# ---- packed variable-length sequences ---------------------------------------------------
+class _Batched:
+    """Shape/dtype view of a [total, H, D] array as [1, total, H, D] (BSHD with B = 1)."""
+
+    def __init__(self, x):
+        self.shape = (1,) + _shape(x)
+        self.dtype = x.dtype
+
+
+def _check_offsets_shape(name: str, cu) -> int:
+    if cu is None or not hasattr(cu, "shape"):
+        raise TypeError(f"{name} must be an int32 array [N + 1] of token offsets, got {type(cu).__name__}")
+    shape = _shape(cu)
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"{name} must have shape [N + 1] with N >= 1 sequences, got {shape}")
+    if dtype_name(cu.dtype) != "int32":
+        raise TypeError(f"{name} must be int32, got dtype {dtype_name(cu.dtype)}")
+    return shape[0] - 1
+
+
+def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSize, kv_counts, q_counts=None,
+                    topk=None, gate=None, selection: str = "topk", training: bool = True,
+                    list_capacity: Optional[int] = None) -> AttnProblem:
+    """Checks a packed call (q, gate [total_q, H, D]; k, v [total_k, H, D]; offsets int32
+    [N + 1]) by shape and dtype, and returns its problem: BSHD with batch 1 and n_seqs = N.
+    The offsets' values are checked by `check_offsets` where they are known on the host."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(_shape(x)) != 3:
+            raise ValueError(f"{name} must be a rank-3 packed tensor [total, H, D], got shape {_shape(x)}")
+    if gate is not None and _shape(gate) != _shape(q):
+        raise ValueError(f"compress_attn_weight must have q's shape {_shape(q)}, got {_shape(gate)}")
+    n = _check_offsets_shape("cu_seqlens_q", cu_seqlens_q)
+    n_k = _check_offsets_shape("cu_seqlens_k", cu_seqlens_k)
+    if n != n_k:
+        raise ValueError(f"cu_seqlens_k must describe as many sequences as cu_seqlens_q ({n}), got {n_k} "
+                         f"(shape {_shape(cu_seqlens_k)})")
+    p = describe_attention(_Batched(q), _Batched(k), _Batched(v), block_size=block_size, layout="bshd",
+                           kv_counts=kv_counts, q_counts=q_counts, topk=topk,
+                           gate=None if gate is None else _Batched(gate), selection=selection, training=training)
+    return dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
+
+
+def check_offsets(name: str, values, total: int, block_elems: int) -> None:
+    """Value checks of one offsets array (host values): starts at 0, non-decreasing
+    (an empty sequence is allowed), every offset a multiple of E, the last one the total."""
+    values = np.asarray(values, np.int64)
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {int(values[0])}")
+    steps = np.diff(values)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"{name} must be non-decreasing (ascending token offsets), got {int(values[i])} then "
+                         f"{int(values[i + 1])} at position {i}")
+    bad = values % block_elems != 0
+    if bad.any():
+        raise ValueError(f"{name} values must be multiples of the block size {block_elems} (each sequence is "
+                         f"padded to whole blocks), found {int(values[np.argmax(bad)])}")
+    if values[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {int(values[-1])}")
+
+
+def block_sequence_ids(offsets, n_blocks: int, block_elems: int) -> np.ndarray:
+    """Host version of the device kernel: the sequence id of each block."""
+    starts = np.arange(n_blocks, dtype=np.int64) * block_elems
+    return np.searchsorted(np.asarray(offsets, np.int64)[1:], starts, side="right")
+
+
+def check_varlen_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=None,
+                           block_counts=None) -> None:
+    """Host check of a packed selection: every listed KV block must belong to the query
+    block's own sequence (and lie in range). The kernels ignore such entries; eager calls
+    reject them."""
+    q_seq = block_sequence_ids(cu_q, p.n_q_blocks, p.block_elems)
+    kv_seq = block_sequence_ids(cu_k, p.n_kv_blocks, p.block_elems)
+    if block_map is not None:  # [H, nQ, nKV]
+        cross = np.asarray(block_map, bool) & (q_seq[:, None] != kv_seq[None, :])
+        if cross.any():
+            h, i, j = (int(x) for x in np.argwhere(cross)[0])
+            raise ValueError(f"block_map selects KV block {j} (sequence {kv_seq[j]}) for query block {i} "
+                             f"(sequence {q_seq[i]}) of head {h}: a query block may select only blocks of "
+                             "its own sequence")
+        return
+    idx = np.asarray(block_indices, np.int64)
+    num = np.asarray(block_counts, np.int64)
+    if (num < 0).any() or (num > idx.shape[-1]).any():
+        raise ValueError(f"block_counts values must lie in [0, {idx.shape[-1]}] (the lists' capacity)")
+    listed = np.arange(idx.shape[-1]) < num[..., None]
+    if ((idx < 0) | (idx >= p.n_kv_blocks))[listed].any():
+        raise ValueError(f"block_indices values must lie in [0, {p.n_kv_blocks}) (KV blocks of the packed stream)")
+    own = kv_seq[np.clip(idx, 0, p.n_kv_blocks - 1)] == q_seq[None, :, None]  # idx: [H, nQ, capacity]
+    cross = listed & ~own
+    if cross.any():
+        h, i, slot = (int(x) for x in np.argwhere(cross)[0])
+        j = int(idx[h, i, slot])
+        raise ValueError(f"block_indices lists KV block {j} (sequence {kv_seq[j]}) for query block {i} "
+                         f"(sequence {q_seq[i]}) of head {h}: a query block may select only blocks of its own "
+                         "sequence")

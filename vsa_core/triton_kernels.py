@@ -108,13 +108,16 @@ def block_mean_pool_kernel(
 # --------------------------------------------------------------------------------------
 @triton.jit
 def coarse_attn_fwd_kernel(
-    QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C,
+    QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """Softmax attention of pooled queries over pooled keys with empty KV blocks masked.
 
     Also writes the scaled scores (-inf for empty KV blocks) for the top-k selection.
+    VARLEN (packed sequences): a KV block of another sequence than the query block's
+    (Q_SEQ / KV_SEQ: sequence id per block) is masked like an empty block.
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -122,6 +125,8 @@ def coarse_attn_fwd_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     q = tl.load(QC + (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+    if VARLEN:
+        q_seq = tl.load(Q_SEQ + rows, mask=row_ok, other=-2)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -133,6 +138,8 @@ def coarse_attn_fwd_kernel(
         v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * sm_scale
         s = tl.where(valid[None, :], s, float("-inf"))
+        if VARLEN:  # a KV block of another sequence: masked like an empty block
+            s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
         tl.store(SCORES + (bh * n_q + rows[:, None]) * n_kv + cols[None, :], s,
                  mask=row_ok[:, None] & col_ok[None, :])
         s2 = s * 1.4426950408889634
@@ -154,9 +161,10 @@ def coarse_attn_fwd_kernel(
 
 @triton.jit
 def coarse_attn_bwd_dq_kernel(
-    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DQ_C,
+    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DQ_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """dq_c (fp32) of the coarse attention; one program owns BLOCK_M pooled queries."""
     pid_m = tl.program_id(0)
@@ -171,6 +179,8 @@ def coarse_attn_bwd_dq_kernel(
     delta = tl.sum(do * o, axis=1)
     lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    if VARLEN:
+        q_seq = tl.load(Q_SEQ + rows, mask=row_ok, other=-2)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in range(0, n_kv, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -179,6 +189,8 @@ def coarse_attn_bwd_dq_kernel(
         k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * sm_scale
+        if VARLEN:  # a KV block of another sequence: exp(-inf - lse) = 0, as for an empty block
+            s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v.to(tl.float32)))
         ds = p * (dp - delta[:, None])
@@ -188,9 +200,10 @@ def coarse_attn_bwd_dq_kernel(
 
 @triton.jit
 def coarse_attn_bwd_dkdv_kernel(
-    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DK_C, DV_C,
+    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DK_C, DV_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """dk_c, dv_c (fp32) of the coarse attention; one program owns BLOCK_N pooled keys."""
     pid_n = tl.program_id(0)
@@ -199,6 +212,8 @@ def coarse_attn_bwd_dkdv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_kv
     valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
+    if VARLEN:
+        kv_seq = tl.load(KV_SEQ + cols, mask=col_ok, other=-1)
     col_ptr = (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
     k = tl.load(KC + col_ptr, mask=col_ok[:, None], other=0.0)
     v = tl.load(VC + col_ptr, mask=col_ok[:, None], other=0.0)
@@ -215,6 +230,8 @@ def coarse_attn_bwd_dkdv_kernel(
         lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         st = _dot(k, tl.trans(q), UPCAST) * sm_scale
+        if VARLEN:  # a query block of another sequence: exp(-inf - lse) = 0
+            st = tl.where(kv_seq[:, None] == tl.load(Q_SEQ + rows, mask=row_ok, other=-2)[None, :], st, float("-inf"))
         pt = tl.where(valid[:, None], tl.exp(st - lse[None, :]), 0.0)
         dv += tl.dot(pt, do)
         dpt = tl.dot(v.to(tl.float32), tl.trans(do))
@@ -272,14 +289,15 @@ def topk_select_kernel(
 
 @triton.jit
 def compact_mask_kernel(
-    MASK, IDX, NUM,
+    MASK, IDX, NUM, LINE_SEQ, ELEM_SEQ,
     n_lines, line_len, mask_bh_stride, mask_line_stride, mask_elem_stride, idx_capacity,
-    N_PAD: tl.constexpr,
+    N_PAD: tl.constexpr, SAME_SEQ: tl.constexpr = False,
 ):
     """Turns each line of a 0/1 mask into an ascending index list and its length.
 
     Lines are rows (block map -> query-owned lists) or columns (-> KV-owned lists),
-    chosen by the strides.
+    chosen by the strides. SAME_SEQ (packed sequences) drops the elements whose
+    sequence id (ELEM_SEQ) differs from the line's (LINE_SEQ).
     """
     line = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -287,11 +305,51 @@ def compact_mask_kernel(
     ok = pos < line_len
     bits = tl.load(MASK + bh * mask_bh_stride + line * mask_line_stride + pos * mask_elem_stride,
                    mask=ok, other=0)
-    taken = (bits != 0).to(tl.int32)
+    taken = bits != 0
+    if SAME_SEQ:
+        taken = taken & (tl.load(ELEM_SEQ + pos, mask=ok, other=-1) == tl.load(LINE_SEQ + line))
+    taken = taken.to(tl.int32)
     slot = tl.cumsum(taken, axis=0) - 1
     out_row = bh * n_lines + line
     tl.store(IDX + out_row * idx_capacity + slot, pos, mask=taken > 0)
     tl.store(NUM + out_row, tl.sum(taken, axis=0))
+
+
+@triton.jit
+def block_seq_ids_kernel(
+    CU_SEQLENS, SEQ, n_blocks, n_seqs,
+    BLOCK_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """SEQ[i] = the sequence that block i of a packed stream belongs to: the number of
+    sequence ends CU_SEQLENS[1..n_seqs] at or before the block's first token (token
+    offsets, multiples of BLOCK_ELEMS). Read on the device: no host sync."""
+    blocks = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    start = blocks.to(tl.int64) * BLOCK_ELEMS
+    seq = tl.zeros([BLOCK], tl.int32)
+    for j in range(1, n_seqs + 1):
+        seq += (tl.load(CU_SEQLENS + j).to(tl.int64) <= start).to(tl.int32)
+    tl.store(SEQ + blocks, seq, mask=blocks < n_blocks)
+
+
+@triton.jit
+def same_seq_lists_kernel(
+    IN_IDX, IN_NUM, Q_SEQ, KV_SEQ, OUT_IDX, OUT_NUM,
+    n_q_blocks, n_kv_blocks, idx_capacity,
+    SLOTS: tl.constexpr,
+):
+    """Copies each query block's index list keeping only the entries that name a KV
+    block of the query block's own sequence (in range, same sequence id); the others
+    are dropped, so they are never attended. Order is kept."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.arange(0, SLOTS)
+    listed = pos < tl.minimum(tl.load(IN_NUM + row), idx_capacity)
+    j = tl.load(IN_IDX + row * idx_capacity + pos, mask=listed, other=-1)
+    in_range = listed & (j >= 0) & (j < n_kv_blocks)
+    kv_seq = tl.load(KV_SEQ + j, mask=in_range, other=-1)
+    keep = in_range & (kv_seq == tl.load(Q_SEQ + row % n_q_blocks))
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(OUT_IDX + row * idx_capacity + slot, j, mask=keep)
+    tl.store(OUT_NUM + row, tl.sum(keep.to(tl.int32), axis=0))
 
 
 # --------------------------------------------------------------------------------------

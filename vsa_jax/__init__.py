@@ -28,14 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
-from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention
+from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention, describe_varlen
 
 from . import ops as _ops
 from . import spmd as _spmd
 from .native import set_launch
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
-           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata", "set_launch"]
+           "video_sparse_attn_varlen", "block_sparse_attn_varlen", "block_sparse_attn_varlen_from_indices",
+           "pack_block_indices", "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata",
+           "set_launch"]
 
 
 def _require_arrays(**arrays):
@@ -58,7 +60,7 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     kinds = (layout, layout, layout, "replicated", "replicated", layout)
 
     def op(q, k, v, kv_counts, q_counts, gate):
-        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, int(topk), E, layout, impl)
+        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, None, None, int(topk), E, layout, impl)
     return _split_call(op, layout, E, ("q", "k", "v", "variable_block_sizes", "q_variable_block_sizes",
                                        "compress_attn_weight"), args, kinds, layout)
 
@@ -150,6 +152,108 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     return _bsa(q, k, v, kv_counts, None, jnp.asarray(block_indices), jnp.asarray(block_counts), p.block_elems,
                 layout, impl)
+
+
+# ---- packed variable-length sequences ------------------------------------------------------
+def _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k):
+    return (_ops.as_offsets("cu_seqlens_q", cu_seqlens_q, p.q_len, p.block_elems),
+            _ops.as_offsets("cu_seqlens_k", cu_seqlens_k, p.kv_len, p.block_elems))
+
+
+def _packed(x) -> jax.Array:
+    return jnp.asarray(x)[None]  # [total, H, D] -> [1, total, H, D] (BSHD, batch 1): a free reshape
+
+
+def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
+                             variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
+                             compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto"
+                             ) -> jax.Array:
+    """VSA over packed variable-length sequences, one call for all of them.
+
+    q, compress_attn_weight: `[total_q, H, D]`; k, v: `[total_k, H, D]`: the sequences one
+    after the other, each in its own tile order and padded to whole blocks. `cu_seqlens_q`,
+    `cu_seqlens_k`: int32 `[N + 1]` token offsets (0, ..., total; multiples of the block's
+    token count E). The counts cover every block of the packed stream (length total / E).
+    Sequence i's queries see only sequence i's keys: its own coarse attention, its own
+    top-k (at most its number of non-empty KV blocks), its own fine attention, i.e. the
+    result of `video_sparse_attn_bshd` on each sequence alone. The offsets are read on the
+    device and may be traced under jax.jit (N and the totals are static shapes), so one
+    compiled step serves every packing of the same totals; their values are checked when
+    they are concrete.
+    """
+    _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    p = describe_varlen(q, k, v, _ops.as_shaped(cu_seqlens_q), _ops.as_shaped(cu_seqlens_k), block_size=block_size,
+                        kv_counts=variable_block_sizes, q_counts=q_variable_block_sizes, topk=topk,
+                        gate=compress_attn_weight)
+    impl = _ops.backend_for(backend, p, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
+    gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
+    out = _ops.vsa(_packed(q), _packed(k), _packed(v), kv_counts, q_counts, gate, cu_q, cu_k, int(topk),
+                   p.block_elems, "bshd", impl)
+    return out[0]
+
+
+def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
+                             block_map: jax.Array, variable_block_sizes, block_size=64, *, backend: str = "auto"
+                             ) -> Tuple[jax.Array, jax.Array]:
+    """Block-sparse attention over packed sequences (the packing of `video_sparse_attn_varlen`)
+    with the selection as a bool `[H, nQ, nKV]` map over the packed blocks (nQ = total_q / E,
+    nKV = total_k / E). A query block may select only blocks of its own sequence: with
+    concrete arguments anything else raises ValueError; under jit such entries are ignored
+    (never attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`)."""
+    _require_arrays(q=q, k=k, v=v, block_map=block_map)
+    p = describe_varlen(q, k, v, _ops.as_shaped(cu_seqlens_q), _ops.as_shaped(cu_seqlens_k), block_size=block_size,
+                        kv_counts=variable_block_sizes, selection="block_map")
+    check_block_map(block_map, p)
+    impl = _ops.backend_for(backend, p, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
+    _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
+    out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, _packed(block_map), None, None, p.block_elems,
+                        "bshd", impl, cu_q, cu_k)
+    return out[0], lse[0]
+
+
+def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
+                                          block_indices: jax.Array, block_counts: jax.Array, variable_block_sizes,
+                                          block_size=64, *, backend: str = "auto") -> Tuple[jax.Array, jax.Array]:
+    """`block_sparse_attn_varlen` with the selection as lists: `block_indices` int32
+    `[H, nQ, capacity]` holds, for each query block of the packed stream, `block_counts[h, i]`
+    ascending indices of KV blocks of the packed stream (of its own sequence; entries past
+    the count are ignored)."""
+    _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    p = describe_varlen(q, k, v, _ops.as_shaped(cu_seqlens_q), _ops.as_shaped(cu_seqlens_k), block_size=block_size,
+                        kv_counts=variable_block_sizes, selection="indices", list_capacity=block_indices.shape[-1])
+    check_index_lists(block_indices, block_counts, p)
+    impl = _ops.backend_for(backend, p, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
+    _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
+    out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, None, _packed(block_indices),
+                        _packed(block_counts), p.block_elems, "bshd", impl, cu_q, cu_k)
+    return out[0], lse[0]
+
+
+def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence
+                       ) -> Tuple[jax.Array, jax.Array]:
+    """Per-sequence index lists (FastVideo's `q2k_idx_list` / `q2k_num_list`: `[1, H, nQ_i, C_i]`
+    or `[H, nQ_i, C_i]` local KV block indices and `[1, H, nQ_i]` / `[H, nQ_i]` counts) -> the
+    packed lists of `block_sparse_attn_varlen_from_indices` (`[H, nQ, max C_i]` indices into the
+    packed KV blocks, `[H, nQ]` counts). `kv_blocks_per_sequence`: each sequence's number of KV
+    blocks (Python ints). Traceable (no host values needed but the static shapes)."""
+    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
+        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
+                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
+                         f"{len(kv_blocks_per_sequence)}")
+    idx = [jnp.asarray(t)[0] if jnp.ndim(t) == 4 else jnp.asarray(t) for t in block_indices_list]
+    num = [jnp.asarray(t)[0] if jnp.ndim(t) == 3 else jnp.asarray(t) for t in block_counts_list]
+    capacity = max(t.shape[-1] for t in idx)
+    offsets = np.concatenate([[0], np.cumsum([int(n) for n in kv_blocks_per_sequence])[:-1]])
+    packed = [jnp.pad(t.astype(jnp.int32) + int(off), ((0, 0), (0, 0), (0, capacity - t.shape[-1])))
+              for t, off in zip(idx, offsets)]
+    return jnp.concatenate(packed, axis=1), jnp.concatenate([t.astype(jnp.int32) for t in num], axis=1)
 
 
 def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:

@@ -11,6 +11,7 @@ Inputs are only read; nothing is kept past the callback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Optional
@@ -22,7 +23,8 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from vsa_core import ops as core_ops
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import AttnProblem, check_count_values, check_index_values, describe_attention
+from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets,
+                              check_varlen_selection, describe_attention)
 from vsa_core.runtime import DeviceInfo
 
 from . import native as _native
@@ -169,78 +171,118 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     return {n: _vary(x, axes) for n, x in results.items()}
 
 
-def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True):
-    return describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
-                              q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
+def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True, cu_q=None,
+             list_capacity=None):
+    """Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
+    p = describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
+                           q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
+    if cu_q is not None:
+        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1, list_capacity=list_capacity)
+    return p
+
+
+def as_shaped(x):
+    """Offsets given as a list become a numpy array (anything with .shape and .dtype stays)."""
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+
+
+def as_offsets(name: str, cu, total: int, block_elems: int) -> jax.Array:
+    """Packed offsets as an int32 jax array (dtype and shape checked by describe_varlen). Their
+    values are checked where they are known (numpy, a concrete jax.Array); under jit they are
+    tracers: one compiled call then serves every packing of the same totals."""
+    if not _is_tracer(cu):
+        check_offsets(name, np.asarray(cu), total, block_elems)
+    return jnp.asarray(cu, dtype=jnp.int32)
+
+
+def check_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=None, block_counts=None) -> None:
+    """A packed selection may list only blocks of each query block's own sequence: checked
+    when everything is concrete; under jit the kernels ignore the other entries."""
+    given = [x for x in (cu_q, cu_k, block_map, block_indices, block_counts) if x is not None]
+    if any(_is_tracer(x) for x in given):
+        return
+
+    def host(x):
+        return None if x is None else np.asarray(x)
+    check_varlen_selection(p, host(cu_q), host(cu_k), host(block_map), host(block_indices), host(block_counts))
 
 
 # ---- VSA ----------------------------------------------------------------------------------
 # topk, block_elems, layout and the resolved backend module are static (hashable).
-def vsa(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl):
-    q, k, v, kv_counts, q_counts, gate = _vary_alike(q, k, v, kv_counts, q_counts, gate)
-    return _vsa(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl)
+# cu_q / cu_k: the packed sequences' int32 offsets (None when not packed), traced like the counts.
+def vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl):
+    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k = _vary_alike(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k)
+    return _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _vsa(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl):
     """Primal (no gradient asked for): the inference forward, nothing kept for a backward."""
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False)
-    return _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate)["out"]
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False, cu_q=cu_q)
+    return _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)["out"]
 
 
-def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, impl):
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True)
-    res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate)
-    # the backward reads everything but the top-k scores workspace ([B, H, nQ, nKV] fp32)
-    saved = {n: x for n, x in res.items() if n != "scores"}
-    return res["out"], (q, k, v, kv_counts, q_counts, gate, saved)
+def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl):
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q)
+    res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
+               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    # the backward reads everything but the top-k scores workspace ([B, H, nQ, nKV] fp32); the
+    # sequence ids are recomputed there (two tiny launches) rather than kept
+    saved = {n: x for n, x in res.items() if n not in ("scores", "q_seq", "kv_seq")}
+    return res["out"], (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, saved)
 
 
 def _vsa_bwd(topk, block_elems, layout, impl, residuals, dout):
-    q, k, v, kv_counts, q_counts, gate, res = residuals
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True)
+    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, res = residuals
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q)
     grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts,
-                 gate=gate, **res)
-    # None: no cotangent for the integer counts (JAX makes them float0 zeros) nor an absent gate
-    return grads["dq"], grads["dk"], grads["dv"], None, None, grads.get("dgate")
+                 gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **res)
+    # None: no cotangent for the integer counts and offsets (JAX makes them float0 zeros) nor an absent gate
+    return grads["dq"], grads["dk"], grads["dv"], None, None, grads.get("dgate"), None, None
 
 
 _vsa.defvjp(_vsa_fwd, _vsa_bwd)
 
 
 # ---- block-sparse attention with a given selection ----------------------------------------
-def _bsa_problem(q, k, v, kv_counts, block_map, block_elems, layout):
+def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout):
     selection = "block_map" if block_map is not None else "indices"
-    return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection)
+    capacity = sel_idx.shape[-1] if cu_q is not None and block_map is None else None
+    return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
+                    list_capacity=capacity)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl):
-    return _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl):
+    return _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl)[0]
 
 
-def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl):
-    p = _bsa_problem(q, k, v, kv_counts, block_map, block_elems, layout)
+def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl):
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
+    lists = {"given_idx": sel_idx, "given_num": sel_num} if p.varlen else {"sel_idx": sel_idx, "sel_num": sel_num}
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
-               sel_idx=sel_idx, sel_num=sel_num)
-    if block_map is not None:  # the forward turned the map into index lists; the backward reads them
+               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lists)
+    if "sel_idx" in res:  # the forward made the lists it ran (from the map, or packed: own sequence only)
         sel_idx, sel_num = res["sel_idx"], res["sel_num"]
-    return (res["out"], res["lse"]), (q, k, v, kv_counts, block_map, sel_idx, sel_num, res["out"], res["lse"])
+    return (res["out"], res["lse"]), (q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, res["out"],
+                                      res["lse"])
 
 
 def _bsa_bwd(block_elems, layout, impl, residuals, cotangents):
-    q, k, v, kv_counts, block_map, sel_idx, sel_num, out, lse = residuals
+    q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, out, lse = residuals
     dout, _ = cotangents  # lse is not differentiable (block_sparse_attn stops its gradient)
-    p = _bsa_problem(q, k, v, kv_counts, block_map, block_elems, layout)
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
     grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
-                 sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse)
-    return grads["dq"], grads["dk"], grads["dv"], None, None, None, None
+                 sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    return grads["dq"], grads["dk"], grads["dv"], None, None, None, None, None, None
 
 
 _bsa.defvjp(_bsa_fwd, _bsa_bwd)
 
 
-def bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl):
-    q, k, v, kv_counts, block_map, sel_idx, sel_num = _vary_alike(q, k, v, kv_counts, block_map, sel_idx, sel_num)
-    out, lse = _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl)
+def bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl, cu_q=None, cu_k=None):
+    q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k = _vary_alike(
+        q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k)
+    out, lse = _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl)
     return out, jax.lax.stop_gradient(lse)

@@ -17,12 +17,13 @@ import torch
 from torch import Tensor
 
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
-from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention
+from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention, describe_varlen
 
 from . import ops as _ops
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
-           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
+           "video_sparse_attn_varlen", "block_sparse_attn_varlen", "block_sparse_attn_varlen_from_indices",
+           "pack_block_indices", "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
 
 
 def _require_tensors(**tensors):
@@ -111,6 +112,110 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     return _ops.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, None,
                             block_indices.contiguous(), block_counts.contiguous(), p.block_elems, layout, backend)
+
+
+# ---- packed variable-length sequences ------------------------------------------------------
+def _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k):
+    """Offsets on q's device; eagerly their values are checked (once per tensor version)."""
+    cu_q = _ops.as_offsets("cu_seqlens_q", cu_seqlens_q, q)
+    cu_k = _ops.as_offsets("cu_seqlens_k", cu_seqlens_k, q)
+    _ops.check_offsets_once("cu_seqlens_q", cu_seqlens_q, p.q_len, p.block_elems)
+    _ops.check_offsets_once("cu_seqlens_k", cu_seqlens_k, p.kv_len, p.block_elems)
+    return cu_q, cu_k
+
+
+def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
+                             compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto") -> Tensor:
+    """VSA over packed variable-length sequences, one call for all of them.
+
+    q, compress_attn_weight: `[total_q, H, D]`; k, v: `[total_k, H, D]`: the sequences one
+    after the other, each in its own tile order and padded to whole blocks. `cu_seqlens_q`,
+    `cu_seqlens_k`: int32 `[N + 1]` token offsets (0, ..., total; multiples of the block's
+    token count E). The counts cover every block of the packed stream (length total / E).
+    Sequence i's queries see only sequence i's keys: its own coarse attention, its own
+    top-k (at most its number of non-empty KV blocks), its own fine attention, i.e. the
+    result of `video_sparse_attn_bshd` on each sequence alone. The offsets are read on the
+    device (no host sync in the kernels; eager calls check their values once per tensor).
+    """
+    _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k)
+    p = describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_size=block_size, kv_counts=variable_block_sizes,
+                        q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
+    _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
+    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
+    gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
+    out = _ops.vsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, q_counts,
+                           gate, int(topk), p.block_elems, "bshd", backend, cu_q, cu_k)
+    return out[0]
+
+
+def block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             block_map: Tensor, variable_block_sizes, block_size=64, *, backend: str = "auto"
+                             ) -> Tuple[Tensor, Tensor]:
+    """Block-sparse attention over packed sequences (the packing of `video_sparse_attn_varlen`)
+    with the selection as a bool `[H, nQ, nKV]` map over the packed blocks (nQ = total_q / E,
+    nKV = total_k / E). A query block may select only blocks of its own sequence: eagerly
+    anything else raises ValueError; under torch.compile such entries are ignored (never
+    attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`)."""
+    _require_tensors(q=q, k=k, v=v, block_map=block_map, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    p = describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_size=block_size, kv_counts=variable_block_sizes,
+                        selection="block_map")
+    check_block_map(block_map, p)
+    _ops.check_devices(q, k=k, v=v, block_map=block_map)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
+    _ops.check_selection_once(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
+    out, lse = _ops.bsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts,
+                                block_map.contiguous()[None], None, None, p.block_elems, "bshd", backend, cu_q, cu_k)
+    return out[0], lse[0]
+
+
+def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                          cu_seqlens_k: Tensor, block_indices: Tensor, block_counts: Tensor,
+                                          variable_block_sizes, block_size=64, *, backend: str = "auto"
+                                          ) -> Tuple[Tensor, Tensor]:
+    """`block_sparse_attn_varlen` with the selection as lists: `block_indices` int32
+    `[H, nQ, capacity]` holds, for each query block of the packed stream, `block_counts[h, i]`
+    ascending indices of KV blocks of the packed stream (of its own sequence; entries past
+    the count are ignored)."""
+    _require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    p = describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_size=block_size, kv_counts=variable_block_sizes,
+                        selection="indices", list_capacity=block_indices.shape[-1])
+    check_index_lists(block_indices, block_counts, p)
+    _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
+    _ops.check_selection_once(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices,
+                              block_counts=block_counts)
+    out, lse = _ops.bsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, None,
+                                block_indices.contiguous()[None], block_counts.contiguous()[None], p.block_elems,
+                                "bshd", backend, cu_q, cu_k)
+    return out[0], lse[0]
+
+
+def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence) -> Tuple[Tensor, Tensor]:
+    """Per-sequence index lists (FastVideo's `q2k_idx_list` / `q2k_num_list`: `[1, H, nQ_i, C_i]`
+    or `[H, nQ_i, C_i]` local KV block indices and `[1, H, nQ_i]` / `[H, nQ_i]` counts) -> the
+    packed lists of `block_sparse_attn_varlen_from_indices` (`[H, nQ, max C_i]` indices into the
+    packed KV blocks, `[H, nQ]` counts). `kv_blocks_per_sequence`: each sequence's number of KV
+    blocks (Python ints, e.g. the lengths of its `variable_block_sizes`). Device ops only."""
+    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
+        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
+                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
+                         f"{len(kv_blocks_per_sequence)}")
+    idx = [t[0] if t.dim() == 4 else t for t in block_indices_list]
+    num = [t[0] if t.dim() == 3 else t for t in block_counts_list]
+    capacity = max(t.shape[-1] for t in idx)
+    offsets = [0]
+    for n in kv_blocks_per_sequence[:-1]:
+        offsets.append(offsets[-1] + int(n))
+    packed = [torch.nn.functional.pad(t.to(torch.int32) + off, (0, capacity - t.shape[-1]))
+              for t, off in zip(idx, offsets)]
+    return torch.cat(packed, dim=1), torch.cat([t.to(torch.int32) for t in num], dim=1)
 
 
 def to_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:

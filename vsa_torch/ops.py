@@ -7,6 +7,7 @@ core, and returns them; the core launches on torch's current stream.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import List, Optional, Tuple
 
@@ -16,7 +17,8 @@ from torch import Tensor
 
 from vsa_core import ops as core_ops
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import AttnProblem, check_count_values, check_index_values, describe_attention
+from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets,
+                              check_varlen_selection, describe_attention)
 from vsa_core.runtime import DeviceInfo
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -27,10 +29,14 @@ def _alloc(specs: dict, like: Tensor) -> dict:
             for name, (shape, dt) in specs.items()}
 
 
-def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True
-             ) -> AttnProblem:
-    return describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
-                              q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
+def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True,
+             cu_q: Optional[Tensor] = None, list_capacity: Optional[int] = None) -> AttnProblem:
+    """Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
+    p = describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
+                           q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
+    if cu_q is not None:
+        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1, list_capacity=list_capacity)
+    return p
 
 
 # Value checks read the values on the host. A device tensor already checked and not
@@ -85,6 +91,28 @@ def check_index_lists_once(block_indices: Tensor, block_counts: Tensor, n_kv_blo
     _check_once((block_indices, block_counts), n_kv_blocks, check)
 
 
+def check_offsets_once(name: str, cu: Tensor, total: int, block_elems: int) -> None:
+    """Eager value checks of packed offsets (a host read, once per tensor version); skipped
+    under torch.compile, where the kernels read them on the device only."""
+    if not torch.compiler.is_compiling():
+        _check_once((cu,), (name, total, block_elems),
+                    lambda: check_offsets(name, cu.cpu().numpy(), total, block_elems))
+
+
+def check_selection_once(p: AttnProblem, cu_q: Tensor, cu_k: Tensor, block_map=None, block_indices=None,
+                         block_counts=None) -> None:
+    """Eager: a packed selection may list only blocks of each query block's own sequence."""
+    if torch.compiler.is_compiling():
+        return
+    given = [t for t in (block_map, block_indices, block_counts) if t is not None]
+
+    def host(t):
+        return None if t is None else t.cpu().numpy()
+    _check_once((cu_q, cu_k, *given), ("selection", p),
+                lambda: check_varlen_selection(p, host(cu_q), host(cu_k), host(block_map), host(block_indices),
+                                               host(block_counts)))
+
+
 # ---- VSA --------------------------------------------------------------------------------
 _VSA_OUTPUTS = ("out", "lse", "q_pool", "k_pool", "v_pool", "out_coarse", "lse_coarse", "scores",
                 "sel_idx", "sel_num", "sel_mask", "out_fine")
@@ -101,114 +129,123 @@ def _vsa_outputs(p: AttnProblem, q: Tensor) -> dict:
 
 @torch.library.custom_op("vsa::video_sparse_attn_fwd", mutates_args=())
 def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor, gate: Optional[Tensor],
-             topk: int, block_elems: int, layout: str, backend: str, training: bool) -> List[Tensor]:
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training)
+             cu_q: Optional[Tensor], cu_k: Optional[Tensor], topk: int, block_elems: int, layout: str, backend: str,
+             training: bool) -> List[Tensor]:
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     out = _vsa_outputs(p, q)
     core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
+                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                    **{n: t for n, t in out.items() if n in p.forward_buffers()}))
     return [out[n] for n in _VSA_OUTPUTS]
 
 
 @_vsa_fwd.register_fake
-def _(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, training):
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training)
+def _(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training):
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q)
     out = _vsa_outputs(p, q)
     return [out[n] for n in _VSA_OUTPUTS]
 
 
 @torch.library.custom_op("vsa::video_sparse_attn_bwd", mutates_args=())
 def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor,
-             gate: Optional[Tensor], residuals: List[Tensor], topk: int, block_elems: int, layout: str,
-             backend: str) -> List[Tensor]:
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk")
+             gate: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor], residuals: List[Tensor],
+             topk: int, block_elems: int, layout: str, backend: str) -> List[Tensor]:
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", cu_q=cu_q)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
-                                    q_counts=q_counts, gate=gate, **dict(zip(_VSA_SAVED, residuals)), **grads))
+                                    q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                    **dict(zip(_VSA_SAVED, residuals)), **grads))
     return [grads["dq"], grads["dk"], grads["dv"], grads.get("dgate", q.new_empty(0))]
 
 
 @_vsa_bwd.register_fake
-def _(dout, q, k, v, kv_counts, q_counts, gate, residuals, topk, block_elems, layout, backend):
+def _(dout, q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, topk, block_elems, layout, backend):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(q) if gate is not None else q.new_empty(0)]
 
 
 def _vsa_setup(ctx, inputs, output):
-    q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, training = inputs
+    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training = inputs
     saved = dict(zip(_VSA_OUTPUTS, output))
-    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, *(saved[n] for n in _VSA_SAVED))
+    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, *(saved[n] for n in _VSA_SAVED))
     ctx.static = (topk, block_elems, layout, backend)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _vsa_backward(ctx, grads):
-    q, k, v, kv_counts, q_counts, gate, *residuals = ctx.saved_tensors
-    dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, residuals, *ctx.static)
-    return dq, dk, dv, None, None, (dgate if gate is not None else None), None, None, None, None, None
+    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, *residuals = ctx.saved_tensors
+    dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, *ctx.static)
+    return (dq, dk, dv, None, None, (dgate if gate is not None else None)) + (None,) * 7
 
 
 torch.library.register_autograd("vsa::video_sparse_attn_fwd", _vsa_backward, setup_context=_vsa_setup)
 
 
 # ---- block-sparse attention with a given selection --------------------------------------
+def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout) -> AttnProblem:
+    selection = "block_map" if block_map is not None else "indices"
+    capacity = sel_idx.shape[-1] if cu_q is not None and block_map is None else None
+    return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
+                    list_capacity=capacity)
+
+
 @torch.library.custom_op("vsa::block_sparse_attn_fwd", mutates_args=())
 def _bsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
-             sel_idx: Optional[Tensor], sel_num: Optional[Tensor], block_elems: int, layout: str,
-             backend: str) -> List[Tensor]:
-    selection = "block_map" if block_map is not None else "indices"
-    p = _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection)
+             sel_idx: Optional[Tensor], sel_num: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor],
+             block_elems: int, layout: str, backend: str) -> List[Tensor]:
+    """Returns out, lse and, when the call makes its own lists (from a block map, or the
+    packed case's own-sequence copy of the given lists), those lists."""
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     out = _alloc(p.forward_buffers(), q)
-    bufs = dict(q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map, **out)
+    bufs = dict(q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                **out)
     if sel_idx is not None:
-        bufs.update(sel_idx=sel_idx, sel_num=sel_num)
+        bufs.update({"given_idx": sel_idx, "given_num": sel_num} if p.varlen else {"sel_idx": sel_idx,
+                                                                                    "sel_num": sel_num})
     core_ops.forward(p, impl, bufs)
-    if block_map is None:
-        return [out["out"], out["lse"]]
-    return [out["out"], out["lse"], out["sel_idx"], out["sel_num"]]
+    return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
 
 
 @_bsa_fwd.register_fake
-def _(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend):
-    selection = "block_map" if block_map is not None else "indices"
-    p = _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection)
+def _(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend):
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
     out = _alloc(p.forward_buffers(), q)
     return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
 
 
 @torch.library.custom_op("vsa::block_sparse_attn_bwd", mutates_args=())
 def _bsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
-             sel_idx: Tensor, sel_num: Tensor, out: Tensor, lse: Tensor, block_elems: int, layout: str,
-             backend: str) -> List[Tensor]:
-    selection = "block_map" if block_map is not None else "indices"
-    p = _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection)
+             sel_idx: Tensor, sel_num: Tensor, out: Tensor, lse: Tensor, cu_q: Optional[Tensor],
+             cu_k: Optional[Tensor], block_elems: int, layout: str, backend: str) -> List[Tensor]:
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
                                     block_map=block_map, sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse,
-                                    **grads))
+                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **grads))
     return [grads["dq"], grads["dk"], grads["dv"]]
 
 
 @_bsa_bwd.register_fake
-def _(dout, q, k, v, kv_counts, block_map, sel_idx, sel_num, out, lse, block_elems, layout, backend):
+def _(dout, q, k, v, kv_counts, block_map, sel_idx, sel_num, out, lse, cu_q, cu_k, block_elems, layout, backend):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
 def _bsa_setup(ctx, inputs, output):
-    q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend = inputs
-    if block_map is not None:
+    q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend = inputs
+    if len(output) == 4:  # the lists the forward ran: the backward runs the same
         sel_idx, sel_num = output[2], output[3]
-    ctx.save_for_backward(q, k, v, kv_counts, block_map, sel_idx, sel_num, output[0], output[1])
+    ctx.save_for_backward(q, k, v, kv_counts, block_map, sel_idx, sel_num, output[0], output[1], cu_q, cu_k)
     ctx.static = (block_elems, layout, backend)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _bsa_backward(ctx, grads):
     dq, dk, dv = _bsa_bwd(grads[0], *ctx.saved_tensors, *ctx.static)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 9
 
 
 torch.library.register_autograd("vsa::block_sparse_attn_fwd", _bsa_backward, setup_context=_bsa_setup)
@@ -240,12 +277,18 @@ def check_devices(like: Tensor, **tensors) -> None:
             raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
 
 
-def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend) -> Tensor:
+def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, cu_q=None, cu_k=None
+                ) -> Tensor:
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
-    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, training)[0]
+    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training)[0]
 
 
-def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend
-                ) -> Tuple[Tensor, Tensor]:
-    res = _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend)
+def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend, cu_q=None,
+                cu_k=None) -> Tuple[Tensor, Tensor]:
+    res = _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend)
     return res[0], res[1]
+
+
+def as_offsets(name: str, cu: Tensor, like: Tensor) -> Tensor:
+    """int32 offsets on q's device (dtype checked by describe_varlen)."""
+    return cu.to(device=like.device).contiguous()

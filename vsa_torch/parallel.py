@@ -113,7 +113,7 @@ class _UlyssesVSA(torch.autograd.Function):
         for c, exchange in zip(chunks, incoming):
             qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
             gh = gh[0] if gh else None
-            results = _ops._vsa_fwd(qh, kh, vh, kv_counts, q_counts, gh, topk, block_elems, "bshd", backend,
+            results = _ops._vsa_fwd(qh, kh, vh, kv_counts, q_counts, gh, None, None, topk, block_elems, "bshd", backend,
                                     training)
             outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
             if training:
@@ -139,7 +139,7 @@ class _UlyssesVSA(torch.autograd.Function):
             douth = _sequence_of_heads(exchange.finish()[0])
             qh, kh, vh, *rest = saved[i * per_chunk:(i + 1) * per_chunk]
             gh, residuals = (rest[0], rest[1:]) if has_gate else (None, rest)
-            dq, dk, dv, dgate = _ops._vsa_bwd(douth, qh, kh, vh, kv_counts, q_counts, gh, residuals, topk,
+            dq, dk, dv, dgate = _ops._vsa_bwd(douth, qh, kh, vh, kv_counts, q_counts, gh, None, None, residuals, topk,
                                               block_elems, "bshd", backend)
             outgoing.append(_Exchange([dq, dk, dv] + ([dgate] if has_gate else []), group, P, c, to_heads=False))
         for c, exchange in zip(chunks, outgoing):

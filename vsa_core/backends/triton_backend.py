@@ -127,24 +127,28 @@ def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
 
 
-def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse):
+def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
+                   q_seq=None, kv_seq=None):
+    """q_seq / kv_seq (packed sequences): sequence id per block; other sequences' KV blocks
+    are masked like empty ones."""
     grid = (triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))
     K.coarse_attn_fwd_kernel[grid](
-        q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
+        q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq,
         p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim),
         HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING,
-        num_warps=4)
+        VARLEN=q_seq is not None, num_warps=4)
 
 
 def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
-                    dq_pool, dk_pool, dv_pool):
-    common = dict(HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING, num_warps=4)
+                    dq_pool, dk_pool, dv_pool, q_seq=None, kv_seq=None):
+    common = dict(HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING,
+                  VARLEN=q_seq is not None, num_warps=4)
     scale = 1.0 / math.sqrt(p.head_dim)
     K.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))](
-        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dq_pool,
+        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dq_pool, q_seq, kv_seq,
         p.n_q_blocks, p.n_kv_blocks, scale, **common)
     K.coarse_attn_bwd_dkdv_kernel[(triton.cdiv(p.n_kv_blocks, COARSE_TILE), _bh(p))](
-        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dk_pool, dv_pool,
+        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dk_pool, dv_pool, q_seq, kv_seq,
         p.n_q_blocks, p.n_kv_blocks, scale, **common)
 
 
@@ -154,18 +158,36 @@ def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask):
         N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
 
 
-def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num):
-    """Query-owned lists from a [B, H, nQ, nKV] mask (one line per query block)."""
+def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
+    """Query-owned lists from a [B, H, nQ, nKV] mask (one line per query block); with the
+    sequence ids (packed sequences) blocks of another sequence are left out."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
     K.compact_mask_kernel[(nq, _bh(p))](
-        block_mask, sel_idx, sel_num, nq, nk, nq * nk, nk, 1, sel_idx.shape[-1], N_PAD=_pow2(nk), num_warps=4)
+        block_mask, sel_idx, sel_num, q_seq, kv_seq, nq, nk, nq * nk, nk, 1, sel_idx.shape[-1], N_PAD=_pow2(nk),
+        SAME_SEQ=q_seq is not None, num_warps=4)
 
 
 def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
     """KV-owned (inverse) lists from a [B, H, nQ, nKV] mask (one line per KV block)."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
     K.compact_mask_kernel[(nk, _bh(p))](
-        block_mask, inv_idx, inv_num, nk, nq, nq * nk, 1, nk, inv_idx.shape[-1], N_PAD=_pow2(nq), num_warps=4)
+        block_mask, inv_idx, inv_num, None, None, nk, nq, nq * nk, 1, nk, inv_idx.shape[-1], N_PAD=_pow2(nq),
+        num_warps=4)
+
+
+def block_seq_ids(p: AttnProblem, cu_seqlens, seq, n_blocks: int):
+    """seq[i] (int32) = the sequence of block i, from the int32 token offsets [N + 1]."""
+    K.block_seq_ids_kernel[(triton.cdiv(n_blocks, 256),)](
+        cu_seqlens, seq, n_blocks, p.n_seqs, BLOCK_ELEMS=p.block_elems, BLOCK=256, num_warps=4)
+
+
+def same_seq_lists(p: AttnProblem, given_idx, given_num, q_seq, kv_seq, sel_idx, sel_num):
+    """The given query-owned lists with the entries outside the query's own sequence (or
+    out of range) dropped."""
+    cap = given_idx.shape[-1]
+    K.same_seq_lists_kernel[(_bh(p) * p.n_q_blocks,)](
+        given_idx, given_num, q_seq, kv_seq, sel_idx, sel_num, p.n_q_blocks, p.n_kv_blocks, cap,
+        SLOTS=_pow2(cap), num_warps=4)
 
 
 # ---- the fine stage: the part a backend provides ---------------------------------------
