@@ -73,6 +73,7 @@ def coarse_attn_fwd_kernel(
     QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Softmax attention of pooled queries over pooled keys with empty KV blocks masked.
 
@@ -105,7 +106,7 @@ def coarse_attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # P stays fp32 here (unlike the fine stage): the coarse backward's rowsum(dO_c * out_c)
         # cancels against dP when the coarse softmax is sharp, and this stage is cheap.
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
     has_any = l_i > 0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -119,6 +120,7 @@ def coarse_attn_bwd_dq_kernel(
     QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DQ_C,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dq_c (fp32) of the coarse attention; one program owns BLOCK_M pooled queries."""
     pid_m = tl.program_id(0)
@@ -142,9 +144,9 @@ def coarse_attn_bwd_dq_kernel(
         v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * sm_scale
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v.to(tl.float32)))
+        dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds, k.to(tl.float32))
+        dq += tl.dot(ds, k.to(tl.float32), input_precision=DOT_PRECISION)
     tl.store(DQ_C + row_ptr, dq * sm_scale, mask=row_ok[:, None])
 
 
@@ -153,6 +155,7 @@ def coarse_attn_bwd_dkdv_kernel(
     QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DK_C, DV_C,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dk_c, dv_c (fp32) of the coarse attention; one program owns BLOCK_N pooled keys."""
     pid_n = tl.program_id(0)
@@ -178,10 +181,10 @@ def coarse_attn_bwd_dkdv_kernel(
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         st = _dot(k, tl.trans(q), UPCAST) * sm_scale
         pt = tl.where(valid[:, None], tl.exp(st - lse[None, :]), 0.0)
-        dv += tl.dot(pt, do)
-        dpt = tl.dot(v.to(tl.float32), tl.trans(do))
+        dv += tl.dot(pt, do, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v.to(tl.float32), tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst, q.to(tl.float32))
+        dk += tl.dot(dst, q.to(tl.float32), input_precision=DOT_PRECISION)
     tl.store(DK_C + col_ptr, dk * sm_scale, mask=col_ok[:, None])
     tl.store(DV_C + col_ptr, dv, mask=col_ok[:, None])
 

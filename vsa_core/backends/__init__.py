@@ -25,10 +25,11 @@ class BackendUnavailableError(RuntimeError):
 
 
 def _triton_unavailable(problem: AttnProblem, device: DeviceInfo):
-    if device.kind == "cuda" or INTERPRETING:
+    # CPU tensors run the same kernels under Triton's interpreter (slow; for testing)
+    if device.kind in ("cuda", "cpu") or INTERPRETING:
         return None
-    return (f"the triton backend needs CUDA tensors (got {device.kind}), or TRITON_INTERPRET=1 set before "
-            "triton is first imported to run the kernels on the CPU")
+    return (f"the triton backend runs on CUDA tensors (or, slowly, on CPU tensors under Triton's "
+            f"interpreter), got {device.kind} tensors")
 
 
 triton_backend.unavailable_reason = _triton_unavailable

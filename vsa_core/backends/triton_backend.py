@@ -3,6 +3,9 @@
 Launch configurations live here. On a GPU each attention kernel is autotuned over a
 short list keyed on the problem's shape (first entry = the default when
 VSA_AUTOTUNE=0); under the interpreter there is one fixed small config.
+
+CPU tensors run the same kernels under Triton's interpreter: each launch picks the
+kernels module by the tensors' device (`kernels_for`; see `vsa_core.interpreter`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import triton_kernels as K
+from ..interpreter import interpreted_kernels
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING
 
@@ -23,6 +27,25 @@ AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
 # K/V (forward, dQ) and Q/dO (dK/dV) tiles through tensor descriptors (TMA on Hopper);
 # VSA_TMA=0 falls back to pointer loads. The interpreter runs the descriptor path too.
 USE_TMA = os.environ.get("VSA_TMA", "1") != "0"
+# Precision of the coarse kernels' fp32 dot products (P@V forward; dP, dQ, dK, dV backward).
+# "ieee": true fp32 (FMA). Triton's default on the GPU is "tf32" (10-bit mantissas), which
+# measured 5e-2 relative error in dK at x16 activations: the coarse softmax is sharp there
+# and rowsum(dO_c * out_c) cancels against dP. VSA_COARSE_PRECISION=tf32 brings the old
+# behaviour back for comparisons (benchmarks/coarse_bench.py); the interpreter computes
+# fp32 whatever this says.
+COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
+
+
+def interpreted(x) -> bool:
+    """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1)."""
+    return INTERPRETING or x.device.type != "cuda"
+
+
+def kernels_for(x):
+    """The kernels module for tensors on x's device: compiled for CUDA, interpreted for the CPU."""
+    if INTERPRETING or x.device.type == "cuda":
+        return K  # under TRITON_INTERPRET=1 these are interpreted already
+    return interpreted_kernels()
 
 
 class _TunedKernel:
@@ -36,9 +59,11 @@ class _TunedKernel:
     of their rows; their block shape is set to match the config before each launch.
     """
 
+    INTERPRETER_CONFIG = (64, 64, 4, 1)
+
     def __init__(self, kernel, candidates, key, tiled_args):
         self.kernel = kernel
-        self.candidates = [(64, 64, 4, 1)] if INTERPRETING else candidates
+        self.candidates = [self.INTERPRETER_CONFIG] if INTERPRETING else candidates
         self.tiled_args = tiled_args
         self.forced = None  # a config to run regardless of tuning (benchmarks/kernel_sweep.py)
         self.tuned = None
@@ -63,16 +88,21 @@ class _TunedKernel:
             if isinstance(desc, TensorDescriptor):
                 desc.block_shape = [1, 1, nargs[tile], desc.shape[-1]]
 
-    def __call__(self, grid, *args, **kwargs):
+    def __call__(self, grid, like, *args, **kwargs):
+        """Launches on args; `like` (a tensor of the call) decides compiled or interpreted."""
         E = kwargs["BLOCK_ELEMS"]
-        if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
-            self.tuned[grid](*args, **kwargs)
-            return
-        m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
+        kernel = self.kernel
+        if interpreted(like):
+            kernel = getattr(kernels_for(like), self.kernel.fn.__name__)
+            m, n, w, s = self.INTERPRETER_CONFIG
+        else:
+            if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
+                self.tuned[grid](*args, **kwargs)
+                return
+            m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
         meta = {"BLOCK_M": m, "BLOCK_N": n}
-        names = self.kernel.arg_names
-        self._set_block_shapes({**dict(zip(names, args)), **meta})
-        self.kernel[grid(meta)](*args, **kwargs, **meta, num_warps=w, num_stages=s)
+        self._set_block_shapes({**dict(zip(kernel.arg_names, args)), **meta})
+        kernel[grid(meta)](*args, **kwargs, **meta, num_warps=w, num_stages=s)
 
 
 def _tiles(p: AttnProblem, x, seq_len: int):
@@ -99,7 +129,29 @@ _sparse_bwd_dkdv = _TunedKernel(
     [(64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)], _KEY + ["n_kv_blocks"],
     {"Q": "BLOCK_M", "DOUT": "BLOCK_M"})
 
-COARSE_TILE = 16 if INTERPRETING else 64
+# Coarse kernels: (tile, num_warps, num_stages) by head dim; the tile is both BLOCK_M and
+# BLOCK_N. With exact fp32 dots the operands of the fp32 products are staged through shared
+# memory, and each pipeline stage of the dK/dV kernel's loop holds q, dO and out_c tiles.
+# Shared memory per kernel (fwd, dq, dkdv; bytes, compiled for sm_90 with Triton 3.9):
+#   D=64,  64x64, 3/3/2 stages: 41472 / 57856 /  90368
+#   D=128, 64x64, 3/3/1 stages: 66048 / 98816 /  99328   (3 stages dkdv: 229888; a 128x64
+#   tile: 262656 in the issue, over the 232448 an sm_90 block may use)
+# so every config stays under 101376 bytes (the sm_86/sm_89 limit) and far under sm_90's.
+COARSE_CONFIGS = {
+    64: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 2)},
+    128: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 1)},
+}
+COARSE_INTERPRETER_CONFIG = (16, 4, 1)
+
+
+def _coarse_config(p: AttnProblem, x, stage: str):
+    """(kernels module, launch options) of one coarse kernel for tensors like x."""
+    if interpreted(x):
+        tile, warps, stages = COARSE_INTERPRETER_CONFIG
+    else:
+        tile, warps, stages = COARSE_CONFIGS[p.head_dim][stage]
+    return kernels_for(x), dict(HEAD_DIM=p.head_dim, BLOCK_M=tile, BLOCK_N=tile, UPCAST=interpreted(x),
+                                DOT_PRECISION=COARSE_DOT_PRECISION, num_warps=warps, num_stages=stages)
 
 
 def _pow2(n: int) -> int:
@@ -113,34 +165,33 @@ def _bh(p: AttnProblem) -> int:
 def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
     sb, sh, ss = p.token_strides(seq_len)
     n_blocks = seq_len // p.block_elems
-    K.block_mean_pool_kernel[(n_blocks, _bh(p))](
+    kernels_for(x).block_mean_pool_kernel[(n_blocks, _bh(p))](
         x, counts, pooled, sb, sh, ss, p.heads, n_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
 
 
 def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse):
-    grid = (triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))
-    K.coarse_attn_fwd_kernel[grid](
+    kernels, opts = _coarse_config(p, q_pool, "fwd")
+    kernels.coarse_attn_fwd_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
-        p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim),
-        HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING,
-        num_warps=4)
+        p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim), **opts)
 
 
 def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
                     dq_pool, dk_pool, dv_pool):
-    common = dict(HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING, num_warps=4)
     scale = 1.0 / math.sqrt(p.head_dim)
-    K.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))](
+    kernels, opts = _coarse_config(p, q_pool, "dq")
+    kernels.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dq_pool,
-        p.n_q_blocks, p.n_kv_blocks, scale, **common)
-    K.coarse_attn_bwd_dkdv_kernel[(triton.cdiv(p.n_kv_blocks, COARSE_TILE), _bh(p))](
+        p.n_q_blocks, p.n_kv_blocks, scale, **opts)
+    kernels, opts = _coarse_config(p, q_pool, "dkdv")
+    kernels.coarse_attn_bwd_dkdv_kernel[(triton.cdiv(p.n_kv_blocks, opts["BLOCK_N"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dk_pool, dv_pool,
-        p.n_q_blocks, p.n_kv_blocks, scale, **common)
+        p.n_q_blocks, p.n_kv_blocks, scale, **opts)
 
 
 def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask):
-    K.topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
+    kernels_for(scores).topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
         scores, sel_idx, sel_num, sel_mask, p.n_kv_blocks, p.topk, p.select_capacity,
         N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
 
@@ -148,14 +199,14 @@ def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask):
 def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num):
     """Query-owned lists from a [B, H, nQ, nKV] mask (one line per query block)."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
-    K.compact_mask_kernel[(nq, _bh(p))](
+    kernels_for(block_mask).compact_mask_kernel[(nq, _bh(p))](
         block_mask, sel_idx, sel_num, nq, nk, nq * nk, nk, 1, sel_idx.shape[-1], N_PAD=_pow2(nk), num_warps=4)
 
 
 def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
     """KV-owned (inverse) lists from a [B, H, nQ, nKV] mask (one line per KV block)."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
-    K.compact_mask_kernel[(nk, _bh(p))](
+    kernels_for(block_mask).compact_mask_kernel[(nk, _bh(p))](
         block_mask, inv_idx, inv_num, nk, nq, nq * nk, 1, nk, inv_idx.shape[-1], N_PAD=_pow2(nq), num_warps=4)
 
 
@@ -168,19 +219,19 @@ def _scales(p: AttnProblem):
 def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
                    out_fine=None, **_unused):
     _sparse_fwd(
-        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
+        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, gate,
         out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], _scales(p)[0], int(out_fine is not None),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
-        HAS_GATE=gate is not None, UPCAST=INTERPRETING, USE_TMA=USE_TMA)
+        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=USE_TMA)
 
 
 def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
                         dout_coarse=None):
     """delta for the fine backward; with the coarse branch also dgate and dout_coarse."""
-    K.sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
+    kernels_for(dout).sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
         dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, *p.token_strides(p.q_len),
         p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
@@ -190,22 +241,22 @@ def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_co
 def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
                        q_counts=None, dq_pool=None):
     _sparse_bwd_dq(
-        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
+        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num, kv_counts,
         q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, sel_idx.shape[-1], *_scales(p),
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=INTERPRETING,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=interpreted(q),
         USE_TMA=USE_TMA)
 
 
 def sparse_backward_dkdv(p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
                          dk_pool=None, dv_pool=None):
     _sparse_bwd_dkdv(
-        lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)),
+        lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
         _tiles(p, q, p.q_len), k, v, _tiles(p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num, kv_counts,
         dk_pool, dv_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p),
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=INTERPRETING,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=interpreted(q),
         USE_TMA=USE_TMA)
 
 
@@ -219,5 +270,5 @@ def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
 
 
 def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):
-    K.lists_to_mask_kernel[(_bh(p) * p.n_q_blocks,)](
+    kernels_for(sel_idx).lists_to_mask_kernel[(_bh(p) * p.n_q_blocks,)](
         sel_idx, sel_num, block_mask, p.n_kv_blocks, sel_idx.shape[-1], N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
