@@ -323,12 +323,12 @@ def test_block_sparse_attn_matches_reference(layout):
 
 
 def test_tiling_helpers_match_numpy_metadata():
-    meta = vsa_jax.build_vsa_metadata((3, 5, 6), (2, 4, 4))
+    meta = vsa_jax.build_vsa_metadata((3, 5, 9), (2, 4, 8))
     x = np.random.default_rng(0).standard_normal((2, meta.num_tokens, 8)).astype(np.float32)
     tiled = vsa_jax.to_tiled(jnp.asarray(x), meta, dim=1)
     assert np.array_equal(np.asarray(tiled), meta.to_tiled(x, axis=1))
     assert np.array_equal(np.asarray(vsa_jax.from_tiled(tiled, meta, dim=1)), x)
-    assert np.array_equal(vsa_jax.variable_block_sizes((3, 5, 6), (2, 4, 4)), meta.variable_block_sizes)
+    assert np.array_equal(vsa_jax.variable_block_sizes((3, 5, 9), (2, 4, 8)), meta.variable_block_sizes)
 
 
 # ---- GPU ----------------------------------------------------------------------------------

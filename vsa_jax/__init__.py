@@ -12,6 +12,11 @@ Works under jax.jit, jax.grad / jax.vjp (gradients to q, k, v and the gate) and
 jax.vmap. Arguments are checked at trace time and raise the same ValueError /
 TypeError as vsa_torch; the count values ([0, E]) are checked when the counts are
 concrete (numpy or a jax.Array outside jit), not when they are traced.
+
+Arrays on the CPU run the same Triton kernels under Triton's interpreter (slow; for
+tests and small checks; a warning says so once per process). `topk` larger than the
+number of KV blocks is clamped to it. The top-k ranking uses the fp32 coarse scores
+(FastVideo ranks bf16-rounded scores: near-ties may pick other blocks).
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vsa_core import __version__
+from vsa_core.backends import BackendUnavailableError
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
 from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention
 
 from . import ops as _ops
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
-           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
+           "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata",
+           "BackendUnavailableError", "__version__"]
 
 
 def _require_arrays(**arrays):
@@ -40,6 +48,7 @@ def _require_arrays(**arrays):
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
          backend, layout) -> jax.Array:
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
     impl = _ops.backend_for(backend, p, q)
@@ -60,6 +69,13 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
+
+    `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
+    non-empty block is then selected); empty blocks (count 0) are never selected, so a
+    row may get fewer than `topk`. Ranking uses the fp32 coarse scores, ties to the
+    lower block index. `block_size`: E as an int, or the (t, h, w) tile of
+    `build_vsa_metadata` (ints; t*h*w must be 64, 128 or 256). Counts: 1-D integer
+    numpy or JAX arrays (or lists), values in [0, E].
     `backend`: "auto", "triton" or "cute" (VSA_BACKEND in the environment replaces "auto").
     `topk`, `block_size` and `backend` are static (Python values, not traced).
     """
@@ -84,6 +100,7 @@ def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.A
     the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for a query
     block with nothing selected). Gradients flow through out (lse is not differentiable)."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="block_map")
     check_block_map(block_map, p)
@@ -100,6 +117,7 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     `[B, H, nQ, capacity]` int32 holds, for each query block, `block_counts[b, h, i]`
     ascending KV block indices (entries past the count are ignored)."""
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="indices")
     check_index_lists(block_indices, block_counts, p)

@@ -35,9 +35,16 @@ def _triton_unavailable(problem: AttnProblem, device: DeviceInfo):
 triton_backend.unavailable_reason = _triton_unavailable
 
 
-def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo):
+def check_backend_name(backend) -> None:
+    """TypeError / ValueError naming `backend` unless it is "auto" or a registered name."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
+
+
+def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo):
+    check_backend_name(backend)
     if backend == "auto":
         backend = os.environ.get("VSA_BACKEND", "auto") or "auto"
     if backend == "auto":
