@@ -48,6 +48,11 @@ X16_CASES = [
          topk=2, gate=False),
     Case(block=64, head_dim=128, dtype="float16", scale=16.0, n_q_blocks=8, n_kv_blocks=16, batch=1, heads=2,
          topk=4),
+    # more blocks: a longer coarse softmax and more terms in each coarse dot product
+    Case(block=128, head_dim=128, dtype="float16", scale=16.0, n_q_blocks=12, n_kv_blocks=24, batch=1, heads=2,
+         topk=6),
+    Case(block=256, head_dim=128, dtype="bfloat16", scale=16.0, n_q_blocks=8, n_kv_blocks=12, batch=1, heads=2,
+         topk=4),
 ]
 
 
