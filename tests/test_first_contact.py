@@ -67,6 +67,30 @@ def test_readme_snippet_runs_as_pasted_on_cpu_tensors():
     assert torch.equal(results[""], results["1"])
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path without TRITON_INTERPRET")
+def test_jax_cpu_arrays_run_without_setup():
+    """vsa_jax on CPU arrays in a fresh process without TRITON_INTERPRET: forward and
+    gradients against the float64 reference, one warning."""
+    script = "\n".join([
+        "import sys, jax",
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})",
+        "from common import Case, make_inputs, reference, assert_close",
+        "from test_jax_vsa import jax_args, to_numpy, vsa_fn",
+        "case = Case(batch=1)",
+        "x = make_inputs(case, 3)",
+        "q, k, v, gate, dout = jax_args(case, x)",
+        "out, vjp = jax.vjp(vsa_fn(case, x['kv_counts'], x['q_counts']), q, k, v, gate)",
+        "dq, dk, dv, dgate = vjp(dout)",
+        "assert_close(case, to_numpy(case, dict(out=out, dq=dq, dk=dk, dv=dv, dgate=dgate)), reference(case, x))",
+    ])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-W", "default", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("run the Triton kernels under Triton's interpreter") == 1, run.stderr[-3000:]
+
+
 def test_other_devices_are_refused_with_a_reason(monkeypatch):
     from vsa_core import backends
     monkeypatch.setattr(backends, "INTERPRETING", False)  # as in a process without TRITON_INTERPRET
