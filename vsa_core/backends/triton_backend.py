@@ -134,9 +134,11 @@ _sparse_bwd_dkdv = _TunedKernel(
 # memory, and each pipeline stage of the dK/dV kernel's loop holds q, dO and out_c tiles.
 # Shared memory per kernel (fwd, dq, dkdv; bytes, compiled for sm_90 with Triton 3.9):
 #   D=64,  64x64, 3/3/2 stages: 41472 / 57856 /  90368
-#   D=128, 64x64, 3/3/1 stages: 66048 / 98816 /  99328   (3 stages dkdv: 229888; a 128x64
-#   tile: 262656 in the issue, over the 232448 an sm_90 block may use)
-# so every config stays under 101376 bytes (the sm_86/sm_89 limit) and far under sm_90's.
+#   D=128, 64x64, 3/3/1 stages: 66048 / 98816 /  99328
+# (D=128 dkdv with 3 stages: 229888, at the edge of the 232448 an sm_90 block may use; issue 8
+# saw a 128x64 tile fail with 262656), so every config stays under 101376 bytes (the
+# sm_86/sm_89 limit). With VSA_COARSE_PRECISION=tf32 (comparisons only) the D=128 dkdv
+# kernel needs 131200 bytes at 1 stage: sm_80/sm_90 only.
 COARSE_CONFIGS = {
     64: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 2)},
     128: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 1)},
