@@ -22,12 +22,12 @@ def test_partition_round_trip(video, tile):
 
 
 def test_tile_contents_are_the_video_tiles():
-    meta = build_vsa_metadata((4, 8, 8), (2, 4, 4))
-    grid = np.arange(4 * 8 * 8).reshape(4, 8, 8)
-    first_tile = grid[0:2, 0:4, 0:4].reshape(-1)
-    np.testing.assert_array_equal(meta.tiled_from_raw[:32], first_tile)
-    second_tile = grid[0:2, 0:4, 4:8].reshape(-1)  # tiles in row-major (t, h, w) order
-    np.testing.assert_array_equal(meta.tiled_from_raw[32:64], second_tile)
+    meta = build_vsa_metadata((4, 8, 16), (2, 4, 8))
+    grid = np.arange(4 * 8 * 16).reshape(4, 8, 16)
+    first_tile = grid[0:2, 0:4, 0:8].reshape(-1)
+    np.testing.assert_array_equal(meta.tiled_from_raw[:64], first_tile)
+    second_tile = grid[0:2, 0:4, 8:16].reshape(-1)  # tiles in row-major (t, h, w) order
+    np.testing.assert_array_equal(meta.tiled_from_raw[64:128], second_tile)
 
 
 def test_variable_block_sizes_at_the_edges():
@@ -42,3 +42,26 @@ def test_variable_block_sizes_at_the_edges():
 def test_bad_shapes(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
         build_vsa_metadata(bad, (4, 4, 4))
+
+
+@pytest.mark.parametrize("tile", [(2, 4, 4), (4, 4, 2), (8, 8, 8), (1, 1, 1)])
+def test_unsupported_tile_volumes_raise(tile):
+    """FastVideo raises for tiles the kernels cannot run (E must be 64, 128 or 256)."""
+    with pytest.raises(ValueError, match=r"tile_size must hold \(64, 128, 256\) tokens"):
+        build_vsa_metadata((8, 8, 8), tile)
+
+
+@pytest.mark.parametrize("tile", [(4, 4, 4), (4, 4, 8), (4, 8, 8), (2, 4, 8)])
+def test_supported_tile_volumes(tile):
+    assert build_vsa_metadata((8, 8, 8), tile).block_elems in (64, 128, 256)
+
+
+@pytest.mark.parametrize("bad", [(4.5, 4, 4), (4.0, 4, 4), (True, 4, 4)])
+def test_non_int_tile_sizes_raise(bad):
+    with pytest.raises(TypeError, match="tile_size must be a \\(t, h, w\\) tuple of ints"):
+        build_vsa_metadata((8, 8, 8), bad)
+
+
+def test_build_vsa_metadata_is_documented():
+    doc = build_vsa_metadata.__doc__
+    assert doc and "64, 128 or 256" in doc and "variable_block_sizes" in doc

@@ -10,7 +10,6 @@ import torch
 import vsa_torch
 from common import Case, assert_close, make_inputs
 from vsa_core import reference as R
-from vsa_core.backends import BackendUnavailableError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
@@ -164,18 +163,6 @@ def test_block_map_errors():
                                     a["variable_block_sizes"])
     with pytest.raises(TypeError, match="block_map must be a bool"):
         vsa_torch.block_sparse_attn(a["q"], a["k"], a["v"], torch.ones(1, 2, 2, 3), a["variable_block_sizes"])
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="checks the error for CPU tensors without the interpreter")
-def test_cpu_tensors_need_the_interpreter_or_a_gpu(monkeypatch):
-    from vsa_core.backends import triton_backend
-    from vsa_core import backends
-    monkeypatch.setattr(backends, "INTERPRETING", False)
-    a = _good()
-    with pytest.raises(BackendUnavailableError, match="needs CUDA tensors"):
-        vsa_torch.video_sparse_attn(a["q"], a["k"], a["v"], a["variable_block_sizes"],
-                                    a["q_variable_block_sizes"], 2, backend="triton")
-    assert triton_backend.name == "triton"
 
 
 @pytest.mark.gpu

@@ -20,9 +20,12 @@ import numpy as np
 
 def _as_triple(name: str, value) -> Tuple[int, int, int]:
     try:
-        t = tuple(int(x) for x in value)
+        items = tuple(value)
     except TypeError:
         raise TypeError(f"{name} must be a (t, h, w) tuple of ints, got {value!r}") from None
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in items):
+        raise TypeError(f"{name} must be a (t, h, w) tuple of ints, got {value!r}")
+    t = tuple(int(x) for x in items)
     if len(t) != 3 or min(t) < 1:
         raise ValueError(f"{name} must be 3 positive ints (t, h, w), got {value!r}")
     return t
@@ -114,7 +117,28 @@ def non_pad_index(video_shape, tile_size) -> np.ndarray:
     return np.concatenate([i * E + np.arange(n) for i, n in enumerate(sizes)]).astype(np.int64)
 
 
+SUPPORTED_TILE_VOLUMES = (64, 128, 256)
+
+
 def build_vsa_metadata(video_shape, tile_size=(4, 4, 4)) -> VSAMetadata:
+    """Tile partition of a (T, H, W) video latent for VSA.
+
+    `video_shape`: the latent's (frames, height, width) in tokens; `tile_size`: the
+    (t, h, w) tile, whose volume t*h*w is the block size E and must be 64, 128 or 256
+    (the kernels' block sizes; (4, 4, 4) gives 64). Tiles cut by the video's edge are
+    partial: their valid tokens come first and `variable_block_sizes` counts them.
+
+    Returns a `VSAMetadata` (numpy arrays): pass `meta.variable_block_sizes` as both
+    counts of `video_sparse_attn` and `meta.tile_size` as its `block_size`, and move
+    tokens between raw (t, h, w row-major) and tiled order with the frontends'
+    `to_tiled` / `from_tiled` (or `meta.to_tiled` / `meta.from_tiled` on numpy arrays).
+    Raises ValueError for non-positive sizes or another tile volume, TypeError for
+    anything but ints.
+    """
+    volume = math.prod(_as_triple("tile_size", tile_size))
+    if volume not in SUPPORTED_TILE_VOLUMES:
+        raise ValueError(f"tile_size must hold {SUPPORTED_TILE_VOLUMES} tokens (t*h*w), got {tuple(tile_size)} "
+                         f"({volume} tokens)")
     forward = tiled_from_raw(video_shape, tile_size)
     inverse = np.empty_like(forward)
     inverse[forward] = np.arange(forward.size)

@@ -37,9 +37,13 @@ def block_elements(block_size: BlockSize) -> int:
         elems = int(block_size)
     else:
         try:
-            dims = tuple(int(x) for x in block_size)
+            items = tuple(block_size)
         except TypeError:
             raise TypeError(f"block_size must be an int or a (t, h, w) tuple of ints, got {block_size!r}") from None
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in items):
+            # a float would be truncated by int(): refuse it rather than run another tile
+            raise TypeError(f"block_size must be an int or a (t, h, w) tuple of ints, got {block_size!r}")
+        dims = tuple(int(x) for x in items)
         if len(dims) != 3 or min(dims) < 1:
             raise ValueError(f"block_size as a tile must be 3 positive ints (t, h, w), got {block_size!r}")
         elems = math.prod(dims)

@@ -111,7 +111,7 @@ def coarse_attn_fwd_kernel(
     QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """Softmax attention of pooled queries over pooled keys with empty KV blocks masked.
 
@@ -150,7 +150,7 @@ def coarse_attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # P stays fp32 here (unlike the fine stage): the coarse backward's rowsum(dO_c * out_c)
         # cancels against dP when the coarse softmax is sharp, and this stage is cheap.
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
     has_any = l_i > 0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -164,7 +164,7 @@ def coarse_attn_bwd_dq_kernel(
     QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DQ_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """dq_c (fp32) of the coarse attention; one program owns BLOCK_M pooled queries."""
     pid_m = tl.program_id(0)
@@ -192,9 +192,9 @@ def coarse_attn_bwd_dq_kernel(
         if VARLEN:  # a KV block of another sequence: exp(-inf - lse) = 0, as for an empty block
             s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v.to(tl.float32)))
+        dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds, k.to(tl.float32))
+        dq += tl.dot(ds, k.to(tl.float32), input_precision=DOT_PRECISION)
     tl.store(DQ_C + row_ptr, dq * sm_scale, mask=row_ok[:, None])
 
 
@@ -203,7 +203,7 @@ def coarse_attn_bwd_dkdv_kernel(
     QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DK_C, DV_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """dk_c, dv_c (fp32) of the coarse attention; one program owns BLOCK_N pooled keys."""
     pid_n = tl.program_id(0)
@@ -233,10 +233,10 @@ def coarse_attn_bwd_dkdv_kernel(
         if VARLEN:  # a query block of another sequence: exp(-inf - lse) = 0
             st = tl.where(kv_seq[:, None] == tl.load(Q_SEQ + rows, mask=row_ok, other=-2)[None, :], st, float("-inf"))
         pt = tl.where(valid[:, None], tl.exp(st - lse[None, :]), 0.0)
-        dv += tl.dot(pt, do)
-        dpt = tl.dot(v.to(tl.float32), tl.trans(do))
+        dv += tl.dot(pt, do, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v.to(tl.float32), tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst, q.to(tl.float32))
+        dk += tl.dot(dst, q.to(tl.float32), input_precision=DOT_PRECISION)
     tl.store(DK_C + col_ptr, dk * sm_scale, mask=col_ok[:, None])
     tl.store(DV_C + col_ptr, dv, mask=col_ok[:, None])
 

@@ -17,6 +17,11 @@ vsa_torch; the values of the counts ([0, E]) and of index lists are checked when
 concrete (numpy or a jax.Array outside jit). Traced values are not checked; the kernels
 bound them instead (out-of-range counts act as clamped to [0, E]; index lists: see
 `block_sparse_attn_from_indices`), so no value reads out of bounds.
+
+Arrays on the CPU run the same Triton kernels under Triton's interpreter (slow; for
+tests and small checks; a warning says so once per process). `topk` larger than the
+number of KV blocks is clamped to it. The top-k ranking uses the fp32 coarse scores
+(FastVideo ranks bf16-rounded scores: near-ties may pick other blocks).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vsa_core import __version__
+from vsa_core.backends import BackendUnavailableError
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
 from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention, describe_varlen
 
@@ -37,7 +44,7 @@ from .native import set_launch
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
            "video_sparse_attn_varlen", "block_sparse_attn_varlen", "block_sparse_attn_varlen_from_indices",
            "pack_block_indices", "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata",
-           "set_launch"]
+           "BackendUnavailableError", "__version__", "set_launch"]
 
 
 def _require_arrays(**arrays):
@@ -49,6 +56,7 @@ def _require_arrays(**arrays):
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
          backend, layout) -> jax.Array:
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
     impl = _ops.backend_for(backend, p, q)
@@ -83,7 +91,14 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
-    `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").
+
+    `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
+    non-empty block is then selected); empty blocks (count 0) are never selected, so a
+    row may get fewer than `topk`. Ranking uses the fp32 coarse scores, ties to the
+    lower block index. `block_size`: E as an int, or the (t, h, w) tile of
+    `build_vsa_metadata` (ints; t*h*w must be 64, 128 or 256). Counts: 1-D integer
+    numpy or JAX arrays (or lists), values in [0, E].
+        `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").
     `variable_block_sizes` / `q_variable_block_sizes` values must lie in [0, E]: concrete
     values raise ValueError otherwise; traced ones are not checked and act as clamped to
     [0, E] (above E a full block, below 0 an empty one).
@@ -110,6 +125,7 @@ def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.A
     the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for a query
     block with nothing selected). Gradients flow through out (lse is not differentiable)."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="block_map")
     check_block_map(block_map, p)
@@ -144,6 +160,7 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     are dropped; `vsa_core.reference.index_lists_to_block_map`), in the forward and the
     backward alike."""
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="indices")
     check_index_lists(block_indices, block_counts, p)

@@ -83,6 +83,15 @@ def _check_once(arrays: tuple, what, check) -> None:
         _checked[key] = tuple(weakref.ref(x) for x in arrays)
 
 
+def require_counts(**counts) -> None:
+    """Counts must be numpy or JAX arrays (or lists of ints): a torch tensor here would
+    otherwise fail deep inside numpy without naming the argument."""
+    for name, c in counts.items():
+        if c is not None and not isinstance(c, (jax.Array, np.ndarray, list, tuple)):
+            raise TypeError(f"{name} must be a 1-D integer numpy or JAX array (or a list of ints), "
+                            f"got {type(c).__module__}.{type(c).__name__}")
+
+
 def as_counts(name: str, counts, block_elems: int) -> jax.Array:
     """Any integer array -> int32 jax array. The values ([0, E]) are checked when they
     are known here (numpy, a concrete jax.Array); under jit they are tracers and only

@@ -7,6 +7,10 @@
 q, k, v are `[B, H, S, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`) in tile-contiguous
 token order (see `build_vsa_metadata` / `to_tiled` / `from_tiled`), bf16 or fp16, D 64
 or 128; S is a multiple of the block's token count E (64, 128 or 256).
+
+CPU tensors run the same Triton kernels under Triton's interpreter (slow; for tests and
+small checks; a warning says so once per process). The top-k ranking uses the fp32
+coarse scores (FastVideo ranks bf16-rounded scores: near-ties may pick other blocks).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from vsa_core import __version__
+from vsa_core.backends import BackendUnavailableError, check_backend_name
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
 from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention, describe_varlen
 
@@ -23,7 +29,8 @@ from . import ops as _ops
 
 __all__ = ["video_sparse_attn", "video_sparse_attn_bshd", "block_sparse_attn", "block_sparse_attn_from_indices",
            "video_sparse_attn_varlen", "block_sparse_attn_varlen", "block_sparse_attn_varlen_from_indices",
-           "pack_block_indices", "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata"]
+           "pack_block_indices", "build_vsa_metadata", "variable_block_sizes", "to_tiled", "from_tiled", "VSAMetadata",
+           "BackendUnavailableError", "__version__"]
 
 
 def _require_tensors(**tensors):
@@ -35,15 +42,19 @@ def _require_tensors(**tensors):
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
          backend, layout) -> Tensor:
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
-                       q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
+    check_backend_name(backend)
+    variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
+    q_variable_block_sizes = _ops.counts_tensor("q_variable_block_sizes", q_variable_block_sizes)
+    p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
+                           q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    E = block_elements(block_size)
+    E = p.block_elems
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, E)
     gate = compress_attn_weight.contiguous() if compress_attn_weight is not None else None
+    # p.topk: clamped to the number of KV blocks (any Python int is accepted)
     return _ops.vsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, q_counts, gate,
-                            int(topk), E, layout, backend)
+                            p.topk, E, layout, backend)
 
 
 def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes, topk: int,
@@ -55,7 +66,14 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_v
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
-    `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").
+
+    `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
+    non-empty block is then selected); empty blocks (count 0) are never selected, so a
+    row may get fewer than `topk`. Ranking uses the fp32 coarse scores, ties to the
+    lower block index. `block_size`: E as an int, or the (t, h, w) tile of
+    `build_vsa_metadata` (ints; t*h*w must be 64, 128 or 256). Counts: 1-D integer
+    arrays (numpy, torch or lists), values in [0, E].
+        `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").
     `variable_block_sizes` / `q_variable_block_sizes` values must lie in [0, E]: eager calls
     raise ValueError otherwise; under torch.compile they are not checked and act as clamped
     to [0, E] (above E a full block, below 0 an empty one).
@@ -79,6 +97,8 @@ def block_sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_map: Tensor, variab
     the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for a query
     block with nothing selected). Gradients flow through out (lse is not differentiable)."""
     _require_tensors(q=q, k=k, v=v, block_map=block_map)
+    check_backend_name(backend)
+    variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="block_map")
     check_block_map(block_map, p)
@@ -103,6 +123,8 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
     of order are dropped; `vsa_core.reference.index_lists_to_block_map`), in the forward
     and the backward alike."""
     _require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    check_backend_name(backend)
+    variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
     p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
                            selection="indices")
     check_index_lists(block_indices, block_counts, p)

@@ -251,6 +251,19 @@ def _bsa_backward(ctx, grads):
 torch.library.register_autograd("vsa::block_sparse_attn_fwd", _bsa_backward, setup_context=_bsa_setup)
 
 
+def counts_tensor(name: str, counts) -> Tensor:
+    """Counts as a tensor before anything reads their shape or dtype: torch.compile traces
+    a numpy array (e.g. `meta.variable_block_sizes`) as a tensor and cannot read the
+    array's own attributes, while torch.as_tensor of it traces."""
+    if isinstance(counts, Tensor):
+        return counts
+    try:
+        return torch.as_tensor(counts)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a 1-D integer array (numpy, torch or a list of ints), "
+                        f"got {type(counts).__name__}") from None
+
+
 def as_counts(name: str, counts, like: Tensor, block_elems: int) -> Tensor:
     """Any integer array -> int32 tensor on q's device, values checked."""
     if not isinstance(counts, Tensor):

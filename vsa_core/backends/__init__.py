@@ -27,18 +27,26 @@ class BackendUnavailableError(RuntimeError):
 
 
 def _triton_unavailable(problem: AttnProblem, device: DeviceInfo):
-    if device.kind == "cuda" or INTERPRETING:
+    # CPU tensors run the same kernels under Triton's interpreter (slow; for testing)
+    if device.kind in ("cuda", "cpu") or INTERPRETING:
         return None
-    return (f"the triton backend needs CUDA tensors (got {device.kind}), or TRITON_INTERPRET=1 set before "
-            "triton is first imported to run the kernels on the CPU")
+    return (f"the triton backend runs on CUDA tensors (or, slowly, on CPU tensors under Triton's "
+            f"interpreter), got {device.kind} tensors")
 
 
 triton_backend.unavailable_reason = _triton_unavailable
 
 
-def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo):
+def check_backend_name(backend) -> None:
+    """TypeError / ValueError naming `backend` unless it is "auto" or a registered name."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
+
+
+def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo):
+    check_backend_name(backend)
     if backend == "auto":
         backend = os.environ.get("VSA_BACKEND", "auto") or "auto"
     if backend == "auto":

@@ -3,6 +3,9 @@
 Launch configurations live here. On a GPU each attention kernel is autotuned over a
 short list keyed on the problem's shape (first entry = the default when
 VSA_AUTOTUNE=0); under the interpreter there is one fixed small config.
+
+CPU tensors run the same kernels under Triton's interpreter: each launch picks the
+kernels module by the tensors' device (`kernels_for`; see `vsa_core.interpreter`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import triton_kernels as K
+from ..interpreter import interpreted_kernels
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING
 
@@ -24,6 +28,25 @@ AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
 # K/V (forward, dQ) and Q/dO (dK/dV) tiles through tensor descriptors (TMA on Hopper);
 # VSA_TMA=0 falls back to pointer loads. The interpreter runs the descriptor path too.
 USE_TMA = os.environ.get("VSA_TMA", "1") != "0"
+# Precision of the coarse kernels' fp32 dot products (P@V forward; dP, dQ, dK, dV backward).
+# "ieee": true fp32 (FMA). Triton's default on the GPU is "tf32" (10-bit mantissas), which
+# measured 5e-2 relative error in dK at x16 activations: the coarse softmax is sharp there
+# and rowsum(dO_c * out_c) cancels against dP. VSA_COARSE_PRECISION=tf32 brings the old
+# behaviour back for comparisons (benchmarks/coarse_bench.py); the interpreter computes
+# fp32 whatever this says.
+COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
+
+
+def interpreted(x) -> bool:
+    """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1)."""
+    return INTERPRETING or x.device.type != "cuda"
+
+
+def kernels_for(x):
+    """The kernels module for tensors on x's device: compiled for CUDA, interpreted for the CPU."""
+    if INTERPRETING or x.device.type == "cuda":
+        return K  # under TRITON_INTERPRET=1 these are interpreted already
+    return interpreted_kernels()
 
 # Triton's Autotuner keeps the current call's arguments on the kernel object (`self.nargs`,
 # read by the config's pre_hook and cleared after the launch), so two threads launching
@@ -44,9 +67,11 @@ class _TunedKernel:
     of their rows; their block shape is set to match the config before each launch.
     """
 
+    INTERPRETER_CONFIG = (64, 64, 4, 1)
+
     def __init__(self, kernel, candidates, key, tiled_args):
         self.kernel = kernel
-        self.candidates = [(64, 64, 4, 1)] if INTERPRETING else candidates
+        self.candidates = [self.INTERPRETER_CONFIG] if INTERPRETING else candidates
         self.tiled_args = tiled_args
         self.forced = None  # a config to run regardless of tuning (benchmarks/kernel_sweep.py)
         self.tuned = None
@@ -71,17 +96,22 @@ class _TunedKernel:
             if isinstance(desc, TensorDescriptor):
                 desc.block_shape = [1, 1, nargs[tile], desc.shape[-1]]
 
-    def __call__(self, grid, *args, **kwargs):
+    def __call__(self, grid, like, *args, **kwargs):
+        """Launches on args; `like` (a tensor of the call) decides compiled or interpreted."""
         E = kwargs["BLOCK_ELEMS"]
-        if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
-            with _AUTOTUNER_LOCK:
-                self.tuned[grid](*args, **kwargs)
-            return
-        m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
+        kernel = self.kernel
+        if interpreted(like):
+            kernel = getattr(kernels_for(like), self.kernel.fn.__name__)
+            m, n, w, s = self.INTERPRETER_CONFIG
+        else:
+            if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
+                with _AUTOTUNER_LOCK:
+                    self.tuned[grid](*args, **kwargs)
+                return
+            m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
         meta = {"BLOCK_M": m, "BLOCK_N": n}
-        names = self.kernel.arg_names
-        self._set_block_shapes({**dict(zip(names, args)), **meta})
-        self.kernel[grid(meta)](*args, **kwargs, **meta, num_warps=w, num_stages=s)
+        self._set_block_shapes({**dict(zip(kernel.arg_names, args)), **meta})
+        kernel[grid(meta)](*args, **kwargs, **meta, num_warps=w, num_stages=s)
 
 
 def _tiles(p: AttnProblem, x, seq_len: int):
@@ -108,7 +138,31 @@ _sparse_bwd_dkdv = _TunedKernel(
     [(64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)], _KEY + ["n_kv_blocks"],
     {"Q": "BLOCK_M", "DOUT": "BLOCK_M"})
 
-COARSE_TILE = 16 if INTERPRETING else 64
+# Coarse kernels: (tile, num_warps, num_stages) by head dim; the tile is both BLOCK_M and
+# BLOCK_N. With exact fp32 dots the operands of the fp32 products are staged through shared
+# memory, and each pipeline stage of the dK/dV kernel's loop holds q, dO and out_c tiles.
+# Shared memory per kernel (fwd, dq, dkdv; bytes, compiled for sm_90 with Triton 3.9):
+#   D=64,  64x64, 3/3/2 stages: 41472 / 57856 /  90368
+#   D=128, 64x64, 3/3/1 stages: 66048 / 98816 /  99328
+# (D=128 dkdv with 3 stages: 229888, at the edge of the 232448 an sm_90 block may use; issue 8
+# saw a 128x64 tile fail with 262656), so every config stays under 101376 bytes (the
+# sm_86/sm_89 limit). With VSA_COARSE_PRECISION=tf32 (comparisons only) the D=128 dkdv
+# kernel needs 131200 bytes at 1 stage: sm_80/sm_90 only.
+COARSE_CONFIGS = {
+    64: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 2)},
+    128: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 1)},
+}
+COARSE_INTERPRETER_CONFIG = (16, 4, 1)
+
+
+def _coarse_config(p: AttnProblem, x, stage: str):
+    """(kernels module, launch options) of one coarse kernel for tensors like x."""
+    if interpreted(x):
+        tile, warps, stages = COARSE_INTERPRETER_CONFIG
+    else:
+        tile, warps, stages = COARSE_CONFIGS[p.head_dim][stage]
+    return kernels_for(x), dict(HEAD_DIM=p.head_dim, BLOCK_M=tile, BLOCK_N=tile, UPCAST=interpreted(x),
+                                DOT_PRECISION=COARSE_DOT_PRECISION, num_warps=warps, num_stages=stages)
 
 
 def _pow2(n: int) -> int:
@@ -122,7 +176,7 @@ def _bh(p: AttnProblem) -> int:
 def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
     sb, sh, ss = p.token_strides(seq_len)
     n_blocks = seq_len // p.block_elems
-    K.block_mean_pool_kernel[(n_blocks, _bh(p))](
+    kernels_for(x).block_mean_pool_kernel[(n_blocks, _bh(p))](
         x, counts, pooled, sb, sh, ss, p.heads, n_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
 
@@ -131,29 +185,27 @@ def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, ou
                    q_seq=None, kv_seq=None):
     """q_seq / kv_seq (packed sequences): sequence id per block; other sequences' KV blocks
     are masked like empty ones."""
-    grid = (triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))
-    K.coarse_attn_fwd_kernel[grid](
+    kernels, opts = _coarse_config(p, q_pool, "fwd")
+    kernels.coarse_attn_fwd_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq,
-        p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim),
-        HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING,
-        VARLEN=q_seq is not None, num_warps=4)
+        p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim), VARLEN=q_seq is not None, **opts)
 
 
 def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
                     dq_pool, dk_pool, dv_pool, q_seq=None, kv_seq=None):
-    common = dict(HEAD_DIM=p.head_dim, BLOCK_M=COARSE_TILE, BLOCK_N=COARSE_TILE, UPCAST=INTERPRETING,
-                  VARLEN=q_seq is not None, num_warps=4)
     scale = 1.0 / math.sqrt(p.head_dim)
-    K.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, COARSE_TILE), _bh(p))](
+    kernels, opts = _coarse_config(p, q_pool, "dq")
+    kernels.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dq_pool, q_seq, kv_seq,
-        p.n_q_blocks, p.n_kv_blocks, scale, **common)
-    K.coarse_attn_bwd_dkdv_kernel[(triton.cdiv(p.n_kv_blocks, COARSE_TILE), _bh(p))](
+        p.n_q_blocks, p.n_kv_blocks, scale, VARLEN=q_seq is not None, **opts)
+    kernels, opts = _coarse_config(p, q_pool, "dkdv")
+    kernels.coarse_attn_bwd_dkdv_kernel[(triton.cdiv(p.n_kv_blocks, opts["BLOCK_N"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dk_pool, dv_pool, q_seq, kv_seq,
-        p.n_q_blocks, p.n_kv_blocks, scale, **common)
+        p.n_q_blocks, p.n_kv_blocks, scale, VARLEN=q_seq is not None, **opts)
 
 
 def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask):
-    K.topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
+    kernels_for(scores).topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
         scores, sel_idx, sel_num, sel_mask, p.n_kv_blocks, p.topk, p.select_capacity,
         N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
 
@@ -162,7 +214,7 @@ def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_s
     """Query-owned lists from a [B, H, nQ, nKV] mask (one line per query block); with the
     sequence ids (packed sequences) blocks of another sequence are left out."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
-    K.compact_mask_kernel[(nq, _bh(p))](
+    kernels_for(block_mask).compact_mask_kernel[(nq, _bh(p))](
         block_mask, sel_idx, sel_num, q_seq, kv_seq, nq, nk, nq * nk, nk, 1, sel_idx.shape[-1], N_PAD=_pow2(nk),
         SAME_SEQ=q_seq is not None, num_warps=4)
 
@@ -170,14 +222,14 @@ def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_s
 def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
     """KV-owned (inverse) lists from a [B, H, nQ, nKV] mask (one line per KV block)."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
-    K.compact_mask_kernel[(nk, _bh(p))](
+    kernels_for(block_mask).compact_mask_kernel[(nk, _bh(p))](
         block_mask, inv_idx, inv_num, None, None, nk, nq, nq * nk, 1, nk, inv_idx.shape[-1], N_PAD=_pow2(nq),
         num_warps=4)
 
 
 def block_seq_ids(p: AttnProblem, cu_seqlens, seq, n_blocks: int):
     """seq[i] (int32) = the sequence of block i, from the int32 token offsets [N + 1]."""
-    K.block_seq_ids_kernel[(triton.cdiv(n_blocks, 256),)](
+    kernels_for(seq).block_seq_ids_kernel[(triton.cdiv(n_blocks, 256),)](
         cu_seqlens, seq, n_blocks, p.n_seqs, BLOCK_ELEMS=p.block_elems, BLOCK=256, num_warps=4)
 
 
@@ -185,7 +237,7 @@ def same_seq_lists(p: AttnProblem, given_idx, given_num, q_seq, kv_seq, sel_idx,
     """The given query-owned lists with the entries outside the query's own sequence (or
     out of range) dropped."""
     cap = given_idx.shape[-1]
-    K.same_seq_lists_kernel[(_bh(p) * p.n_q_blocks,)](
+    kernels_for(sel_idx).same_seq_lists_kernel[(_bh(p) * p.n_q_blocks,)](
         given_idx, given_num, q_seq, kv_seq, sel_idx, sel_num, p.n_q_blocks, p.n_kv_blocks, cap,
         SLOTS=_pow2(cap), num_warps=4)
 
@@ -199,20 +251,20 @@ def _scales(p: AttnProblem):
 def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
                    out_fine=None, **_unused):
     _sparse_fwd(
-        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
+        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, gate,
         out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
         int(out_fine is not None),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
-        HAS_GATE=gate is not None, UPCAST=INTERPRETING, USE_TMA=USE_TMA)
+        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=USE_TMA)
 
 
 def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
                         dout_coarse=None):
     """delta for the fine backward; with the coarse branch also dgate and dout_coarse."""
-    K.sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
+    kernels_for(dout).sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
         dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, *p.token_strides(p.q_len),
         p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
@@ -222,22 +274,22 @@ def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_co
 def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
                        q_counts=None, dq_pool=None):
     _sparse_bwd_dq(
-        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)),
+        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num, kv_counts,
         q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p),
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=INTERPRETING,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=interpreted(q),
         USE_TMA=USE_TMA)
 
 
 def sparse_backward_dkdv(p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
                          dk_pool=None, dv_pool=None):
     _sparse_bwd_dkdv(
-        lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)),
+        lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
         _tiles(p, q, p.q_len), k, v, _tiles(p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num, kv_counts,
         dk_pool, dv_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p),
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=INTERPRETING,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=interpreted(q),
         USE_TMA=USE_TMA)
 
 
@@ -251,5 +303,5 @@ def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
 
 
 def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):
-    K.lists_to_mask_kernel[(_bh(p) * p.n_q_blocks,)](
+    kernels_for(sel_idx).lists_to_mask_kernel[(_bh(p) * p.n_q_blocks,)](
         sel_idx, sel_num, block_mask, p.n_kv_blocks, sel_idx.shape[-1], N_PAD=_pow2(p.n_kv_blocks), num_warps=4)

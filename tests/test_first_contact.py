@@ -1,0 +1,220 @@
+"""What a new user meets first (issue 8, section 3): the README's snippet as pasted, CPU
+tensors without any setup, torch.compile on the metadata's own numpy counts, errors that
+name the argument, and the package basics."""
+
+import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import vsa_jax
+import vsa_torch
+from common import Case, assert_close, make_inputs, reference
+from vsa_core.backends import BackendUnavailableError, resolve_backend
+from vsa_core.problem import AttnProblem
+from vsa_core.runtime import DeviceInfo
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = torch.bfloat16
+
+
+def readme_snippet() -> str:
+    text = (ROOT / "README.md").read_text()
+    use = text[text.index("## Use"):]
+    return use[use.index("```python\n") + len("```python\n"):use.index("```\n", use.index("```python"))]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path without TRITON_INTERPRET")
+def test_readme_snippet_runs_as_pasted_on_cpu_tensors():
+    """In a fresh process without TRITON_INTERPRET: the snippet runs, the kernels run under
+    the interpreter by themselves, one warning says so (two calls, still one warning), and
+    the result equals the same call under TRITON_INTERPRET=1 bit for bit."""
+    check = readme_snippet() + "\n".join([
+        "",
+        "import os, sys, warnings",
+        "assert out.shape == (1, 2, T * H * W, 64) and torch.isfinite(out).all()",
+        "with warnings.catch_warnings(record=True) as caught:",
+        "    warnings.simplefilter('always')",
+        "    again = from_tiled(video_sparse_attn(q, k, v, meta.variable_block_sizes, meta.variable_block_sizes,",
+        "                                         topk=4, block_size=meta.tile_size, compress_attn_weight=gate), meta)",
+        "assert not [w for w in caught if 'interpreter' in str(w.message)], 'warned twice'",
+        "assert torch.equal(again, out)",
+        "torch.save(out, sys.argv[1])",
+    ])
+    results = {}
+    for interpret in ("", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        if interpret:
+            env["TRITON_INTERPRET"] = "1"
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"vsa_snippet_{os.getpid()}_{interpret or 0}.pt"
+        torch.manual_seed(0)
+        run = subprocess.run([sys.executable, "-W", "default", "-c", "import torch; torch.manual_seed(0)\n" + check,
+                              str(path)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        warned = run.stderr.count("run the Triton kernels under Triton's interpreter")
+        assert warned == (0 if interpret else 1), run.stderr[-3000:]
+        results[interpret] = torch.load(path)
+        path.unlink()
+    assert torch.equal(results[""], results["1"])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path without TRITON_INTERPRET")
+def test_jax_cpu_arrays_run_without_setup():
+    """vsa_jax on CPU arrays in a fresh process without TRITON_INTERPRET: forward and
+    gradients against the float64 reference, one warning."""
+    script = "\n".join([
+        "import sys, jax",
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})",
+        "from common import Case, make_inputs, reference, assert_close",
+        "from test_jax_vsa import jax_args, to_numpy, vsa_fn",
+        "case = Case(batch=1)",
+        "x = make_inputs(case, 3)",
+        "q, k, v, gate, dout = jax_args(case, x)",
+        "out, vjp = jax.vjp(vsa_fn(case, x['kv_counts'], x['q_counts']), q, k, v, gate)",
+        "dq, dk, dv, dgate = vjp(dout)",
+        "assert_close(case, to_numpy(case, dict(out=out, dq=dq, dk=dk, dv=dv, dgate=dgate)), reference(case, x))",
+    ])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-W", "default", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("run the Triton kernels under Triton's interpreter") == 1, run.stderr[-3000:]
+
+
+def test_other_devices_are_refused_with_a_reason(monkeypatch):
+    from vsa_core import backends
+    monkeypatch.setattr(backends, "INTERPRETING", False)  # as in a process without TRITON_INTERPRET
+    p = AttnProblem(batch=1, heads=1, q_len=128, kv_len=128, head_dim=64, block_elems=64, dtype="bfloat16", topk=1)
+    assert resolve_backend("triton", p, DeviceInfo("cpu")).name == "triton"
+    with pytest.raises(BackendUnavailableError, match="runs on CUDA tensors .* got mps tensors"):
+        resolve_backend("triton", p, DeviceInfo("mps"))
+
+
+def test_torch_compile_fullgraph_accepts_numpy_counts():
+    """The README's inputs: meta.variable_block_sizes is a numpy array."""
+    meta = vsa_torch.build_vsa_metadata((6, 8, 8), (4, 4, 4))
+    assert isinstance(meta.variable_block_sizes, np.ndarray)
+    torch.manual_seed(1)
+    q, k, v, gate = (vsa_torch.to_tiled(torch.randn(1, 2, meta.num_tokens, 64), meta).to(DEVICE, BF16)
+                     for _ in range(4))
+
+    def loss(q, k, v):
+        out = vsa_torch.video_sparse_attn(q, k, v, meta.variable_block_sizes, meta.variable_block_sizes, 3,
+                                          meta.tile_size, gate)
+        return (out.float() ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    results = []
+    for fn in (loss, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        value = fn(*leaves)
+        value.backward()
+        results.append([value.detach()] + [t.grad for t in leaves])
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+
+
+# ---- errors that name the argument --------------------------------------------------------
+def _small():
+    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=3, gate=False)
+    x = make_inputs(case, seed=5)
+    return case, x
+
+
+def test_torch_huge_topk_is_clamped_like_jax():
+    """topk >= 2^63 does not fit the op schema's int64: it is clamped to the number of KV
+    blocks first (as documented, and as vsa_jax does), so it equals topk = nKV."""
+    case, x = _small()
+    q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16) for n in ("q", "k", "v"))
+    counts = (x["kv_counts"], x["q_counts"])
+    huge = vsa_torch.video_sparse_attn(q, k, v, *counts, 2 ** 63, 64)
+    exact = vsa_torch.video_sparse_attn(q, k, v, *counts, case.n_kv_blocks, 64)
+    assert torch.equal(huge, exact)
+    # and that result is the reference's with every non-empty block selected
+    ref = reference(dataclasses.replace(case, topk=case.n_kv_blocks), x)
+    assert_close(case, {"out": huge.float().cpu().numpy()}, {"out": ref["out"]})
+
+
+@pytest.mark.parametrize("backend, exc, words", [(None, TypeError, "backend must be a string"),
+                                                 (3, TypeError, "backend must be a string"),
+                                                 ("fast", ValueError, "backend must be one of")])
+def test_torch_bad_backend_names_the_argument(backend, exc, words):
+    _, x = _small()
+    q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16) for n in ("q", "k", "v"))
+    with pytest.raises(exc, match=words):
+        vsa_torch.video_sparse_attn(q, k, v, x["kv_counts"], x["q_counts"], 2, backend=backend)
+    bm = torch.ones(1, 1, 2, 3, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(exc, match=words):
+        vsa_torch.block_sparse_attn(q, k, v, bm, x["kv_counts"], backend=backend)
+
+
+def test_jax_bad_backend_names_the_argument():
+    _, x = _small()
+    q = jnp.asarray(x["q"], jnp.bfloat16)
+    with pytest.raises(TypeError, match="backend must be a string"):
+        vsa_jax.video_sparse_attn(q, q, q, x["kv_counts"][:2], x["q_counts"], 2, backend=None)
+
+
+def test_jax_given_torch_counts_names_the_argument():
+    _, x = _small()
+    q, k = jnp.asarray(x["q"], jnp.bfloat16), jnp.asarray(x["k"], jnp.bfloat16)
+    with pytest.raises(TypeError, match=r"variable_block_sizes must be a 1-D integer numpy or JAX array.*torch"):
+        vsa_jax.video_sparse_attn(q, k, k, torch.from_numpy(x["kv_counts"]), x["q_counts"], 2)
+    with pytest.raises(TypeError, match=r"q_variable_block_sizes must be .*torch"):
+        vsa_jax.video_sparse_attn(q, k, k, x["kv_counts"], torch.from_numpy(x["q_counts"]), 2)
+
+
+@pytest.mark.parametrize("block_size", [(4.0, 4, 4), (4, 4.5, 4), (4, 4, True), "444"])
+def test_non_int_block_size_names_the_argument(block_size):
+    """A float inside the tile was truncated silently; now both frontends refuse it."""
+    _, x = _small()
+    q = torch.from_numpy(x["q"]).to(DEVICE, BF16)
+    k = torch.from_numpy(x["k"]).to(DEVICE, BF16)
+    with pytest.raises(TypeError, match="block_size must be an int or a \\(t, h, w\\) tuple of ints"):
+        vsa_torch.video_sparse_attn(q, k, k, x["kv_counts"], x["q_counts"], 2, block_size)
+    qj, kj = jnp.asarray(x["q"], jnp.bfloat16), jnp.asarray(x["k"], jnp.bfloat16)
+    with pytest.raises(TypeError, match="block_size must be an int or a \\(t, h, w\\) tuple of ints"):
+        vsa_jax.video_sparse_attn(qj, kj, kj, x["kv_counts"], x["q_counts"], 2, block_size)
+
+
+def test_torch_counts_that_are_not_arrays_name_the_argument():
+    _, x = _small()
+    q = torch.from_numpy(x["q"]).to(DEVICE, BF16)
+    k = torch.from_numpy(x["k"]).to(DEVICE, BF16)
+    with pytest.raises(TypeError, match="variable_block_sizes must be a 1-D integer array"):
+        vsa_torch.video_sparse_attn(q, k, k, "64,64,64", x["q_counts"], 2)
+
+
+# ---- package basics -------------------------------------------------------------------------
+def test_package_basics():
+    for frontend in (vsa_torch, vsa_jax):
+        assert re.match(r"\d+(\.\d+)*", frontend.__version__), frontend.__version__
+        assert frontend.BackendUnavailableError is BackendUnavailableError
+        assert "BackendUnavailableError" in frontend.__all__
+    assert vsa_torch.__version__ == vsa_jax.__version__
+    for package in ("vsa_core", "vsa_torch", "vsa_jax"):
+        assert (ROOT / package / "py.typed").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "[project.urls]" in pyproject and 'py.typed' in pyproject
+
+
+def test_docs_state_clamping_and_ranking_precision():
+    readme = (ROOT / "README.md").read_text()
+    assert "clamped" in readme and "fp32 coarse" in readme
+    for fn in (vsa_torch.video_sparse_attn, vsa_jax.video_sparse_attn):
+        assert "clamped" in fn.__doc__ and "fp32 coarse scores" in fn.__doc__
+
+
+def test_demo_docstring_matches_its_video():
+    demo = (ROOT / "demo.py").read_text()
+    assert "build_vsa_metadata((5, 8, 8)" in demo and "5x8x8" in demo and "4x8x8" not in demo

@@ -1,0 +1,95 @@
+"""The Triton kernels for CPU tensors: interpreted twins, made on first use.
+
+Triton decides between compiling and interpreting a function when `@triton.jit`
+decorates it (it reads TRITON_INTERPRET then), so a process that imported triton
+without TRITON_INTERPRET=1 holds only compiled kernels, and so does triton.language
+for its own jit helpers (`tl.zeros`, `tl.cumsum`, the reductions' combine functions).
+For CPU tensors this module loads `triton_kernels.py` a second time, as a separate
+module decorated under the interpreter, and runs each launch of it with
+triton.language's jit helpers swapped for interpreted twins (restored afterwards, so
+CUDA launches in the same process are unaffected). With TRITON_INTERPRET=1 set before
+triton was imported (the tests' conftest), everything is interpreted already and the
+package's own module is used as is.
+
+The interpreter runs each program of the grid in numpy: right results, slowly. It is
+meant for tests and small checks; the first CPU call warns once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+import threading
+import warnings
+
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from . import triton_kernels
+
+INTERPRETER_WARNING = ("vsa: CPU tensors run the Triton kernels under Triton's interpreter. This path is for "
+                       "testing and is slow (seconds to minutes for what a GPU does in milliseconds); use CUDA "
+                       "tensors for real work.")
+
+_LOCK = threading.RLock()  # one interpreted launch at a time: the language swap is process-wide
+
+
+@functools.lru_cache(maxsize=None)
+def _language_twins():
+    """(module, name, compiled, interpreted) for every jit function of triton.language."""
+    try:  # imported lazily by Triton's argument specialisation; it must see the compiled helpers
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        pass
+    twins = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == "triton.language" or mod_name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                twins.append((module, attr, value, InterpretedFunction(value.fn)))
+    return twins
+
+
+class _InterpretedLaunch:
+    """An interpreted kernel whose launches run with triton.language interpreted too."""
+
+    def __init__(self, kernel: InterpretedFunction):
+        self.kernel = kernel
+        self.fn = kernel.fn
+        self.arg_names = kernel.arg_names
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with _LOCK:
+                twins = _language_twins()
+                try:
+                    for module, attr, _, twin in twins:
+                        setattr(module, attr, twin)
+                    return self.kernel[grid](*args, **kwargs)
+                finally:
+                    for module, attr, original, _ in twins:
+                        setattr(module, attr, original)
+        return launch
+
+    def __call__(self, *args, **kwargs):  # a device-function call from another kernel
+        return self.kernel(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def interpreted_kernels():
+    """`triton_kernels` with every kernel interpreted (a second module object)."""
+    if isinstance(triton_kernels.block_mean_pool_kernel, InterpretedFunction):
+        return triton_kernels  # TRITON_INTERPRET=1 was set before triton was imported
+    warnings.warn(INTERPRETER_WARNING, stacklevel=2)
+    spec = importlib.util.spec_from_file_location("vsa_core._triton_kernels_interpreted", triton_kernels.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with triton.knobs.runtime.scope():  # restores the knob and TRITON_INTERPRET afterwards
+        triton.knobs.runtime.interpret = True
+        spec.loader.exec_module(module)
+    for name, value in list(vars(module).items()):
+        if isinstance(value, InterpretedFunction) and name.endswith("_kernel"):
+            setattr(module, name, _InterpretedLaunch(value))
+    return module
