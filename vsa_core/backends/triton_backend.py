@@ -38,13 +38,15 @@ COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
 
 
 def interpreted(x) -> bool:
-    """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1)."""
-    return INTERPRETING or x.device.type != "cuda"
+    """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1).
+    "meta" placeholders (vsa_core.plan records launches on them) count as compiled."""
+    return INTERPRETING or x.device.type == "cpu"
 
 
 def kernels_for(x):
-    """The kernels module for tensors on x's device: compiled for CUDA, interpreted for the CPU."""
-    if INTERPRETING or x.device.type == "cuda":
+    """The kernels module for tensors on x's device: compiled for CUDA (and the launch plan's
+    "meta" placeholders), interpreted for the CPU."""
+    if not interpreted(x) or INTERPRETING:
         return K  # under TRITON_INTERPRET=1 these are interpreted already
     return interpreted_kernels()
 
