@@ -38,15 +38,18 @@ COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
 
 
 def interpreted(x) -> bool:
-    """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1)."""
-    return INTERPRETING or x.device.type != "cuda"
+    """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1).
+    "meta" tensors (vsa_core.plan records a GPU launch plan with them) are not: the plan
+    needs the compiled kernels and their GPU constexprs."""
+    return INTERPRETING or x.device.type == "cpu"
 
 
 def kernels_for(x):
-    """The kernels module for tensors on x's device: compiled for CUDA, interpreted for the CPU."""
-    if INTERPRETING or x.device.type == "cuda":
-        return K  # under TRITON_INTERPRET=1 these are interpreted already
-    return interpreted_kernels()
+    """The kernels module for tensors on x's device: compiled for CUDA (and meta), interpreted
+    for the CPU."""
+    if not interpreted(x):
+        return K
+    return K if INTERPRETING else interpreted_kernels()  # under TRITON_INTERPRET=1 K is interpreted already
 
 # Triton's Autotuner keeps the current call's arguments on the kernel object (`self.nargs`,
 # read by the config's pre_hook and cleared after the launch), so two threads launching
