@@ -52,7 +52,7 @@ case $step in
     t 120 cudnn_check.log python3 benchmarks/cudnn_check.py
     ;;
   multi)  # 2 GPUs: SPMD split, Ulysses, host cost, JAX native
-    t 200 spmd_bench.log python3 benchmarks/spmd_bench.py --out "$out"
+    t 260 spmd_bench.log python3 benchmarks/spmd_bench.py --out "$out"  # callback and native launch
     t 240 ulysses_bench.log python3 benchmarks/ulysses_bench.py --out "$out" --chunks 1,4
     t 100 jax_native_bench.log python3 benchmarks/jax_native_bench.py --iters 300
     ;;
