@@ -17,10 +17,13 @@ Lists given by the caller (`block_sparse_attn_from_indices`) are bounded here, w
 their values (under jax.jit / torch.compile nothing is checked before launch): a count
 is clamped to [0, capacity] and an entry counts only if it is a KV block (in [0, nKV))
 and greater than the last entry counted in its row. Ascending lists without repeats
-are taken as they are; every consumer (forward, dQ, the mask the dK/dV lists come
-from, the FA4 lists) applies this same rule, so forward and backward agree and no
-block is weighted twice. Per-block token counts are clamped to [0, E] where they are
-loaded (a count above E means a full block, below 0 an empty one).
+are taken as they are. The forward first rewrites given lists by this rule
+(`clean_lists_kernel`, in `vsa_core.ops.forward`), so every backend, cuDNN's (which
+reads lists as given) included, sees only clean lists, and the backward takes those;
+every Triton consumer (forward, dQ, the mask the dK/dV lists come from, the FA4 lists)
+applies the rule again on whatever it reads, so no list can make it read out of
+bounds or weight a block twice. Per-block token counts are clamped to [0, E] where they
+are loaded (a count above E means a full block, below 0 an empty one).
 
 `UPCAST` is set under TRITON_INTERPRET=1: the interpreter multiplies the bit
 patterns of bf16 operands in `tl.dot`, so tiles are widened to fp32 there. On a
