@@ -226,7 +226,9 @@ def test_compiled_counts_act_clamped(frontend):
 # ---- the value checks see every change of host memory ------------------------------------
 def test_torch_host_values_are_checked_every_call():
     """Counts and lists that alias numpy memory are re-checked after a change made
-    through numpy (torch's version counter does not see it)."""
+    through numpy (torch's version counter does not see it). CPU tensors on purpose (they
+    alias numpy), on a GPU machine too: they run under the interpreter there
+    (vsa_core.interpreter), with or without TRITON_INTERPRET."""
     inputs = make_inputs(Case(batch=1, heads=1, n_q_blocks=1, n_kv_blocks=2), seed=84)
     q, k, v = (torch.from_numpy(inputs[n]).to(BF16) for n in ("q", "k", "v"))
     counts = np.array([E, 5])
