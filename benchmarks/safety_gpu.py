@@ -12,13 +12,15 @@ backward compiled (torch.compile fullgraph / jax.jit, lists and counts as traced
 inputs), compared with the same frontend and backend on the kept lists (or clamped
 counts), and the eager call, which must raise ValueError naming the argument.
 `diff` is max|bad - kept| / max|kept| over out, lse, dq, dk, dv (0 expected for Triton;
-FA4's backward accumulates dQ with atomics, so cute may differ in the last bits).
+FA4's and cuDNN's backwards accumulate with atomics, so cute and cudnn may differ in the
+last bits).
 Exit status 1 if any row fails. Writes safety_gpu.log and safety_gpu.json to $OUT if set.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -34,8 +36,12 @@ def parse_args():
     p.add_argument("--small", action="store_true", help="a tiny shape (for compute-sanitizer)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--frontends", default="torch,jax")
-    p.add_argument("--backends", default="triton,cute")
-    return p.parse_args()
+    p.add_argument("--backends", default=None,
+                   help="default: triton,cute, and cudnn when nvidia-cudnn-frontend is importable")
+    args = p.parse_args()
+    if args.backends is None:
+        args.backends = "triton,cute" + (",cudnn" if importlib.util.find_spec("cudnn") is not None else "")
+    return args
 
 
 ARGS = parse_args()
@@ -49,8 +55,8 @@ import torch  # noqa: E402
 from vsa_core import reference as R  # noqa: E402
 from vsa_core.backends import BackendUnavailableError  # noqa: E402
 
-# shape: B, H, D, E, nQ, nKV, list capacity
-SHAPE = (1, 1, 64, 128, 2, 3, 3) if ARGS.small else (1, 2, 128, 128, 8, 8, 8)
+# shape: B, H, D, E, nQ, nKV, list capacity (head dim 128: cuDNN's backward needs it)
+SHAPE = (1, 1, 128, 128, 2, 3, 3) if ARGS.small else (1, 2, 128, 128, 8, 8, 8)
 B, H, D, E, NQ, NK, CAP = SHAPE
 I32_MAX = 2**31 - 1
 

@@ -12,12 +12,18 @@ call itself). Two timings per row, both wall clock:
   - steady: calls issued back to back, the way a training loop issues them (host work overlaps
     the device's), ms per call = max(host cost, device time) per call;
   - latency: one call and wait, median.
-`x1` is the 2-GPU time over the 1-GPU time (ideal 0.5); `bitwise` says whether the 2-GPU
-results (out, dq, dk, dv, dgate) equal the 1-GPU ones bit for bit.
+Each variant runs with both JAX launch paths (`vsa_jax.set_launch`): "callback" (the default:
+a buffer_callback into vsa_core per stage) and "native" (the stage's Triton launches as XLA
+custom calls, no Python per call; GPU only, Triton backend only: skipped under --smoke or
+--backend cute). `x1` is the 2-GPU time over the 1-GPU time of the same launch path (ideal 0.5);
+`bitwise` says whether the 2-GPU results (out, dq, dk, dv, dgate) equal the 1-GPU ones of the
+same launch path bit for bit (native runs a fixed tile config, the callback autotunes: the two
+paths are not compared with each other here).
 
 Table 2, at `small` (B1 H2 S4096 E64 top-8): steady ms per call of the same op through JAX's
-buffer_callback (1 GPU), PyTorch eager and a PyTorch CUDA-graph replay (torch.cuda.graph after a
-warm-up): the replay is the device time plus a launch, so the gap to it is the host cost per call.
+buffer_callback and JAX's native path (1 GPU), PyTorch eager and a PyTorch CUDA-graph replay
+(torch.cuda.graph after a warm-up): the replay is the device time plus a launch, so the gap to
+it is the host cost per call.
 `launches` counts the CUDA kernels of one eager PyTorch call (torch.profiler).
 
 Writes spmd_bench.json (every number, device, versions) to --out, or $OUT when set.
@@ -38,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: interpreter, tiny shapes")
     ap.add_argument("--shapes", default="small,8192,480p-64", help="comma-separated: small, 8192, 480p-64")
     ap.add_argument("--backend", default="triton", help="vsa backend for every row (triton or cute)")
+    ap.add_argument("--launch", default="callback,native",
+                    help="JAX launch paths to measure (native: GPU and the triton backend only)")
     ap.add_argument("--budget-ms", type=float, default=300.0, help="wall time per steady measurement")
     ap.add_argument("--reps", type=int, default=3, help="steady measurements per row (median)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for spmd_bench.json")
@@ -132,40 +140,67 @@ def jax_inputs(shape, seed=0):
     return [jax.random.normal(kk, (B, H, S, D), jnp.float32).astype(jnp.bfloat16) for kk in keys]
 
 
+def launch_paths(args) -> list:
+    """The JAX launch paths to measure here: native needs a GPU and the Triton backend."""
+    paths = [m for m in args.launch.split(",") if m]
+    if "native" in paths and (jax.default_backend() != "gpu" or args.backend != "triton"):
+        log(f"native launch skipped (needs a GPU and backend triton; jax: {jax.default_backend()}, "
+            f"backend {args.backend})")
+        paths.remove("native")
+    return paths
+
+
 def run_spmd(name, shape, args) -> list:
     devices = jax.devices()
     if len(devices) < 2:
         raise SystemExit(f"needs 2 devices, jax sees {devices}")
-    attention, grads = jax_functions(shape, args.backend)
     x = jax_inputs(shape)
     one = [jax.device_put(t, devices[0]) for t in x]
     mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=devices[:2])
     spec = P(None, "x")
     two = [jax.device_put(t, NamedSharding(mesh, spec)) for t in x]
-    variants = {
-        "1 device": (jax.jit(attention), jax.jit(grads), one),
-        "2, shard_map": (jax.jit(jax.shard_map(attention, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)),
-                         jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 5)),
-                         two),
-        "2, jit(sharded)": (jax.jit(attention), jax.jit(grads), two),
-    }
-    rows, base = [], {}
-    for variant, (fwd, fwd_bwd, inputs) in variants.items():
-        log(f"{name}: {variant}")
-        results = [np.asarray(r) for r in fwd_bwd(*inputs)]
-        row = {"shape": name, "variant": variant}
-        for stage, fn, xs in (("fwd", fwd, inputs[:4]), ("fwd+bwd", fwd_bwd, inputs)):
-            call = (lambda fn=fn, xs=xs: fn(*xs))
-            row[f"{stage} steady"] = steady_ms(call, jax_wait, args.budget_ms, args.reps)
-            row[f"{stage} latency"] = latency_ms(call, jax_wait, n=2 if args.smoke else 20)
-        if variant == "1 device":
-            base = {"results": results, **row}
-            row["bitwise"] = "-"
-        else:
-            row["bitwise"] = "yes" if all(np.array_equal(a, b) for a, b in zip(results, base["results"])) else "NO"
-            for key in ("fwd steady", "fwd+bwd steady"):
-                row[f"{key} x1"] = row[key] / base[key]
-        rows.append(row)
+    rows = []
+    for launch in launch_paths(args):
+        # the path is fixed when a function is traced: fresh functions per path (JAX caches
+        # traces per function object), traced (first call) while the path is selected
+        vsa_jax.set_launch(launch)
+        attention, grads = jax_functions(shape, args.backend)
+        variants = {
+            "1 device": (jax.jit(attention), jax.jit(grads), one),
+            "2, shard_map": (jax.jit(jax.shard_map(attention, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)),
+                             jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 5)),
+                             two),
+            "2, jit(sharded)": (jax.jit(attention), jax.jit(grads), two),
+        }
+        base = {}
+        try:
+            for variant, (fwd, fwd_bwd, inputs) in variants.items():
+                log(f"{name}: {variant}, {launch}")
+                row = {"shape": name, "variant": variant, "launch": launch}
+                try:
+                    results = [np.asarray(r) for r in fwd_bwd(*inputs)]
+                    for stage, fn, xs in (("fwd", fwd, inputs[:4]), ("fwd+bwd", fwd_bwd, inputs)):
+                        call = (lambda fn=fn, xs=xs: fn(*xs))
+                        row[f"{stage} steady"] = steady_ms(call, jax_wait, args.budget_ms, args.reps)
+                        row[f"{stage} latency"] = latency_ms(call, jax_wait, n=2 if args.smoke else 20)
+                except Exception as e:  # noqa: BLE001  (one failing path must not hide the others' rows)
+                    log(f"{name}: {variant}, {launch} failed: {type(e).__name__}: {e}")
+                    row["bitwise"], row["error"] = "FAILED", f"{type(e).__name__}: {str(e)[:300]}"
+                    rows.append(row)
+                    continue
+                if variant == "1 device":
+                    base = {"results": results, **row}
+                    row["bitwise"] = "-"
+                elif base:
+                    same = all(np.array_equal(a, b) for a, b in zip(results, base["results"]))
+                    row["bitwise"] = "yes" if same else "NO"
+                    for key in ("fwd steady", "fwd+bwd steady"):
+                        row[f"{key} x1"] = row[key] / base[key]
+                else:
+                    row["bitwise"] = "no 1-device run"
+                rows.append(row)
+        finally:
+            vsa_jax.set_launch("callback")
     return rows
 
 
@@ -232,9 +267,11 @@ def count_launches(fn):
 
 
 def host_cost_rows(spmd_rows, shape, args) -> list:
-    jax_row = next(r for r in spmd_rows if r["shape"] == "small" and r["variant"] == "1 device")
-    rows = [{"variant": "JAX callback", "fwd steady": jax_row["fwd steady"],
-             "fwd+bwd steady": jax_row["fwd+bwd steady"]}]
+    rows = []
+    for r in spmd_rows:
+        if r["shape"] == "small" and r["variant"] == "1 device" and "fwd steady" in r:
+            rows.append({"variant": f"JAX {r['launch']}", "fwd steady": r["fwd steady"],
+                         "fwd+bwd steady": r["fwd+bwd steady"]})
     rows += torch_rows(shape, args)
     replay = next((r for r in rows if r["variant"] == "torch CUDA graph" and "fwd steady" in r), None)
     for r in rows:
@@ -251,15 +288,16 @@ def fmt(x, spec=".3f"):
 
 def print_tables(spmd_rows, host_rows, shapes):
     print(f"\n1 vs 2 devices, heads split ({jax.devices()[0].device_kind}, backend {ARGS.backend}); ms per call")
-    head = ["shape", "variant", "fwd steady", "x1", "fwd latency", "f+b steady", "x1", "f+b latency", "bitwise"]
+    head = ["shape", "variant", "launch", "fwd steady", "x1", "fwd latency", "f+b steady", "x1", "f+b latency",
+            "bitwise"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in spmd_rows:
         B, H, S, D, E, topk = shapes[r["shape"]]
         label = f"{r['shape']} (B{B} H{H} S{S} E{E} top{topk})"
-        cells = [label, r["variant"], fmt(r["fwd steady"]), fmt(r.get("fwd steady x1"), ".2f"),
-                 fmt(r["fwd latency"]), fmt(r["fwd+bwd steady"]), fmt(r.get("fwd+bwd steady x1"), ".2f"),
-                 fmt(r["fwd+bwd latency"]), r["bitwise"]]
+        cells = [label, r["variant"], r["launch"], fmt(r.get("fwd steady")), fmt(r.get("fwd steady x1"), ".2f"),
+                 fmt(r.get("fwd latency")), fmt(r.get("fwd+bwd steady")), fmt(r.get("fwd+bwd steady x1"), ".2f"),
+                 fmt(r.get("fwd+bwd latency")), r["bitwise"]]
         print("| " + " | ".join(cells) + " |")
     if host_rows:
         print("\nper-call cost at small (steady ms per call; host = steady - CUDA-graph replay)")
@@ -295,7 +333,7 @@ def main(args) -> int:
         with open(path, "w") as f:
             json.dump({"meta": versions(), "spmd": spmd_rows, "host_cost": host_rows}, f, indent=1)
         log(f"wrote {path}")
-    return 0 if all(r["bitwise"] != "NO" for r in spmd_rows) else 1
+    return 0 if all(r["bitwise"] in ("-", "yes") for r in spmd_rows) else 1
 
 
 if __name__ == "__main__":

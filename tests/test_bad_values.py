@@ -226,7 +226,9 @@ def test_compiled_counts_act_clamped(frontend):
 # ---- the value checks see every change of host memory ------------------------------------
 def test_torch_host_values_are_checked_every_call():
     """Counts and lists that alias numpy memory are re-checked after a change made
-    through numpy (torch's version counter does not see it)."""
+    through numpy (torch's version counter does not see it). CPU tensors on purpose (they
+    alias numpy), on a GPU machine too: they run under the interpreter there
+    (vsa_core.interpreter), with or without TRITON_INTERPRET."""
     inputs = make_inputs(Case(batch=1, heads=1, n_q_blocks=1, n_kv_blocks=2), seed=84)
     q, k, v = (torch.from_numpy(inputs[n]).to(BF16) for n in ("q", "k", "v"))
     counts = np.array([E, 5])
@@ -314,3 +316,46 @@ def test_fa4_lists_apply_the_rule(E_fa4):
         part = [n for n in subs if 0 < sc[n] < 128]
         assert out_num[(0,) + row] == len(full) and out_num[(1,) + row] == len(part), row
         assert list(out_idx[(0,) + row][:len(full)]) == full and list(out_idx[(1,) + row][:len(part)]) == part
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["lists", "packed"])
+def test_clean_lists_apply_the_rule(packed):
+    """The list cleaner (run on given lists before every backend; cuDNN reads lists as
+    given) writes exactly the rule's lists on random garbage lists and counts: ascending,
+    in range, counts within the capacity, 0 past the count. Packed: entries of another
+    sequence are dropped first, then the rule."""
+    from vsa_core.backends import triton_backend
+    from vsa_core.problem import AttnProblem
+
+    rng = np.random.default_rng(7 + packed)
+    B, H, nq, nk, cap = (1 if packed else 2), 3, 4, 6, 9
+    p = AttnProblem(batch=B, heads=H, q_len=nq * E, kv_len=nk * E, head_dim=64, block_elems=E, dtype="bfloat16",
+                    layout="bshd", selection="indices", n_seqs=2 if packed else 0, list_capacity=cap)
+    pool = np.array([-2**31, -2**20, -1, nk, nk + 1, 2**20, 2**31 - 1] + list(range(nk)) * 4)
+    idx = rng.choice(pool, (B, H, nq, cap)).astype(np.int32)
+    idx[0, 0, 0] = np.arange(cap) % nk  # an ascending row, then a wrap-around
+    num = rng.choice(np.array([-2**31, -1, 0, 2, 5, cap, cap + 1, 2**16]), (B, H, nq)).astype(np.int32)
+    num[0, 0, 0] = cap
+    q_seq, kv_seq = np.array([0, 0, 1, 1]), np.array([0, 0, 0, 1, 1, 1])
+
+    def expected(row):
+        entries = idx[row][:int(np.clip(num[row], 0, cap))]
+        if packed:
+            entries = [j for j in entries if 0 <= j < nk and kv_seq[j] == q_seq[row[-1]]]
+        lists = np.array([list(entries) or [0]], np.int32)
+        return np.flatnonzero(R.index_lists_to_block_map(lists, np.array([len(entries)]), nk).numpy()[0])
+
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).to(DEVICE)  # noqa: E731
+    out_idx = torch.full((B, H, nq, cap), -7, dtype=torch.int32, device=DEVICE)
+    out_num = torch.full((B, H, nq), -7, dtype=torch.int32, device=DEVICE)
+    seqs = (t(q_seq), t(kv_seq)) if packed else (None, None)
+    triton_backend.clean_lists(p, t(idx), t(num), out_idx, out_num, *seqs)
+    out_idx, out_num = out_idx.cpu().numpy(), out_num.cpu().numpy()
+    kept = 0
+    for row in np.ndindex(B, H, nq):
+        want = expected(row)
+        kept += want.size
+        assert out_num[row] == want.size, row
+        assert out_idx[row][:want.size].tolist() == want.tolist(), row
+        assert (out_idx[row][want.size:] == 0).all(), row
+    assert kept > 10  # the garbage leaves something to keep

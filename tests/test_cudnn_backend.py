@@ -311,3 +311,67 @@ def test_cudnn_torch_and_jax(case):
     assert np.array_equal(got_jax["out"], got_torch["out"])
     assert np.array_equal(out_inference, got_torch["out"])
     assert_close(case, got_jax, got_torch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+@pytest.mark.parametrize("E", [64, 128])
+def test_cudnn_bad_lists_under_compile_equal_clean_lists(frontend, E):
+    """cuDNN's kernels read lists and block sizes as given: under torch.compile / jax.jit
+    (nothing checked before launch) every bad list row of test_bad_values at once, and KV
+    counts outside [0, E], must give the result of the lists the rule keeps and the
+    clamped counts (the forward cleans given lists before any backend; the cudnn backend
+    clamps the counts). Forward bit for bit, gradients within tolerance (cuDNN's backward
+    uses atomics), and close to the float64 reference of the kept selection."""
+    from test_bad_values import BAD_LISTS, kept_lists, lists_with
+    from vsa_core import reference as R
+
+    case = Case(block=E, head_dim=128, batch=2, heads=3, n_q_blocks=2, n_kv_blocks=4, gate=False)
+    _require_cudnn(case)
+    inputs = make_inputs(case, seed=91, margin=None)  # the selection is given: no top-k margin needed
+    idx, num = lists_with(BAD_LISTS)
+    kept_idx, kept_num, block_map = kept_lists(idx, num)
+    bad_counts = inputs["kv_counts"].copy()
+    bad_counts[0], bad_counts[-1] = -3, E + 7  # past the end of K/V if read as given
+    clamped = np.clip(bad_counts, 0, E)
+    names = ("out", "lse", "dq", "dk", "dv")
+    if frontend == "torch":
+        def run(q, k, v, idx, num, counts):
+            return vsa_torch.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E, backend="cudnn")
+
+        results = []
+        for fn, lists, counts in ((torch.compile(run, fullgraph=True), (idx, num), bad_counts),
+                                  (run, (kept_idx, kept_num), clamped)):
+            q, k, v = (torch.from_numpy(inputs[n]).to("cuda", torch.bfloat16).requires_grad_() for n in "qkv")
+            out, lse = fn(q, k, v, *(torch.from_numpy(x).cuda() for x in lists), torch.from_numpy(counts).cuda())
+            out.backward(torch.from_numpy(inputs["dout"]).to("cuda", torch.bfloat16))
+            results.append([x.detach().float().cpu().numpy() for x in (out, lse, q.grad, k.grad, v.grad)])
+    else:
+        jax = pytest.importorskip("jax")
+        if jax.default_backend() != "gpu":
+            pytest.skip("jax has no GPU backend")
+        import jax.numpy as jnp
+
+        import vsa_jax
+
+        @jax.jit
+        def run(q, k, v, dout, idx, num, counts):
+            def f(q, k, v):
+                return vsa_jax.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E, backend="cudnn")
+            (out, lse), vjp = jax.vjp(f, q, k, v)
+            return out, lse, *vjp((dout, jnp.zeros_like(lse)))
+
+        args = [jnp.asarray(inputs[n], jnp.bfloat16) for n in ("q", "k", "v", "dout")]
+        results = [[np.asarray(x, np.float32) for x in run(*args, *(jnp.asarray(a, jnp.int32) for a in lists))]
+                   for lists in ((idx, num, bad_counts), (kept_idx, kept_num, clamped))]
+    bad, clean = (dict(zip(names, r)) for r in results)
+    for name in ("out", "lse"):
+        assert np.array_equal(bad[name], clean[name]), name
+    grads = {n: bad[n] for n in ("dq", "dk", "dv")}
+    assert_close(case, grads, {n: clean[n].astype(np.float64) for n in grads})
+    t = {n: torch.from_numpy(inputs[n]).to(torch.bfloat16).double().requires_grad_() for n in "qkv"}
+    out, _ = R.block_sparse_attn_reference(t["q"], t["k"], t["v"], torch.from_numpy(block_map),
+                                           torch.from_numpy(clamped), E)
+    out.backward(torch.from_numpy(inputs["dout"]).to(torch.bfloat16).double())
+    assert_close(case, {n: bad[n] for n in ("out", "dq", "dk", "dv")},
+                 {"out": out.detach().numpy(), **{f"d{n}": t[n].grad.numpy() for n in "qkv"}})

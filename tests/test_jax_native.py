@@ -187,6 +187,40 @@ def test_native_program_is_one_custom_call_per_launch(monkeypatch):
     assert "callback" not in text
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_native_program_under_shard_map_is_typed_and_lowers(monkeypatch):
+    """Native launches inside jax.shard_map (check_vma on) over 2 devices, heads split, traced
+    and lowered with compiling stubbed out (no CUDA here): the custom calls' results are
+    typed as varying like the inputs (vsa_jax.ops._run), so the out_specs type-check, and
+    each device runs the plan of its local shapes (heads / 2)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from test_jax_spmd import mesh_of, out_and_grads_fn
+
+    monkeypatch.setattr(native, "_launch_mode", "native")
+    monkeypatch.setattr(native, "_capability", lambda: 90)
+    monkeypatch.setattr(native.core_plan, "compile_launch",
+                        lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
+    monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
+    seen = []
+    record = native.core_plan.record_plan
+    monkeypatch.setattr(native.core_plan, "record_plan", lambda stage, p, inputs: seen.append(p) or
+                        record(stage, p, inputs))
+    native.native_program.cache_clear()
+    try:
+        case = Case(batch=1, heads=4, n_q_blocks=2, n_kv_blocks=3)
+        inputs, args = _small_case_args(case)
+        fn = out_and_grads_fn(case, inputs["kv_counts"], inputs["q_counts"], backend="triton")
+        mesh, spec = mesh_of(), P(None, "x")
+        sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 5))
+        text = sharded.lower(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in args)).as_text()
+    finally:
+        native.native_program.cache_clear()
+    assert text.count(f"@{native.FFI_TARGET}") == 12, text.count(f"@{native.FFI_TARGET}")
+    assert "callback" not in text
+    assert seen and all(p.heads == case.heads // 2 for p in seen), [p.heads for p in seen]
+
+
 # ---- compiling for sm_90 (CPU, in a subprocess without the interpreter) -------------------------
 _COMPILE_SCRIPT = textwrap.dedent(r"""
     import re
@@ -349,3 +383,35 @@ def test_kernel_call_protos_carry_the_plan():
     if proc.returncode == 3:
         pytest.skip("jaxlib has no CUDA Triton module (no jax CUDA plugin installed)")
     assert proc.returncode == 0 and "PROTOS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2, reason="needs 2 GPUs in jax")
+@pytest.mark.parametrize("how", ["shard_map", "jit"])
+def test_native_two_gpus_heads_split_equal_one_gpu(how, monkeypatch):
+    """The native path on 2 GPUs (heads split; shard_map, or jit over arrays sharded over
+    the heads) equals the native path on 1 GPU bit for bit: out and every gradient. Both
+    run the plan's fixed tile config, so only the heads per device differ."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from test_jax_spmd import NAMES, assert_bitwise, mesh_of, out_and_grads_fn
+    from test_jax_vsa import jax_args
+
+    monkeypatch.setattr(native, "_launch_mode", "native")
+    case = Case(block=64, head_dim=128, n_q_blocks=16, n_kv_blocks=16, batch=1, heads=4, topk=4)
+    inputs = make_inputs(case, seed=81, margin=None)  # two runs of our kernels: no reference, no margin
+    args = jax_args(case, inputs)
+    fn = out_and_grads_fn(case, inputs["kv_counts"], inputs["q_counts"], backend="triton")
+    want = [np.asarray(x) for x in jax.jit(fn)(*args)]
+    assert all(np.isfinite(np.asarray(w, np.float32)).all() for w in want)
+    mesh, spec = mesh_of(), P(None, "x")
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in args]
+    fn2 = out_and_grads_fn(case, inputs["kv_counts"], inputs["q_counts"], backend="triton")  # traced afresh
+    run = (jax.jit(jax.shard_map(fn2, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 5))
+           if how == "shard_map" else jax.jit(fn2))
+    text = run.lower(*placed).as_text()
+    assert f"@{native.FFI_TARGET}" in text and "callback" not in text
+    for _ in range(2):  # the second call replays the compiled executable
+        got = [np.asarray(x) for x in run(*placed)]
+        assert_bitwise(got, want, f"native, 2 GPUs ({how})")
+    assert len(NAMES) == len(got)

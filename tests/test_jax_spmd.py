@@ -301,18 +301,21 @@ GPU_CASES = {
 def test_two_gpus_heads_split_equal_one_gpu(backend, how):
     """2 x GPU, heads split (S = 2048 tokens): each GPU runs its heads on its own stream.
     Triton: bit for bit equal to one GPU (the autotuner's key has no batch/heads, so both
-    run the same tile config). FA4: dQ within tolerance (atomics), the rest bit for bit."""
+    run the same tile config). FA4: dQ within tolerance (atomics), the rest bit for bit.
+    The inputs skip make_inputs' top-k margin: with 128 rows of 32 blocks a draw almost never
+    has every row's margin above 1e-4, and this test compares two runs of the same kernels,
+    not the reference (the tests on small cases compare one GPU with the reference)."""
     from vsa_core.backends import BackendUnavailableError
 
     case = GPU_CASES[backend]
-    inputs = make_inputs(case, seed=81)
+    inputs = make_inputs(case, seed=81, margin=None)
     args = jax_args(case, inputs)
     fn = out_and_grads_fn(case, inputs["kv_counts"], inputs["q_counts"], backend=backend)
     try:
         want = [np.asarray(x) for x in jax.jit(fn)(*args)]
     except BackendUnavailableError as e:
         pytest.skip(f"{backend} backend unavailable: {e}")
-    assert_close(case, to_numpy(case, dict(zip(NAMES, want))), reference(case, inputs))
+    assert all(np.isfinite(np.asarray(w, np.float32)).all() for w in want), "non-finite values on one GPU"
 
     mesh, spec = mesh_of(), P(None, "x")
     placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in args]

@@ -32,10 +32,12 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
     """VSA (p.selection == "topk") or block-sparse attention forward.
 
     Inputs: q, k, v, kv_counts, and q_counts (+ gate) for VSA, block_map or
-    sel_idx/sel_num for the block-sparse variants; packed sequences (p.varlen) also
-    cu_seqlens_q/cu_seqlens_k, and their given lists come as given_idx/given_num (the
-    forward writes the lists it runs, kept to each query's own sequence, to sel_idx/
-    sel_num). Outputs: p.forward_buffers().
+    given_idx/given_num (the caller's lists) for the block-sparse variants; packed
+    sequences (p.varlen) also cu_seqlens_q/cu_seqlens_k. Given lists are not trusted:
+    the forward writes the lists it runs to sel_idx/sel_num (the entries that count by
+    the rule of `vsa_core.reference.index_lists_to_block_map`, packed: of each query's
+    own sequence only), so every backend, cuDNN's included, reads clean lists, and the
+    backward takes those. Outputs: p.forward_buffers().
     """
     b = _views(buffers)
     with launch_stream(stream, b["q"].device):
@@ -49,9 +51,9 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
             T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
         elif p.selection == "block_map":
             T.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
-        elif p.varlen:  # given lists: keep each query block's entries of its own sequence only
-            T.same_seq_lists(p, b["given_idx"], b["given_num"], b["q_seq"], b["kv_seq"], b["sel_idx"],
-                             b["sel_num"])
+        else:  # given lists: the entries that count by the rule (packed: of the query's own sequence)
+            T.clean_lists(p, b["given_idx"], b["given_num"], b["sel_idx"], b["sel_num"], b.get("q_seq"),
+                          b.get("kv_seq"))
         backend.sparse_forward(p, b["q"], b["k"], b["v"], b["out"], b["lse"], b["sel_idx"], b["sel_num"],
                                b["kv_counts"], gate=b.get("gate"), out_coarse=b.get("out_coarse"),
                                out_fine=b.get("out_fine"), q_counts=b.get("q_counts"))

@@ -75,7 +75,7 @@ class AttnProblem:
     # (single) batch's sequence axis, 0 when not packed. Block i of the stream belongs to one
     # sequence; attention never crosses sequences. The offsets themselves are a device input.
     n_seqs: int = 0
-    # row length of given index lists that the call copies (varlen "indices" selection)
+    # row length of given index lists that the call copies ("indices" selection)
     list_capacity: Optional[int] = None
 
     @property
@@ -135,8 +135,9 @@ class AttnProblem:
             })
             if self.training:
                 bufs["out_fine"] = (self.token_shape(self.q_len), "float32")
-        elif self.selection == "block_map" or self.varlen:
-            # lists from the map, or (varlen) the given lists kept to each query's own sequence
+        else:
+            # lists from the map, or the given lists as the rule reads them (varlen: kept to each
+            # query's own sequence); the backward takes these
             bufs.update({
                 "sel_idx": ((B, H, nq, self.select_capacity), "int32"),
                 "sel_num": ((B, H, nq), "int32"),

@@ -17,10 +17,13 @@ Lists given by the caller (`block_sparse_attn_from_indices`) are bounded here, w
 their values (under jax.jit / torch.compile nothing is checked before launch): a count
 is clamped to [0, capacity] and an entry counts only if it is a KV block (in [0, nKV))
 and greater than the last entry counted in its row. Ascending lists without repeats
-are taken as they are; every consumer (forward, dQ, the mask the dK/dV lists come
-from, the FA4 lists) applies this same rule, so forward and backward agree and no
-block is weighted twice. Per-block token counts are clamped to [0, E] where they are
-loaded (a count above E means a full block, below 0 an empty one).
+are taken as they are. The forward first rewrites given lists by this rule
+(`clean_lists_kernel`, in `vsa_core.ops.forward`), so every backend, cuDNN's (which
+reads lists as given) included, sees only clean lists, and the backward takes those;
+every Triton consumer (forward, dQ, the mask the dK/dV lists come from, the FA4 lists)
+applies the rule again on whatever it reads, so no list can make it read out of
+bounds or weight a block twice. Per-block token counts are clamped to [0, E] where they
+are loaded (a count above E means a full block, below 0 an empty one).
 
 `UPCAST` is set under TRITON_INTERPRET=1: the interpreter multiplies the bit
 patterns of bf16 operands in `tl.dot`, so tiles are widened to fp32 there. On a
@@ -332,24 +335,45 @@ def block_seq_ids_kernel(
 
 
 @triton.jit
-def same_seq_lists_kernel(
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def clean_lists_kernel(
     IN_IDX, IN_NUM, Q_SEQ, KV_SEQ, OUT_IDX, OUT_NUM,
     n_q_blocks, n_kv_blocks, idx_capacity,
-    SLOTS: tl.constexpr,
+    SLOTS: tl.constexpr, SAME_SEQ: tl.constexpr,
 ):
-    """Copies each query block's index list keeping only the entries that name a KV
-    block of the query block's own sequence (in range, same sequence id); the others
-    are dropped, so they are never attended. Order is kept."""
+    """Writes the caller's query-owned lists as the rule of the module doc reads them:
+    the entries that count, ascending and without repeats, and their number. Consumers
+    that do not apply the rule themselves (cuDNN's kernels read a list as given) then see
+    only in-range entries and counts within the capacity.
+
+    With SAME_SEQ (packed sequences) an entry also counts only if it names a KV block of
+    the query block's own sequence; the others are dropped before the rule. Slots past
+    the count are written 0 (a valid block, in case a consumer prefetches past the count).
+
+    The rule vectorised: entry i counts iff it is valid and greater than every valid entry
+    before it (an entry not counted is at most the last counted one, so the running
+    maximum of valid entries is the last counted entry). Keys entry * SLOTS + (SLOTS-1-i)
+    are distinct and order equal entries first-one-largest, so "greater than every valid
+    entry before" is "the key equals the running maximum of keys"."""
     row = tl.program_id(0).to(tl.int64)
     pos = tl.arange(0, SLOTS)
-    listed = pos < tl.minimum(tl.load(IN_NUM + row), idx_capacity)
+    listed = pos < tl.minimum(tl.maximum(tl.load(IN_NUM + row), 0), idx_capacity)
     j = tl.load(IN_IDX + row * idx_capacity + pos, mask=listed, other=-1)
-    in_range = listed & (j >= 0) & (j < n_kv_blocks)
-    kv_seq = tl.load(KV_SEQ + j, mask=in_range, other=-1)
-    keep = in_range & (kv_seq == tl.load(Q_SEQ + row % n_q_blocks))
+    valid = listed & (j >= 0) & (j < n_kv_blocks)
+    if SAME_SEQ:
+        kv_seq = tl.load(KV_SEQ + j, mask=valid, other=-1)
+        valid = valid & (kv_seq == tl.load(Q_SEQ + row % n_q_blocks))
+    key = tl.where(valid, j.to(tl.int64), -1) * SLOTS + (SLOTS - 1 - pos)
+    keep = valid & (key == tl.associative_scan(key, 0, _max_combine))
     slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    count = tl.sum(keep.to(tl.int32), axis=0)
     tl.store(OUT_IDX + row * idx_capacity + slot, j, mask=keep)
-    tl.store(OUT_NUM + row, tl.sum(keep.to(tl.int32), axis=0))
+    tl.store(OUT_IDX + row * idx_capacity + pos, tl.zeros([SLOTS], tl.int32), mask=(pos >= count) & (pos < idx_capacity))
+    tl.store(OUT_NUM + row, count)
 
 
 # --------------------------------------------------------------------------------------

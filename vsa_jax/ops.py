@@ -186,7 +186,9 @@ def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, sele
     p = describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
                            q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
     if cu_q is not None:
-        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1, list_capacity=list_capacity)
+        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1)
+    if list_capacity is not None:
+        p = dataclasses.replace(p, list_capacity=list_capacity)
     return p
 
 
@@ -257,7 +259,7 @@ _vsa.defvjp(_vsa_fwd, _vsa_bwd)
 # ---- block-sparse attention with a given selection ----------------------------------------
 def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout):
     selection = "block_map" if block_map is not None else "indices"
-    capacity = sel_idx.shape[-1] if cu_q is not None and block_map is None else None
+    capacity = sel_idx.shape[-1] if block_map is None else None
     return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
                     list_capacity=capacity)
 
@@ -269,10 +271,10 @@ def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elem
 
 def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl):
     p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
-    lists = {"given_idx": sel_idx, "given_num": sel_num} if p.varlen else {"sel_idx": sel_idx, "sel_num": sel_num}
+    lists = {"given_idx": sel_idx, "given_num": sel_num}  # the forward writes the lists it runs to sel_idx
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lists)
-    if "sel_idx" in res:  # the forward made the lists it ran (from the map, or packed: own sequence only)
+    if "sel_idx" in res:  # the lists the forward ran (from the map, or the given ones cleaned by the rule)
         sel_idx, sel_num = res["sel_idx"], res["sel_num"]
     return (res["out"], res["lse"]), (q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, res["out"],
                                       res["lse"])

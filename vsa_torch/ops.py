@@ -35,7 +35,9 @@ def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, sele
     p = describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
                            q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
     if cu_q is not None:
-        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1, list_capacity=list_capacity)
+        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1)
+    if list_capacity is not None:
+        p = dataclasses.replace(p, list_capacity=list_capacity)
     return p
 
 
@@ -186,7 +188,7 @@ torch.library.register_autograd("vsa::video_sparse_attn_fwd", _vsa_backward, set
 # ---- block-sparse attention with a given selection --------------------------------------
 def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout) -> AttnProblem:
     selection = "block_map" if block_map is not None else "indices"
-    capacity = sel_idx.shape[-1] if cu_q is not None and block_map is None else None
+    capacity = sel_idx.shape[-1] if block_map is None else None
     return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
                     list_capacity=capacity)
 
@@ -195,16 +197,15 @@ def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layo
 def _bsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
              sel_idx: Optional[Tensor], sel_num: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor],
              block_elems: int, layout: str, backend: str) -> List[Tensor]:
-    """Returns out, lse and, when the call makes its own lists (from a block map, or the
-    packed case's own-sequence copy of the given lists), those lists."""
+    """Returns out, lse and the lists the forward ran: from a block map, or the given lists
+    as the kernels' rule reads them (ascending, in range; packed: own sequence only)."""
     p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     out = _alloc(p.forward_buffers(), q)
     bufs = dict(q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 **out)
     if sel_idx is not None:
-        bufs.update({"given_idx": sel_idx, "given_num": sel_num} if p.varlen else {"sel_idx": sel_idx,
-                                                                                    "sel_num": sel_num})
+        bufs.update(given_idx=sel_idx, given_num=sel_num)  # the forward writes the lists it runs to sel_idx
     core_ops.forward(p, impl, bufs)
     return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
 

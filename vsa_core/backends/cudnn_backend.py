@@ -20,7 +20,12 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
 - selection: our own. `sel_idx` [B, H, nQ, capacity] (ascending, int32) and `sel_num`
   [B, H, nQ] go in as q2k_block_index / q2k_block_nums, and `kv_counts` (valid tokens
   at the start of each block) as block_sizes [nKV]: the kernels mask KV tokens at or past
-  a block's size. Nothing is converted, nothing is synchronised with the host.
+  a block's size. cuDNN reads these as given, so they must be in bounds: the lists are
+  ours (top-k, from a block map, or a caller's lists rewritten by `clean_lists_kernel`
+  in `vsa_core.ops.forward`: ascending, in [0, nKV), counts within the capacity), and
+  kv_counts are clamped to [0, E] here (one [nKV] int32 copy per call; a count above E
+  would let the last block's tokens run past the end of K/V). Nothing is synchronised
+  with the host.
   `allow_empty_block_nums=True`: a query block with no (or only empty) blocks gives
   out 0 and lse -inf (the kernel's "empty-safe" finaliser; without it such rows are NaN).
 - lse: natural-log fp32 [B, H, Sq], -inf where a row sees nothing: our contract as is.
@@ -120,13 +125,19 @@ def _check_aligned(**tensors) -> None:
                              f"(cuDNN BSA's TMA loads assume it); got address {t.data_ptr():#x}")
 
 
+def _block_sizes(p: AttnProblem, kv_counts):
+    """kv_counts clamped to [0, E] (values are not checked under jit / compile; cuDNN reads
+    them as given)."""
+    return kv_counts.clamp(0, p.block_elems)
+
+
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
                    out_fine=None, **_unused):
     bsa_fwd, _ = _cudnn()
     _check_aligned(q=q, k=k, v=v, out=out)
     direct = p.block_elems == 64  # the blk64 forward writes into given out/lse; blk128 allocates its own
-    o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], kv_counts, q2k_block_nums=sel_num,
+    o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], _block_sizes(p, kv_counts), q2k_block_nums=sel_num,
                    allow_empty_block_nums=True, softmax_scale=1.0 / math.sqrt(p.head_dim), return_lse=True,
                    out=out if direct else None, lse=lse if direct else None, layout=p.layout, kv_splits=1,
                    sparse_block_size=p.block_elems)
@@ -152,7 +163,7 @@ def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
         if out is None:
             raise ValueError("the cudnn backend's backward needs the forward output `out`")
         o = out
-    bsa_bwd(dout, q, k, v, o, lse, sel_idx, None, kv_counts, sel_num, softmax_scale=1.0 / math.sqrt(p.head_dim),
+    bsa_bwd(dout, q, k, v, o, lse, sel_idx, None, _block_sizes(p, kv_counts), sel_num, softmax_scale=1.0 / math.sqrt(p.head_dim),
             dq_tensor=dq, dk_tensor=dk, dv_tensor=dv, sparse_block_size=p.block_elems, layout=p.layout)
     if dq_pool is not None:
         add_block_grad(p, dq, dq_pool, q_counts, p.q_len)

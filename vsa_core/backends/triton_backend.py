@@ -39,16 +39,17 @@ COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
 
 def interpreted(x) -> bool:
     """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1).
-    "meta" placeholders (vsa_core.plan records launches on them) count as compiled."""
+    "meta" tensors (vsa_core.plan records a GPU launch plan with them) are not: the plan
+    needs the compiled kernels and their GPU constexprs."""
     return INTERPRETING or x.device.type == "cpu"
 
 
 def kernels_for(x):
-    """The kernels module for tensors on x's device: compiled for CUDA (and the launch plan's
-    "meta" placeholders), interpreted for the CPU."""
-    if not interpreted(x) or INTERPRETING:
-        return K  # under TRITON_INTERPRET=1 these are interpreted already
-    return interpreted_kernels()
+    """The kernels module for tensors on x's device: compiled for CUDA (and meta), interpreted
+    for the CPU."""
+    if not interpreted(x):
+        return K
+    return K if INTERPRETING else interpreted_kernels()  # under TRITON_INTERPRET=1 K is interpreted already
 
 # Triton's Autotuner keeps the current call's arguments on the kernel object (`self.nargs`,
 # read by the config's pre_hook and cleared after the launch), so two threads launching
@@ -235,13 +236,14 @@ def block_seq_ids(p: AttnProblem, cu_seqlens, seq, n_blocks: int):
         cu_seqlens, seq, n_blocks, p.n_seqs, BLOCK_ELEMS=p.block_elems, BLOCK=256, num_warps=4)
 
 
-def same_seq_lists(p: AttnProblem, given_idx, given_num, q_seq, kv_seq, sel_idx, sel_num):
-    """The given query-owned lists with the entries outside the query's own sequence (or
-    out of range) dropped."""
+def clean_lists(p: AttnProblem, given_idx, given_num, sel_idx, sel_num, q_seq=None, kv_seq=None):
+    """The caller's lists as the kernels' rule reads them (`clean_lists_kernel`): ascending,
+    in range, counts within the capacity; with the sequence ids (packed sequences) the
+    entries outside the query block's own sequence dropped too."""
     cap = given_idx.shape[-1]
-    kernels_for(sel_idx).same_seq_lists_kernel[(_bh(p) * p.n_q_blocks,)](
+    kernels_for(sel_idx).clean_lists_kernel[(_bh(p) * p.n_q_blocks,)](
         given_idx, given_num, q_seq, kv_seq, sel_idx, sel_num, p.n_q_blocks, p.n_kv_blocks, cap,
-        SLOTS=_pow2(cap), num_warps=4)
+        SLOTS=_pow2(cap), SAME_SEQ=q_seq is not None, num_warps=4)
 
 
 # ---- the fine stage: the part a backend provides ---------------------------------------
