@@ -110,6 +110,7 @@ class Row:
     a2a_ms: float         # the exchanges alone
     bitwise: Optional[bool] = None  # P-GPU output (fwd) / grads (fwd+bwd) == 1 GPU's
     note: str = ""
+    local_chunked_ms: Optional[float] = None  # torch: the local VSA run chunk by chunk, as the P-GPU call does
 
     def efficiency(self, P: int) -> float:
         return self.one_ms / (P * self.many_ms)
@@ -148,7 +149,8 @@ def median_ms(run_timed: Callable[[], float], repeats: int) -> float:
 # ---- PyTorch: P processes --------------------------------------------------------------------
 def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> None:
     from vsa_torch import video_sparse_attn_bshd
-    from vsa_torch.parallel import _Exchange, ulysses_video_sparse_attn
+    from vsa_core.sequence_parallel import head_chunks
+    from vsa_torch.parallel import _Exchange, _store_heads, ulysses_video_sparse_attn
 
     cuda = args.device == "cuda"
     if port is not None:  # spawned here, not by torchrun
@@ -217,14 +219,27 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
         fwd_inputs = [x.detach() for x in shards]
         all_heads = (0, hp)
 
+        dests = [torch.empty_like(x) for x in fwd_inputs]  # where the results land, as in the P-GPU call
+
         def a2a_fwd():
             _Exchange(fwd_inputs, None, P, all_heads, to_heads=True).finish()
-            _Exchange([heads[0].detach()], None, P, all_heads, to_heads=False).finish()
+            _store_heads(dests[0], _Exchange([heads[0].detach()], None, P, all_heads, to_heads=False).finish()[0],
+                         all_heads)
 
         def a2a_fwd_bwd():
             a2a_fwd()
             _Exchange([dout_shard], None, P, all_heads, to_heads=True).finish()
-            _Exchange([x.detach() for x in heads], None, P, all_heads, to_heads=False).finish()
+            for dest, recv in zip(dests, _Exchange([x.detach() for x in heads], None, P, all_heads,
+                                                   to_heads=False).finish()):
+                _store_heads(dest, recv, all_heads)
+
+        def local_chunked(stage: str, chunks: int):
+            """The local VSA chunk by chunk (contiguous chunk inputs made beforehand)."""
+            parts = [([x.detach()[:, :, a:b].clone().requires_grad_() for x in full], dout[:, :, a:b].contiguous())
+                      for a, b in head_chunks(hp, chunks)]
+            if stage == "fwd":
+                return lambda: [one(*xs) for xs, _ in parts]
+            return lambda: [torch.autograd.grad(one(*xs), xs, g) for xs, g in parts]
 
         # correctness: the gathered P-GPU results against the 1-GPU ones
         out_one = one(*full)
@@ -247,14 +262,19 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
                  fwd_bwd(one, heads, dout_heads), a2a_fwd_bwd, grads_equal)):
             ms = {name: median_ms(timed(fn), args.repeats)
                   for name, fn in (("one", f_one), ("local", f_local), ("a2a", f_a2a))}
+            local_of = {1: ms["local"]}
             for priority, group in groups.items():
                 for chunks in args.chunks.split(","):
+                    n = len(head_chunks(hp, int(chunks)))
+                    if n not in local_of:
+                        local_of[n] = median_ms(timed(local_chunked(stage, n)), args.repeats)
                     os.environ["VSA_ULYSSES_CHUNKS"] = chunks  # read at each call
                     ms["many"] = median_ms(timed(many_in(group)), args.repeats)
                     rows.append(asdict(Row("torch", backend, stage, int(chunks), priority, ms["one"], ms["many"],
-                                           ms["local"], ms["a2a"], equal)))
+                                           ms["local"], ms["a2a"], bitwise=equal, local_chunked_ms=local_of[n])))
                     if rank == 0:
-                        log(f"torch {backend} {stage} chunks {chunks} nccl {priority}: {ms}")
+                        log(f"torch {backend} {stage} chunks {chunks} nccl {priority}: {ms}, local chunked "
+                            f"{local_of[n]:.2f}")
         if args.profile and cuda:
             chunks = args.chunks.split(",")[-1]
             os.environ["VSA_ULYSSES_CHUNKS"] = chunks
@@ -437,7 +457,7 @@ def print_table(rows: List[dict], P: int, shape) -> None:
     B, H, S, D, E, topk = shape
     log(f"\nUlysses VSA, B{B} H{H} S{S} D{D} E{E} topk {topk}, bf16, every block full: 1 device vs {P}")
     head = (f"| frontend | backend | stage | chunks | variant | 1 dev ms | {P} dev ms | speedup | efficiency "
-            f"| local ms | a2a ms | local + a2a | hidden ms | P-dev == 1-dev |")
+            f"| local ms | local chunked | a2a ms | local + a2a | hidden ms | P-dev == 1-dev |")
     log(head)
     log("|" + " --- |" * (head.count("|") - 1))
     for r in rows:
@@ -447,10 +467,12 @@ def print_table(rows: List[dict], P: int, shape) -> None:
         row = Row(**r)
         log(f"| {row.frontend} | {row.backend} | {row.stage} | {row.chunks} | {row.variant} | {row.one_ms:.2f} "
             f"| {row.many_ms:.2f} | {row.one_ms / row.many_ms:.2f}x | {100 * row.efficiency(P):.1f}% "
-            f"| {row.local_ms:.2f} | {row.a2a_ms:.2f} | {row.local_ms + row.a2a_ms:.2f} | {row.hidden_ms():.2f} "
+            f"| {row.local_ms:.2f} | {'-' if row.local_chunked_ms is None else f'{row.local_chunked_ms:.2f}'} "
+            f"| {row.a2a_ms:.2f} | {row.local_ms + row.a2a_ms:.2f} | {row.hidden_ms():.2f} "
             f"| {'bitwise' if row.bitwise else 'NO'} |")
     log("efficiency = t(1 device) / (P * t(P devices)); local = each device's VSA on H/P heads with no "
-        "exchange; a2a = the exchanges alone (fwd: q, k, v, gate, out; fwd+bwd: also dout, dq, dk, dv, "
+        "exchange; local chunked = the same, chunk by chunk as the P-device call runs it (what chunking "
+        "costs the compute); a2a = the exchanges alone (fwd: q, k, v, gate, out; fwd+bwd: also dout, dq, dk, dv, "
         "dgate); hidden = local + a2a - P-dev (the exchange time overlapped with compute, 0 when "
         "none is); variant: torch's NCCL stream priority (normal: the default group; high: "
         "is_high_priority_stream), JAX's scheduler (lhs: --xla_gpu_enable_latency_hiding_scheduler=true); "
