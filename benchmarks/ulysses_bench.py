@@ -162,8 +162,11 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
     groups = {"normal": None}  # NCCL stream priority -> process group (None: the default group)
     for priority in args.nccl_priority.split(","):
         if priority == "high" and cuda:
-            options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-            groups["high"] = dist.new_group(list(range(P)), backend="nccl", pg_options=options)
+            try:
+                options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+                groups["high"] = dist.new_group(list(range(P)), backend="nccl", pg_options=options)
+            except Exception as e:  # every rank fails alike
+                log(f"rank {rank}: no high-priority NCCL group: {type(e).__name__}: {e}")
     B, H, S, D, E, topk = shape_of(args)
     s, hp = S // P, H // P
     counts = torch.full((S // E,), E, dtype=torch.int32)
