@@ -20,8 +20,8 @@ t(1 GPU) / (P * t(P GPUs)). Torch runs the P-GPU call on the default process gro
 per backend, one profiled forward+backward on rank 0 and prints how long the NCCL
 kernels and the compute kernels ran and how much of that was at the same time. JAX
 compiles with XLA's latency-hiding scheduler (--jax-lhs 1, the default), without which
-XLA keeps each all-to-all's start and done together and nothing overlaps. It also checks that the P-GPU output equals the 1-GPU output
-bitwise. Times are milliseconds per call issued back to back (a training loop's rate).
+XLA keeps each all-to-all's start and done together and nothing overlaps. It also checks
+that the P-GPU output equals the 1-GPU output bitwise. Times are milliseconds per call issued back to back (a training loop's rate).
 Results go to OUT/ulysses.json (--out, default $OUT, else none).
 """
 
@@ -377,7 +377,8 @@ def run_jax(args, P: int) -> List[dict]:
     B, H, S, D, E, topk = shape_of(args)
     hp = H // P
     counts = np.full(S // E, E, np.int32)
-    scheduler = "lhs" if "xla_gpu_enable_latency_hiding_scheduler=true" in os.environ.get("XLA_FLAGS", "") else "default"
+    lhs = "xla_gpu_enable_latency_hiding_scheduler=true" in os.environ.get("XLA_FLAGS", "")
+    scheduler = "lhs" if lhs else "default"
     log(f"JAX: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     mesh = jax.make_mesh((P,), ("sp",), devices=jax.devices()[:P])
     tokens = NamedSharding(mesh, Spec(None, "sp"))
