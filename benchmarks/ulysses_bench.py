@@ -21,8 +21,9 @@ per backend, one profiled forward+backward on rank 0 and prints how long the NCC
 kernels and the compute kernels ran and how much of that was at the same time. JAX
 compiles with XLA's latency-hiding scheduler (--jax-lhs 1, the default), without which
 XLA keeps each all-to-all's start and done together and nothing overlaps. It also checks
-that the P-GPU output equals the 1-GPU output bitwise. Times are milliseconds per call issued back to back (a training loop's rate).
-Results go to OUT/ulysses.json (--out, default $OUT, else none).
+that the P-GPU output equals the 1-GPU output bitwise. Times are milliseconds per call
+issued back to back (a training loop's rate). Results go to OUT/ulysses.json (--out,
+default $OUT, else none).
 """
 
 from __future__ import annotations
