@@ -170,7 +170,9 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
                 log(f"rank {rank}: no high-priority NCCL group: {type(e).__name__}: {e}")
     B, H, S, D, E, topk = shape_of(args)
     s, hp = S // P, H // P
-    counts = torch.full((S // E,), E, dtype=torch.int32)
+    # on the device: host counts would be copied to the GPU with a stream sync on every call,
+    # which keeps the host from queueing the next call's work (and its exchanges) early
+    counts = torch.full((S // E,), E, dtype=torch.int32, device=dev)
 
     def sync():
         if cuda:
