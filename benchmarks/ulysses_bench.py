@@ -13,10 +13,17 @@ full and random bf16 inputs:
 - local: the VSA that each rank runs between the exchanges ([B, S, H/P, D], no collective);
 - a2a: the exchanges alone, the same tensors: forward = q, k, v, gate to heads + out back;
   forward+backward adds dout to heads + dq, dk, dv, dgate back;
-and reports the all-to-all share (a2a / P-GPU time) and the scaling efficiency
-t(1 GPU) / (P * t(P GPUs)). It also checks that the P-GPU output equals the 1-GPU output
-bitwise. Times are milliseconds per call issued back to back (a training loop's rate).
-Results go to OUT/ulysses.json (--out, default $OUT, else none).
+and reports the all-to-all share (a2a / P-GPU time), the exchange time hidden behind
+compute (local + a2a - P-GPU time: 0 when nothing overlaps) and the scaling efficiency
+t(1 GPU) / (P * t(P GPUs)). Torch runs the P-GPU call on the default process group and
+(--nccl-priority high) on a group whose NCCL stream has high priority; --profile adds,
+per backend, one profiled forward+backward on rank 0 and prints how long the NCCL
+kernels and the compute kernels ran and how much of that was at the same time. JAX
+compiles with XLA's latency-hiding scheduler (--jax-lhs 1, the default), without which
+XLA keeps each all-to-all's start and done together and nothing overlaps. It also checks
+that the P-GPU output equals the 1-GPU output bitwise. Times are milliseconds per call
+issued back to back (a training loop's rate). Results go to OUT/ulysses.json (--out,
+default $OUT, else none).
 """
 
 from __future__ import annotations
@@ -52,13 +59,19 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="triton,cute")
     p.add_argument("--chunks", default="1,4",
                    help="VSA_ULYSSES_CHUNKS settings to time (1: no overlap of the exchanges with compute)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 20; cpu 1)")
+    p.add_argument("--nccl-priority", default="normal,high",
+                   help="torch: NCCL stream priorities to time the P-GPU call with (normal: the default group; "
+                        "high: a group made with is_high_priority_stream=True), each with every --chunks")
+    p.add_argument("--profile", type=int, default=1, help="torch: profile one forward+backward per backend (1/0)")
+    p.add_argument("--jax-lhs", type=int, default=1,
+                   help="JAX: --xla_gpu_enable_latency_hiding_scheduler=true (1) or XLA's default (0)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 10; cpu 1)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per number, median taken")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for ulysses.json")
     args = p.parse_args(argv)
     if args.iters is None:
-        args.iters = 1 if args.device == "cpu" else 20
+        args.iters = 1 if args.device == "cpu" else 10
     if args.device == "cpu":
         args.repeats = 1
     return args
@@ -74,6 +87,11 @@ if __name__ == "__main__":
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={ARGS.gpus}".strip()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if ARGS.device == "cuda" and ARGS.jax_lhs and "xla_gpu_enable_latency_hiding_scheduler" not in \
+            os.environ.get("XLA_FLAGS", ""):
+        # lets XLA move each all-to-all's start before, and its done after, other chunks' VSA
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -86,15 +104,21 @@ class Row:
     backend: str
     stage: str            # "fwd" or "fwd+bwd"
     chunks: int           # VSA_ULYSSES_CHUNKS of the P-GPU run
+    variant: str          # torch: NCCL stream priority of the group; jax: "lhs" or "default" scheduler
     one_ms: float         # 1 GPU, whole sequence
     many_ms: float        # P GPUs, Ulysses
     local_ms: float       # each rank's VSA on H/P heads, no exchange
     a2a_ms: float         # the exchanges alone
     bitwise: Optional[bool] = None  # P-GPU output (fwd) / grads (fwd+bwd) == 1 GPU's
     note: str = ""
+    local_chunked_ms: Optional[float] = None  # torch: the local VSA run chunk by chunk, as the P-GPU call does
 
     def efficiency(self, P: int) -> float:
         return self.one_ms / (P * self.many_ms)
+
+    def hidden_ms(self) -> float:
+        """Exchange time hidden behind compute: 0 when the P-GPU call is compute then exchanges."""
+        return self.local_ms + self.a2a_ms - self.many_ms
 
 
 def shape_of(args):
@@ -126,7 +150,8 @@ def median_ms(run_timed: Callable[[], float], repeats: int) -> float:
 # ---- PyTorch: P processes --------------------------------------------------------------------
 def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> None:
     from vsa_torch import video_sparse_attn_bshd
-    from vsa_torch.parallel import _Exchange, ulysses_video_sparse_attn
+    from vsa_core.sequence_parallel import head_chunks
+    from vsa_torch.parallel import _Exchange, _store_heads, ulysses_video_sparse_attn
 
     cuda = args.device == "cuda"
     if port is not None:  # spawned here, not by torchrun
@@ -135,9 +160,19 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo")
     dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    groups = {"normal": None}  # NCCL stream priority -> process group (None: the default group)
+    for priority in args.nccl_priority.split(","):
+        if priority == "high" and cuda:
+            try:
+                options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+                groups["high"] = dist.new_group(list(range(P)), backend="nccl", pg_options=options)
+            except Exception as e:  # every rank fails alike
+                log(f"rank {rank}: no high-priority NCCL group: {type(e).__name__}: {e}")
     B, H, S, D, E, topk = shape_of(args)
     s, hp = S // P, H // P
-    counts = torch.full((S // E,), E, dtype=torch.int32)
+    # on the device: host counts would be copied to the GPU with a stream sync on every call,
+    # which keeps the host from queueing the next call's work (and its exchanges) early
+    counts = torch.full((S // E,), E, dtype=torch.int32, device=dev)
 
     def sync():
         if cuda:
@@ -181,23 +216,36 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
         def one(*xs):
             return video_sparse_attn_bshd(*xs[:3], counts, counts, topk, E, xs[3], backend=backend)
 
-        def many(*xs):
-            return ulysses_video_sparse_attn(*xs[:3], counts, counts, topk, E, xs[3], backend=backend)
+        def many(*xs, group=None):
+            return ulysses_video_sparse_attn(*xs[:3], counts, counts, topk, E, xs[3], backend=backend, group=group)
 
-        def fwd_bwd(f, xs, g):
-            return lambda: torch.autograd.grad(f(*xs), xs, g)
+        def fwd_bwd(f, xs, g, **kw):
+            return lambda: torch.autograd.grad(f(*xs, **kw), xs, g)
 
         fwd_inputs = [x.detach() for x in shards]
         all_heads = (0, hp)
 
+        dests = [torch.empty_like(x) for x in fwd_inputs]  # where the results land, as in the P-GPU call
+
         def a2a_fwd():
             _Exchange(fwd_inputs, None, P, all_heads, to_heads=True).finish()
-            _Exchange([heads[0].detach()], None, P, all_heads, to_heads=False).finish()
+            _store_heads(dests[0], _Exchange([heads[0].detach()], None, P, all_heads, to_heads=False).finish()[0],
+                         all_heads)
 
         def a2a_fwd_bwd():
             a2a_fwd()
             _Exchange([dout_shard], None, P, all_heads, to_heads=True).finish()
-            _Exchange([x.detach() for x in heads], None, P, all_heads, to_heads=False).finish()
+            for dest, recv in zip(dests, _Exchange([x.detach() for x in heads], None, P, all_heads,
+                                                   to_heads=False).finish()):
+                _store_heads(dest, recv, all_heads)
+
+        def local_chunked(stage: str, chunks: int):
+            """The local VSA chunk by chunk (contiguous chunk inputs made beforehand)."""
+            parts = [([x.detach()[:, :, a:b].clone().requires_grad_() for x in full], dout[:, :, a:b].contiguous())
+                      for a, b in head_chunks(hp, chunks)]
+            if stage == "fwd":
+                return lambda: [one(*xs) for xs, _ in parts]
+            return lambda: [torch.autograd.grad(one(*xs), xs, g) for xs, g in parts]
 
         # correctness: the gathered P-GPU results against the 1-GPU ones
         out_one = one(*full)
@@ -213,24 +261,88 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
         grads_equal = all(torch.equal(gathered(g), w) for g, w in zip(grads_many, grads_one))
         del out_one, grads_one, out_many, grads_many
 
-        for stage, f_one, f_many, f_local, f_a2a, equal in (
-                ("fwd", lambda: one(*full), lambda: many(*shards), lambda: one(*heads), a2a_fwd, out_equal),
-                ("fwd+bwd", fwd_bwd(one, full, dout), fwd_bwd(many, shards, dout_shard),
+        for stage, f_one, many_in, f_local, f_a2a, equal in (
+                ("fwd", lambda: one(*full), lambda g: (lambda: many(*shards, group=g)), lambda: one(*heads),
+                 a2a_fwd, out_equal),
+                ("fwd+bwd", fwd_bwd(one, full, dout), lambda g: fwd_bwd(many, shards, dout_shard, group=g),
                  fwd_bwd(one, heads, dout_heads), a2a_fwd_bwd, grads_equal)):
             ms = {name: median_ms(timed(fn), args.repeats)
                   for name, fn in (("one", f_one), ("local", f_local), ("a2a", f_a2a))}
-            for chunks in args.chunks.split(","):
-                os.environ["VSA_ULYSSES_CHUNKS"] = chunks  # read at each call
-                ms["many"] = median_ms(timed(f_many), args.repeats)
-                rows.append(asdict(Row("torch", backend, stage, int(chunks), ms["one"], ms["many"], ms["local"],
-                                       ms["a2a"], equal)))
+            local_of = {1: ms["local"]}
+            for priority, group in groups.items():
+                for chunks in args.chunks.split(","):
+                    n = len(head_chunks(hp, int(chunks)))
+                    if n not in local_of:
+                        local_of[n] = median_ms(timed(local_chunked(stage, n)), args.repeats)
+                    os.environ["VSA_ULYSSES_CHUNKS"] = chunks  # read at each call
+                    ms["many"] = median_ms(timed(many_in(group)), args.repeats)
+                    rows.append(asdict(Row("torch", backend, stage, int(chunks), priority, ms["one"], ms["many"],
+                                           ms["local"], ms["a2a"], bitwise=equal, local_chunked_ms=local_of[n])))
+                    if rank == 0:
+                        log(f"torch {backend} {stage} chunks {chunks} nccl {priority}: {ms}, local chunked "
+                            f"{local_of[n]:.2f}")
+        if args.profile and cuda:
+            chunks = args.chunks.split(",")[-1]
+            os.environ["VSA_ULYSSES_CHUNKS"] = chunks
+            for priority, group in groups.items():
+                summary = profile_overlap(fwd_bwd(many, shards, dout_shard, group=group), dist.barrier,
+                                          rank == 0)
                 if rank == 0:
-                    log(f"torch {backend} {stage} chunks {chunks}: {ms}")
+                    log(f"profile torch {backend} fwd+bwd chunks {chunks} nccl {priority} (rank 0): {summary}")
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def profile_overlap(fn: Callable, barrier: Callable, report: bool) -> str:
+    """Runs fn once (after a warm-up) under the profiler and reports from the GPU kernel
+    timeline how long NCCL kernels and the other (compute) kernels ran, and for how long
+    both ran at the same time. Every rank runs fn; `report` ranks analyse."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    barrier()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        if not report:
+            return ""
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)
+        events = events.get("traceEvents", events) if isinstance(events, dict) else events
+        kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
+                   if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    except Exception as e:  # the profiler is a diagnostic: never fail the benchmark for it
+        return f"profile failed: {type(e).__name__}: {e}"
+    finally:
+        barrier()
+    if not kernels:
+        return "no kernels in the trace"
+
+    def union(intervals):
+        merged = []
+        for a, b in sorted(intervals):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return merged
+
+    comm = union([(a, b) for a, b, nccl in kernels if nccl])
+    compute = union([(a, b) for a, b, nccl in kernels if not nccl])
+    both = sum(max(0.0, min(b1, b2) - max(a1, a2)) for a1, b1 in comm for a2, b2 in compute)
+    span = max(b for _, b, _ in kernels) - min(a for a, _, _ in kernels)
+    busy = sum(b - a for a, b in union([(a, b) for a, b, _ in kernels]))
+    ms = lambda us: f"{us / 1e3:.2f}"  # noqa: E731
+    return (f"kernel span {ms(span)} ms, GPU busy {ms(busy)}, NCCL kernels {ms(sum(b - a for a, b in comm))} "
+            f"({sum(1 for *_, n in kernels if n)} kernels), compute {ms(sum(b - a for a, b in compute))}, "
+            f"NCCL and compute at the same time {ms(both)} ms")
 
 
 def free_port() -> int:
@@ -268,6 +380,9 @@ def run_jax(args, P: int) -> List[dict]:
     B, H, S, D, E, topk = shape_of(args)
     hp = H // P
     counts = np.full(S // E, E, np.int32)
+    lhs = "xla_gpu_enable_latency_hiding_scheduler=true" in os.environ.get("XLA_FLAGS", "")
+    scheduler = "lhs" if lhs else "default"
+    log(f"JAX: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     mesh = jax.make_mesh((P,), ("sp",), devices=jax.devices()[:P])
     tokens = NamedSharding(mesh, Spec(None, "sp"))
     one_device = jax.devices()[0]
@@ -325,6 +440,7 @@ def run_jax(args, P: int) -> List[dict]:
             return many
 
         one_fwd, one_bwd = jax.jit(one), with_grads(one)
+        base = {}  # stage -> one, local, a2a (measured once, not per chunks setting)
         for chunks in args.chunks.split(","):
             os.environ["VSA_ULYSSES_CHUNKS"] = chunks
             many_fwd, many_bwd = jax.jit(many_of()), with_grads(many_of())
@@ -336,11 +452,13 @@ def run_jax(args, P: int) -> List[dict]:
                      lambda: one_fwd(*heads[:4]), a2a_fwd, out_equal),
                     ("fwd+bwd", lambda: one_bwd(*full), lambda: many_bwd(*sharded), lambda: one_bwd(*heads),
                      a2a_fwd_bwd, grads_equal)):
-                ms = {name: median_ms(timed(fn), args.repeats)
-                      for name, fn in (("one", f_one), ("many", f_many), ("local", f_local), ("a2a", f_a2a))}
-                rows.append(asdict(Row("jax", backend, stage, int(chunks), ms["one"], ms["many"], ms["local"],
-                                       ms["a2a"], equal)))
-                log(f"jax {backend} {stage} chunks {chunks}: {ms}")
+                if stage not in base:
+                    base[stage] = {name: median_ms(timed(fn), args.repeats)
+                                   for name, fn in (("one", f_one), ("local", f_local), ("a2a", f_a2a))}
+                ms = dict(base[stage], many=median_ms(timed(f_many), args.repeats))
+                rows.append(asdict(Row("jax", backend, stage, int(chunks), scheduler, ms["one"], ms["many"],
+                                       ms["local"], ms["a2a"], equal)))
+                log(f"jax {backend} {stage} chunks {chunks} {scheduler}: {ms}")
     return rows
 
 
@@ -348,8 +466,8 @@ def run_jax(args, P: int) -> List[dict]:
 def print_table(rows: List[dict], P: int, shape) -> None:
     B, H, S, D, E, topk = shape
     log(f"\nUlysses VSA, B{B} H{H} S{S} D{D} E{E} topk {topk}, bf16, every block full: 1 device vs {P}")
-    head = (f"| frontend | backend | stage | chunks | 1 dev ms | {P} dev ms | speedup | efficiency | local ms "
-            f"| a2a ms | a2a share | P-dev == 1-dev |")
+    head = (f"| frontend | backend | stage | chunks | variant | 1 dev ms | {P} dev ms | speedup | efficiency "
+            f"| local ms | local chunked | a2a ms | local + a2a | hidden ms | P-dev == 1-dev |")
     log(head)
     log("|" + " --- |" * (head.count("|") - 1))
     for r in rows:
@@ -357,12 +475,18 @@ def print_table(rows: List[dict], P: int, shape) -> None:
             log(f"| {r['frontend']} | {r['backend']} | skipped: {r['skipped']} |")
             continue
         row = Row(**r)
-        log(f"| {row.frontend} | {row.backend} | {row.stage} | {row.chunks} | {row.one_ms:.2f} | {row.many_ms:.2f} "
-            f"| {row.one_ms / row.many_ms:.2f}x | {100 * row.efficiency(P):.1f}% | {row.local_ms:.2f} "
-            f"| {row.a2a_ms:.2f} | {100 * row.a2a_ms / row.many_ms:.1f}% | {'bitwise' if row.bitwise else 'NO'} |")
+        log(f"| {row.frontend} | {row.backend} | {row.stage} | {row.chunks} | {row.variant} | {row.one_ms:.2f} "
+            f"| {row.many_ms:.2f} | {row.one_ms / row.many_ms:.2f}x | {100 * row.efficiency(P):.1f}% "
+            f"| {row.local_ms:.2f} | {'-' if row.local_chunked_ms is None else f'{row.local_chunked_ms:.2f}'} "
+            f"| {row.a2a_ms:.2f} | {row.local_ms + row.a2a_ms:.2f} | {row.hidden_ms():.2f} "
+            f"| {'bitwise' if row.bitwise else 'NO'} |")
     log("efficiency = t(1 device) / (P * t(P devices)); local = each device's VSA on H/P heads with no "
-        "exchange; a2a = the exchanges alone (fwd: q, k, v, gate, out; fwd+bwd: also dout, dq, dk, dv, "
-        "dgate); the last column: output (fwd) or gradients (fwd+bwd) of the P-device run, gathered, "
+        "exchange; local chunked = the same, chunk by chunk as the P-device call runs it (what chunking "
+        "costs the compute); a2a = the exchanges alone (fwd: q, k, v, gate, out; fwd+bwd: also dout, dq, dk, dv, "
+        "dgate); hidden = local + a2a - P-dev (the exchange time overlapped with compute, 0 when "
+        "none is); variant: torch's NCCL stream priority (normal: the default group; high: "
+        "is_high_priority_stream), JAX's scheduler (lhs: --xla_gpu_enable_latency_hiding_scheduler=true); "
+        "the last column: output (fwd) or gradients (fwd+bwd) of the P-device run, gathered, "
         "equal the 1-device ones bit for bit (Triton autotunes per process, so a rank may pick another "
         "tile config than the 1-device run: VSA_AUTOTUNE=0 for a bitwise check; FA4's dQ is not "
         "reproducible even on one device). chunks: VSA_ULYSSES_CHUNKS, head chunks whose exchanges "

@@ -19,6 +19,13 @@ or in one line on global arrays (jit-able, differentiable):
 
 The data moves only through JAX's collectives (XLA's all-to-all: NCCL between GPUs), so
 the same code runs across hosts (multi-controller JAX with a global mesh).
+
+Each device's heads go through in chunks (VSA_ULYSSES_CHUNKS, default 4, read when traced),
+so that one chunk's all-to-all can overlap another chunk's VSA. Whether it does is XLA's
+schedule: its default GPU scheduler puts every all-to-all's start and done together (no
+overlap); `XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true`, set before JAX starts,
+lets it start a chunk's exchange before, and wait for it after, other chunks' VSA. The VSA
+custom calls are not side-effecting, so nothing else pins the order.
 """
 
 from __future__ import annotations

@@ -18,11 +18,20 @@ CPU), so the same code runs across nodes. Gradients flow through the collectives
 backward of an all-to-all is the reverse all-to-all.
 
 The exchanges overlap the computation: each rank's H/P heads are processed in a few
-chunks (VSA_ULYSSES_CHUNKS, default 4), every chunk's input all-to-all is started at once
+chunks (VSA_ULYSSES_CHUNKS, default 4), every chunk's input exchange is started at once
 (asynchronously, on NCCL's stream), chunk c's VSA runs as soon as its inputs have
 arrived while the later chunks still travel, and its output travels back while chunk
 c+1 computes; the backward does the same with dout and the gradients. Chunking splits
-heads only, so every head is still computed whole by the same kernels.
+heads only, so every head is still computed whole by the same kernels. An exchange is
+an all-to-all made of point-to-point transfers, all of a chunk's tensors in one NCCL
+group (one kernel); the part a rank keeps is copied locally.
+
+For the overlap, give NCCL a high-priority stream: the attention kernels fill every SM,
+and a communication kernel at normal priority gets SMs only between two compute
+kernels; at high priority its blocks are placed first. Either
+`TORCH_NCCL_HIGH_PRIORITY=1` before the process group is made, or a group of its own:
+`dist.new_group(pg_options=dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))`
+passed as `group=`.
 
 Every rank must make the same calls with the same shapes (as with any collective). The
 counts describe the whole sequence and must be the same on every rank; then the check
@@ -51,37 +60,55 @@ __all__ = ["ulysses_video_sparse_attn"]
 # Shapes: this rank's shard x is [B, s, H, D] (s = S/P); after the exchange a rank holds
 # [B, S, h, D] for a chunk of h of its H/P heads. A chunk is a range [h0, h1) inside every
 # rank's H/P heads: rank p computes global heads p*H/P + [h0, h1).
+#
+# One exchange moves all the tensors of a chunk (q, k, v, gate; or dq, dk, dv, dgate) as
+# ONE batch of point-to-point transfers (`batch_isend_irecv`: on NCCL one group, so one
+# kernel, instead of one all-to-all kernel per tensor). That matters for the overlap: a
+# communication kernel queued while a compute kernel still has thread blocks waiting for
+# an SM starts only when that kernel's last blocks have been placed, so every separate
+# collective waits for a compute kernel boundary. The part a rank keeps for itself is
+# written by the packing copy straight into its receive slot: no transfer, and the
+# communication kernel copies only what really crosses to another GPU.
 class _Exchange:
-    """One all-to-all per tensor, started asynchronously (seq->heads of the chunk `heads`
-    with `to_heads`, else heads->seq); `finish()` waits for them (on NCCL a stream wait, no
-    host block) and returns the receive buffers, [P, B, s, h, D] each."""
+    """All the transfers of one chunk, started asynchronously (seq->heads of the chunk
+    `heads` with `to_heads`, else heads->seq); `finish()` waits for them (on NCCL a stream
+    wait, no host block) and returns the receive buffers, [P, B, s, h, D] each, recv[p]
+    coming from rank p."""
 
     def __init__(self, tensors: Sequence[Tensor], group, P: int, heads: Tuple[int, int], to_heads: bool):
-        self.transfers = []
+        rank = dist.get_rank(group)
+        peers = [p for p in range(P) if p != rank]
+        self.recvs, self.sends, ops = [], [], []
         for x in tensors:
-            send = _pack(x, P, heads, to_heads)
-            recv = torch.empty_like(send)
-            # `send` is kept referenced until its transfer is done
-            self.transfers.append((send, recv, dist.all_to_all_single(recv, send, group=group, async_op=True)))
+            parts = _parts(x, P, heads, to_heads)
+            recv = x.new_empty((P,) + parts[0].shape)
+            send = x.new_empty((len(peers),) + parts[0].shape)
+            recv[rank].copy_(parts[rank])
+            for i, p in enumerate(peers):
+                send[i].copy_(parts[p])
+                ops.append(dist.P2POp(dist.isend, send[i], group=group, group_peer=p))
+                ops.append(dist.P2POp(dist.irecv, recv[p], group=group, group_peer=p))
+            self.recvs.append(recv)
+            self.sends.append(send)  # kept referenced until the transfers are done
+        self.works = dist.batch_isend_irecv(ops) if ops else []
 
     def finish(self) -> List[Tensor]:
-        out = []
-        for _, recv, work in self.transfers:
+        for work in self.works:
             work.wait()
-            out.append(recv)
-        self.transfers = []
-        return out
+        self.works, self.sends = [], []
+        return self.recvs
 
 
-def _pack(x: Tensor, P: int, heads: Tuple[int, int], to_heads: bool) -> Tensor:
-    """The send buffer [P, B, s, h, D], chunk p going to rank p (contiguous: all_to_all_single
-    splits dim 0)."""
+def _parts(x: Tensor, P: int, heads: Tuple[int, int], to_heads: bool) -> List[Tensor]:
+    """parts[p] = what rank p gets of x, [B, s, h, D] (a strided view)."""
     h0, h1 = heads
     if to_heads:  # x: [B, s, H, D]; rank p gets its heads p*H/P + [h0, h1) of this sequence shard
         B, s, H, D = x.shape
-        return x.reshape(B, s, P, H // P, D)[:, :, :, h0:h1].permute(2, 0, 1, 3, 4).contiguous()
+        split = x.reshape(B, s, P, H // P, D)
+        return [split[:, :, p, h0:h1] for p in range(P)]
     B, S, h, D = x.shape  # x: [B, S, h, D]; rank p gets tokens [p*S/P, (p+1)*S/P)
-    return x.reshape(B, P, S // P, h, D).transpose(0, 1).contiguous()
+    split = x.reshape(B, P, S // P, h, D)
+    return [split[:, p] for p in range(P)]
 
 
 def _sequence_of_heads(recv: Tensor) -> Tensor:

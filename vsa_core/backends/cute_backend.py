@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -73,6 +74,16 @@ INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass
 KV_TILE = 128  # FA4's KV tile (tile_n) on sm_90 for head dims <= 128: the sparse KV block size
 HEAD_DIMS = (64, 128)
 BLOCK_ELEMS = (128, 256)
+
+
+# The CuTe DSL keeps per-compile state on a process-wide singleton (e.g. the launches
+# pending while a kernel body is traced), so two threads compiling FA4 kernels at once
+# corrupt each other ("TypeError: 'NoneType' object is not iterable" in cutlass_dsl's
+# `_track_deferred_kernel_launches`). That happens as soon as one process drives several
+# GPUs from threads: XLA runs each device's buffer callback on its own thread (a JAX
+# Mesh over 2 GPUs). Every FA4 call therefore holds this lock for its host work (the
+# compile on first use, then the cache lookup and the asynchronous launch).
+_FA4_LOCK = threading.RLock()
 
 
 # ---- availability --------------------------------------------------------------------------
@@ -202,9 +213,10 @@ def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_count
     forward_lists(p, sel_idx, sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
     lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
                         full_block_idx=idx[0], block_size=(p.block_elems, KV_TILE))
-    fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=1.0 / math.sqrt(p.head_dim),
-           mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
-           out=_bshd(p, out), lse=lse, return_lse=True)
+    with _FA4_LOCK:
+        fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=1.0 / math.sqrt(p.head_dim),
+               mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
+               out=_bshd(p, out), lse=lse, return_lse=True)
     if out_coarse is not None:
         mix_coarse(p, out, out_coarse, gate=gate, out_fine=out_fine)
 
@@ -232,9 +244,10 @@ def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
         # `out` holds out_fine + gate * out_c: make FA4's rowsum(out * dO) - dlse equal our delta
         delta_to_dlse(p, out, dout, delta)
         dlse = delta
-    fa_bwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), _bshd(p, out), _bshd(p, dout), lse,
-           softmax_scale=1.0 / math.sqrt(p.head_dim), mask_mod=mask_mod, aux_tensors=[sub_counts],
-           block_sparse_tensors=lists, dlse=dlse, dq=_bshd(p, dq), dk=_bshd(p, dk), dv=_bshd(p, dv))
+    with _FA4_LOCK:
+        fa_bwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), _bshd(p, out), _bshd(p, dout), lse,
+               softmax_scale=1.0 / math.sqrt(p.head_dim), mask_mod=mask_mod, aux_tensors=[sub_counts],
+               block_sparse_tensors=lists, dlse=dlse, dq=_bshd(p, dq), dk=_bshd(p, dk), dv=_bshd(p, dv))
     if dq_pool is not None:
         add_block_grad(p, dq, dq_pool, q_counts, p.q_len)
         add_block_grad(p, dk, dk_pool, kv_counts, p.kv_len)
