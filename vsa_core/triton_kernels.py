@@ -256,12 +256,14 @@ def topk_select_kernel(
     Empty KV blocks carry a -inf score and are never taken; k = min(topk, finite scores).
 
     One threshold pass instead of k rounds of max + argmin: each score's fp32 bit
-    pattern, read as an int32, is mapped to a key with the same order as the floats
-    (negative floats have their magnitude bits flipped), the k-th largest key T
+    pattern, read as a uint32, is mapped to a key with the same order as the floats
+    (negative floats: all bits flipped; others: the sign bit set), the k-th largest key T
     is found bit by bit from the top (32 counting passes: keep a bit if at least k keys
     are >= the threshold with it set), and the row takes every key > T plus the
     lowest-index keys == T until it has k: the same set as k rounds of "largest score,
-    lowest index first". -0.0 is made +0.0 first, as the two compare equal.
+    lowest index first". -0.0 is made +0.0 first, as the two compare equal. The keys are
+    32-bit (64-bit integer compares and adds take two instructions each on a GPU), and a
+    row is best reduced by few warps: each counting pass is a reduction over the row.
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, N_PAD)
@@ -269,12 +271,13 @@ def topk_select_kernel(
     scores = tl.load(SCORES + row * n_kv + cols, mask=in_range, other=float("-inf"))
     n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
     k_eff = tl.minimum(topk, n_finite)
-    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # ordered like the floats
-    threshold = tl.full([], -2147483648, tl.int64)  # the smallest key; raised one bit at a time
-    step = tl.full([], 1, tl.int64) << 31
+    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.uint32, bitcast=True)
+    negative = (bits >> 31) != 0
+    key = tl.where(negative, ~bits, bits | 0x80000000)  # unsigned, ordered like the floats
+    threshold = tl.full([], 0, tl.uint32)  # the smallest key; raised one bit at a time
+    step = tl.full([], 0x80000000, tl.uint32)
     for _ in range(0, 32):
-        candidate = threshold + step
+        candidate = threshold | step
         threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= k_eff, candidate, threshold)
         step = step >> 1
     above = key > threshold  # fewer than k_eff of them

@@ -204,10 +204,18 @@ def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coars
         p.n_q_blocks, p.n_kv_blocks, scale, VARLEN=q_seq is not None, **opts)
 
 
-def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask):
+def select_warps(n_pad: int) -> int:
+    """Warps per score row of the top-k selection: its 32 counting passes are each a
+    reduction over the row, and within one warp a reduction needs no barrier (shuffles
+    only), so a row gets one warp up to 1024 scores (32 per thread), more beyond."""
+    return min(8, max(1, n_pad // 1024))
+
+
+def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None):
+    n_pad = _pow2(p.n_kv_blocks)
     kernels_for(scores).topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
         scores, sel_idx, sel_num, sel_mask, p.n_kv_blocks, p.topk, p.select_capacity,
-        N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
+        N_PAD=n_pad, num_warps=num_warps or select_warps(n_pad))
 
 
 def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
