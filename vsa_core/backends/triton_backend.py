@@ -138,30 +138,35 @@ _sparse_bwd_dkdv = _TunedKernel(
     [(64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)], _KEY + ["n_kv_blocks"],
     {"Q": "BLOCK_M", "DOUT": "BLOCK_M"})
 
-# Coarse kernels: (tile, num_warps, num_stages) by head dim; the tile is both BLOCK_M and
-# BLOCK_N. With exact fp32 dots the operands of the fp32 products are staged through shared
-# memory, and each pipeline stage of the dK/dV kernel's loop holds q, dO and out_c tiles.
-# Shared memory per kernel (fwd, dq, dkdv; bytes, compiled for sm_90 with Triton 3.9):
-#   D=64,  64x64, 3/3/2 stages: 41472 / 57856 /  90368
-#   D=128, 64x64, 3/3/1 stages: 66048 / 98816 /  99328
-# (D=128 dkdv with 3 stages: 229888, at the edge of the 232448 an sm_90 block may use; issue 8
-# saw a 128x64 tile fail with 262656), so every config stays under 101376 bytes (the
-# sm_86/sm_89 limit). With VSA_COARSE_PRECISION=tf32 (comparisons only) the D=128 dkdv
-# kernel needs 131200 bytes at 1 stage: sm_80/sm_90 only.
+# Coarse kernels: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. BLOCK_M tiles the
+# pooled queries, BLOCK_N the pooled keys; the program owns BLOCK_M queries (fwd, dq) or
+# BLOCK_N keys (dkdv) and loops over the other. Exact fp32 dots ("ieee") run on FMA units,
+# and Triton's FMA dot holds each thread's operand slices for the whole contraction in
+# registers: the contraction length decides the register spills. The contractions are
+# P@V over BLOCK_N (fwd, dq's dS@K) or BLOCK_M (dkdv's P^T@dO, dS^T@Q), and dO@V^T over
+# the head dim. Compiled for sm_90 (Triton 3.9, 4 warps, all at 255 registers), local
+# memory loads+stores per FMA: fwd D=128 64x64 0.44 -> 64x16 0.22 (D=64: 0.31 -> 0.01);
+# dkdv D=128 64x64 0.49 -> BLOCK_M 16 0.35; dq stays 64x64 (its dO@V^T over D dominates).
+# BLOCK_M 64 keeps the Q@K^T scores on wgmma (the scores the selection ranks; below 64 rows
+# the compiler moved to mma.sync and to 32 registers with a stack of 5 KB).
+# Shared memory per kernel (bytes, sm_90): D=128 fwd 28800, dq 98816, dkdv 77888; every
+# config stays under 101376 bytes (the sm_86/sm_89 limit; benchmarks/coarse_smem.py checks).
+# Before (64x64 for all): D=128 fwd 66048, dkdv 99328 at 1 stage (229888 at 3 stages, at the
+# edge of sm_90's 232448; issue 8 saw a 128x64 tile fail with 262656).
 COARSE_CONFIGS = {
-    64: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 2)},
-    128: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 1)},
+    64: {"fwd": (64, 16, 4, 3), "dq": (64, 64, 4, 3), "dkdv": (16, 64, 4, 2)},
+    128: {"fwd": (64, 16, 4, 3), "dq": (64, 64, 4, 3), "dkdv": (16, 64, 4, 2)},
 }
-COARSE_INTERPRETER_CONFIG = (16, 4, 1)
+COARSE_INTERPRETER_CONFIG = (16, 16, 4, 1)
 
 
 def _coarse_config(p: AttnProblem, x, stage: str):
     """(kernels module, launch options) of one coarse kernel for tensors like x."""
     if interpreted(x):
-        tile, warps, stages = COARSE_INTERPRETER_CONFIG
+        block_m, block_n, warps, stages = COARSE_INTERPRETER_CONFIG
     else:
-        tile, warps, stages = COARSE_CONFIGS[p.head_dim][stage]
-    return kernels_for(x), dict(HEAD_DIM=p.head_dim, BLOCK_M=tile, BLOCK_N=tile, UPCAST=interpreted(x),
+        block_m, block_n, warps, stages = COARSE_CONFIGS[p.head_dim][stage]
+    return kernels_for(x), dict(HEAD_DIM=p.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted(x),
                                 DOT_PRECISION=COARSE_DOT_PRECISION, num_warps=warps, num_stages=stages)
 
 
