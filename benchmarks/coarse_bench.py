@@ -40,7 +40,9 @@ SHAPES = {
     "480p-64": (1, 12, 39936, 128, 64, 62),
     "480p-256": (1, 12, 39936, 128, 256, 20),
     "720p-256": (1, 40, 92160, 128, 256, 45),
+    "tiny": (1, 2, 1024, 64, 64, 4),  # --device cpu: a plumbing check under TRITON_INTERPRET=1
 }
+DEVICE = "cuda"
 DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
 # the coarse configs of 29bb075, as (BLOCK_M, BLOCK_N, num_warps, num_stages)
 BEFORE_CONFIGS = {
@@ -83,7 +85,7 @@ def _select_before_kernel(SCORES, SEL_IDX, SEL_NUM, SEL_MASK, n_kv, topk, idx_ca
 
 
 def buffers(p, q, k, v, counts):
-    b = {name: torch.empty(shape, device="cuda", dtype=q.dtype if dt == "input" else DTYPES[dt])
+    b = {name: torch.empty(shape, device=DEVICE, dtype=q.dtype if dt == "input" else DTYPES[dt])
          for name, (shape, dt) in {**p.forward_buffers(), **p.backward_buffers()}.items()}
     b.update(q=q, k=k, v=v, kv_counts=counts, q_counts=counts)
     b["dout_coarse"].normal_()
@@ -164,9 +166,9 @@ def coarse_stage(shape, args, do_bench):
     B, H, S, D, E, topk = SHAPES[shape]
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    q, k, v = (16 * torch.randn(B, H, S, D, device="cuda", dtype=dtype) if i < 2 else
-               torch.randn(B, H, S, D, device="cuda", dtype=dtype) for i in range(3))
-    counts = torch.full((S // E,), E, dtype=torch.int32, device="cuda")
+    q, k, v = (16 * torch.randn(B, H, S, D, device=DEVICE, dtype=dtype) if i < 2 else
+               torch.randn(B, H, S, D, device=DEVICE, dtype=dtype) for i in range(3))
+    counts = torch.full((S // E,), E, dtype=torch.int32, device=DEVICE)
     p = describe_attention(q, k, v, block_size=E, layout="bhsd", kv_counts=counts, q_counts=counts, topk=topk)
     results = {}
     for version in (Version("before", BEFORE_CONFIGS, pool_before, select_before),
@@ -177,7 +179,7 @@ def coarse_stage(shape, args, do_bench):
         with version:
             version.forward(p, b)
             backward_stage(p, b)
-            torch.cuda.synchronize()
+            synchronize()
             t_fwd = do_bench(lambda: version.forward(p, b))
             t_bwd = do_bench(lambda: backward_stage(p, b))
             t_pool = do_bench(lambda: version.pool(p, b))
@@ -185,7 +187,7 @@ def coarse_stage(shape, args, do_bench):
             t_sel = do_bench(lambda: version.select(p, b))
             version.forward(p, b)
             backward_stage(p, b)
-            torch.cuda.synchronize()
+            synchronize()
         results[version.name] = (b, dict(fwd=t_fwd, bwd=t_bwd, pool=t_pool, coarse=t_coarse, select=t_sel),
                                  coarse_errors(p, b))
     before, after = results["before"], results["after"]
@@ -204,15 +206,20 @@ def coarse_stage(shape, args, do_bench):
     return same
 
 
+def synchronize():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _listed(b):
     cap = b["sel_idx"].shape[-1]
-    return torch.arange(cap, device="cuda") < b["sel_num"][..., None]
+    return torch.arange(cap, device=DEVICE) < b["sel_num"][..., None]
 
 
 def whole_vs_fine(shape, backends, do_bench):
     import vsa_torch
     B, H, S, D, E, topk = SHAPES[shape]
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     n = S // E
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -227,7 +234,7 @@ def whole_vs_fine(shape, backends, do_bench):
     def time_rows(forward, inputs):
         out = forward(*inputs)
         torch.autograd.grad(out, inputs, dout)
-        torch.cuda.synchronize()
+        synchronize()
         fwd = do_bench(lambda: forward(*inputs))
         both = do_bench(lambda: torch.autograd.grad(forward(*inputs), inputs, dout))
         return fwd, max(both - fwd, 1e-9)
@@ -249,7 +256,8 @@ def whole_vs_fine(shape, backends, do_bench):
             if not type(e).__name__.startswith("BackendUnavailable"):
                 traceback.print_exc()
         finally:
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
 
 
 def main():
@@ -261,18 +269,28 @@ def main():
     parser.add_argument("--backends", default="triton,cudnn,cute", help="backends of the whole-VSA / fine table")
     parser.add_argument("--skip-vsa", action="store_true", help="only the coarse stage table")
     parser.add_argument("--rep-ms", type=float, default=100)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: TRITON_INTERPRET=1 ... --device cpu --shapes tiny --backends triton (plumbing)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("coarse_bench.py needs a CUDA GPU")
     from triton.testing import do_bench as _do_bench
 
     def do_bench(fn):
+        if DEVICE == "cpu":
+            import time
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
         return _do_bench(fn, warmup=20, rep=args.rep_ms, return_mode="median")
 
     if args.precision:
         T.COARSE_DOT_PRECISION = args.precision
     shapes = args.shapes.split(",")
-    say(f"coarse stage, {torch.cuda.get_device_name()}, {args.dtype}, precision {T.COARSE_DOT_PRECISION}, "
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+    say(f"coarse stage, {device_name}, {args.dtype}, precision {T.COARSE_DOT_PRECISION}, "
         f"x16 q/k activations; ms, median")
     say(f"  before: 29bb075 configs {BEFORE_CONFIGS[128]} (D=128), 3 pool launches, 64-bit selection keys, 4 warps")
     say(f"  after:  configs {T.COARSE_CONFIGS[128]} (D=128), selection warps {T.select_warps(1024)} per row "
