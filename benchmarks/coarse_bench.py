@@ -194,7 +194,7 @@ def coarse_stage(shape, args, do_bench):
     same = all(torch.equal(before[0][n], after[0][n]) for n in ("sel_num", "sel_mask")) and torch.equal(
         before[0]["sel_idx"].masked_fill(~_listed(before[0]), 0), after[0]["sel_idx"].masked_fill(~_listed(after[0]), 0))
     diffs = {n: (before[0][n].float() - after[0][n].float()).abs().max().item()
-             for n in ("out_coarse", "lse_coarse", "dq_pool", "dk_pool", "dv_pool")}
+             for n in ("scores", "out_coarse", "lse_coarse", "dq_pool", "dk_pool", "dv_pool")}
     for name, (_, t, err) in results.items():
         say(f"{shape:9s} {name:7s} {t['fwd']:8.3f} {t['pool']:8.3f} {t['coarse']:8.3f} {t['select']:8.3f} "
             f"{t['bwd']:8.3f}  " + " ".join(f"{err[n]:9.2e}" for n in ("out_c", "dq_c", "dk_c", "dv_c")))

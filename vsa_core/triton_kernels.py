@@ -106,6 +106,26 @@ def block_mean_pool_kernel(
 # --------------------------------------------------------------------------------------
 # Coarse attention over block means
 # --------------------------------------------------------------------------------------
+# The contraction over the head dim of the coarse backward (dO_c @ V_c^T) runs in chunks of
+# COARSE_D_CHUNK columns, each chunk's dot continuing the accumulator of the one before: the
+# same fp32 products summed in the same order as one dot over HEAD_DIM, but an exact fp32 dot
+# (FMA units) holds each thread's operand slices for its whole contraction in registers, and
+# 128 columns of them spill (sm_90: 0.5 local-memory accesses per FMA at 64x64).
+COARSE_D_CHUNK = tl.constexpr(16)
+
+
+@triton.jit
+def _rows_dot_cols(A, a_rows, a_ok, B, b_rows, b_ok, acc, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + A[a_rows] @ B[b_rows]^T over the head dim (fp32, exact with "ieee"), loading
+    COARSE_D_CHUNK columns of both at a time; rows outside a_ok / b_ok read as zeros."""
+    for c in tl.static_range(0, HEAD_DIM, COARSE_D_CHUNK):
+        d = c + tl.arange(0, COARSE_D_CHUNK)
+        a = tl.load(A + a_rows[:, None] * HEAD_DIM + d[None, :], mask=a_ok[:, None], other=0.0).to(tl.float32)
+        b = tl.load(B + b_rows[:, None] * HEAD_DIM + d[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit
 def coarse_attn_fwd_kernel(
     QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C, Q_SEQ, KV_SEQ,
@@ -187,12 +207,12 @@ def coarse_attn_bwd_dq_kernel(
         col_ok = cols < n_kv
         valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
         k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * sm_scale
         if VARLEN:  # a KV block of another sequence: exp(-inf - lse) = 0, as for an empty block
             s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision=DOT_PRECISION)
+        dp = _rows_dot_cols(DOUT_C, bh * n_q + rows, row_ok, VC, bh * n_kv + cols, col_ok,
+                            tl.zeros([BLOCK_M, BLOCK_N], tl.float32), HEAD_DIM, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds, k.to(tl.float32), input_precision=DOT_PRECISION)
     tl.store(DQ_C + row_ptr, dq * sm_scale, mask=row_ok[:, None])

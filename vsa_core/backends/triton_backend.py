@@ -141,21 +141,24 @@ _sparse_bwd_dkdv = _TunedKernel(
 # Coarse kernels: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. BLOCK_M tiles the
 # pooled queries, BLOCK_N the pooled keys; the program owns BLOCK_M queries (fwd, dq) or
 # BLOCK_N keys (dkdv) and loops over the other. Exact fp32 dots ("ieee") run on FMA units,
-# and Triton's FMA dot holds each thread's operand slices for the whole contraction in
-# registers: the contraction length decides the register spills. The contractions are
-# P@V over BLOCK_N (fwd, dq's dS@K) or BLOCK_M (dkdv's P^T@dO, dS^T@Q), and dO@V^T over
-# the head dim. Compiled for sm_90 (Triton 3.9, 4 warps, all at 255 registers), local
-# memory loads+stores per FMA: fwd D=128 64x64 0.44 -> 64x16 0.22 (D=64: 0.31 -> 0.01);
-# dkdv D=128 64x64 0.49 -> BLOCK_M 16 0.35; dq stays 64x64 (its dO@V^T over D dominates).
-# BLOCK_M 64 keeps the Q@K^T scores on wgmma (the scores the selection ranks; below 64 rows
-# the compiler moved to mma.sync and to 32 registers with a stack of 5 KB).
-# Shared memory per kernel (bytes, sm_90): D=128 fwd 28800, dq 98816, dkdv 77888; every
-# config stays under 101376 bytes (the sm_86/sm_89 limit; benchmarks/coarse_smem.py checks).
-# Before (64x64 for all): D=128 fwd 66048, dkdv 99328 at 1 stage (229888 at 3 stages, at the
-# edge of sm_90's 232448; issue 8 saw a 128x64 tile fail with 262656).
+# and Triton's FMA dot keeps each thread's operand slices for its whole contraction in
+# registers, so the contraction length and the threads per tile decide the register spills
+# (all these kernels sit at 255 registers). The contractions: P@V and dS@K over BLOCK_N,
+# P^T@dO and dS^T@Q over BLOCK_M, dO@V^T over the head dim (dq: in 16-column chunks, see
+# COARSE_D_CHUNK in triton_kernels). Local-memory loads+stores per FMA, compiled for sm_90
+# with Triton 3.9, D=128 (D=64), before -> now:
+#   fwd   64x64 4 warps 0.44 (0.31)  ->  64x16 8 warps 0.06 (0)
+#   dq    64x64 4 warps 0.53 (0.36)  ->  64x16 8 warps 0.03 (0), with the chunked dO@V^T
+#   dkdv  64x64 4 warps 0.49         ->  16x64 8 warps 0.36 (0.02)
+# BLOCK_M 64 keeps the fwd's Q@K^T scores (what the selection ranks) on wgmma (below 64 rows
+# Triton moved to mma.sync and ptxas to 32 registers and a 5 KB stack).
+# Shared memory (bytes, sm_90), D=128: fwd 28800, dq 61568, dkdv 77888; D=64: 16512, 32896,
+# 41024; all under 101376 (the sm_86/sm_89 limit; benchmarks/coarse_smem.py compiles and checks).
+# Before (29bb075, 64x64 everywhere): D=128 dkdv 99328 bytes at 1 stage; 229888 at 3 stages,
+# at the edge of sm_90's 232448 (issue 8 saw a 128x64 tile fail with 262656).
 COARSE_CONFIGS = {
-    64: {"fwd": (64, 16, 4, 3), "dq": (64, 64, 4, 3), "dkdv": (16, 64, 4, 2)},
-    128: {"fwd": (64, 16, 4, 3), "dq": (64, 64, 4, 3), "dkdv": (16, 64, 4, 2)},
+    64: {"fwd": (64, 16, 8, 3), "dq": (64, 16, 8, 3), "dkdv": (16, 64, 8, 2)},
+    128: {"fwd": (64, 16, 8, 3), "dq": (64, 16, 8, 3), "dkdv": (16, 64, 8, 2)},
 }
 COARSE_INTERPRETER_CONFIG = (16, 16, 4, 1)
 
