@@ -76,19 +76,9 @@ def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexpr, 
 # Block mean pooling
 # --------------------------------------------------------------------------------------
 @triton.jit
-def block_mean_pool_kernel(
-    X, COUNTS, POOLED,
-    stride_b, stride_h, stride_s,
-    H, n_blocks,
-    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-):
-    """POOLED[b, h, i] = sum of the BLOCK_ELEMS token rows of block i / COUNTS[i].
-
-    The padded tail is summed too (callers zero it, and the gradient of the mean
-    reaches it, as in FastVideo). A block with no valid token has a zero mean.
-    """
-    block = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
+                BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """POOLED[b, h, block] = sum of the BLOCK_ELEMS token rows of the block / COUNTS[block]."""
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
@@ -101,6 +91,45 @@ def block_mean_pool_kernel(
     count = _clamped_count(COUNTS, block, BLOCK_ELEMS).to(tl.float32)
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
     tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
+
+
+@triton.jit
+def block_mean_pool_kernel(
+    X, COUNTS, POOLED,
+    stride_b, stride_h, stride_s,
+    H, n_blocks,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """POOLED[b, h, i] = sum of the BLOCK_ELEMS token rows of block i / COUNTS[i].
+
+    The padded tail is summed too (callers zero it, and the gradient of the mean
+    reaches it, as in FastVideo). A block with no valid token has a zero mean.
+    """
+    _pool_block(X, COUNTS, POOLED, tl.program_id(0), tl.program_id(1).to(tl.int64), H, stride_b, stride_h,
+                stride_s, n_blocks, BLOCK_ELEMS, HEAD_DIM, ROWS)
+
+
+@triton.jit
+def block_mean_pool_qkv_kernel(
+    Q, K, V, Q_COUNTS, KV_COUNTS, Q_POOL, K_POOL, V_POOL,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    H, n_q, n_kv,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """block_mean_pool_kernel of q, k and v in one launch: program i < n_q pools query
+    block i, the next n_kv programs the key blocks, the last n_kv the value blocks
+    (one launch instead of three; the bytes read are the same)."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    if i < n_q:
+        _pool_block(Q, Q_COUNTS, Q_POOL, i, bh, H, stride_qb, stride_qh, stride_qs, n_q,
+                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+    elif i < n_q + n_kv:
+        _pool_block(K, KV_COUNTS, K_POOL, i - n_q, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
+                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+    else:
+        _pool_block(V, KV_COUNTS, V_POOL, i - n_q - n_kv, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
+                    BLOCK_ELEMS, HEAD_DIM, ROWS)
 
 
 # --------------------------------------------------------------------------------------

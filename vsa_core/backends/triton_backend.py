@@ -189,6 +189,14 @@ def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
 
 
+def block_mean_pool_qkv(p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
+    """block_mean_pool of q, k and v in one launch."""
+    kernels_for(q).block_mean_pool_qkv_kernel[(p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p))](
+        q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
+        *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
+
+
 def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
                    q_seq=None, kv_seq=None):
     """q_seq / kv_seq (packed sequences): sequence id per block; other sequences' KV blocks
