@@ -15,7 +15,7 @@ against its fine stage (GPU only).
    that both pick the same blocks and prints the largest difference of out_c / lse_c / the
    coarse gradients between them, and each one's error against float64 (x16 activations).
 2. whole VSA (video_sparse_attn) against its fine stage (block_sparse_attn on the same block
-   map) per backend (triton, cudnn, cute where they run), forward and backward; targets
+   map) per backend (triton and cudnn; --backends triton,cudnn,cute adds FA4), forward and backward; targets
    <= 1.10x / 1.05x. backward = median(fwd+bwd) - median(fwd).
 A table goes to stdout and, with $OUT set, to $OUT/coarse_bench.log.
 """
@@ -266,7 +266,8 @@ def main():
     parser.add_argument("--precision", choices=["ieee", "tf32", "tf32x3"], default=None,
                         help="coarse dot precision for this run (default: VSA_COARSE_PRECISION or ieee)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--backends", default="triton,cudnn,cute", help="backends of the whole-VSA / fine table")
+    parser.add_argument("--backends", default="triton,cudnn",
+                        help="backends of the whole-VSA / fine table (cute: add it; its first call compiles for a while)")
     parser.add_argument("--skip-vsa", action="store_true", help="only the coarse stage table")
     parser.add_argument("--rep-ms", type=float, default=100)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
