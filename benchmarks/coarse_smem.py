@@ -32,15 +32,16 @@ FP32_BUFFERS = ("SCORES", "OUT_C", "LSE_C", "DOUT_C", "DQ_C", "DK_C", "DV_C")
 SCALARS = {"n_q": "i32", "n_kv": "i32", "sm_scale": "fp32"}
 
 
-def shared_bytes(kernel, head_dim, tile, warps, stages, precision, arch, dtype="bf16") -> int:
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=tile, BLOCK_N=tile, UPCAST=False, DOT_PRECISION=precision)
+def shared_bytes(kernel, head_dim, block_m, block_n, warps, stages, precision, arch, dtype="bf16") -> int:
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False, DOT_PRECISION=precision,
+                      VARLEN=False)
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in SCALARS:
             signature[name] = SCALARS[name]
-        elif name == "KV_COUNTS":
+        elif name in ("KV_COUNTS", "Q_SEQ", "KV_SEQ"):
             signature[name] = "*i32"
         else:
             signature[name] = "*fp32" if name in FP32_BUFFERS else f"*{dtype}"
@@ -60,10 +61,10 @@ def main():
     ok = True
     print(f"sm_{args.arch} (limit {limit} bytes), precision {args.precision}, triton {triton.__version__}")
     for head_dim, stages in T.COARSE_CONFIGS.items():
-        for stage, (tile, warps, n_stages) in stages.items():
-            used = shared_bytes(KERNELS[stage], head_dim, tile, warps, n_stages, args.precision, args.arch)
+        for stage, (block_m, block_n, warps, n_stages) in stages.items():
+            used = shared_bytes(KERNELS[stage], head_dim, block_m, block_n, warps, n_stages, args.precision, args.arch)
             ok &= used <= limit
-            print(f"  D={head_dim:<4d} {stage:5s} tile {tile} warps {warps} stages {n_stages}: {used:7d} bytes "
+            print(f"  D={head_dim:<4d} {stage:5s} {block_m}x{block_n} warps {warps} stages {n_stages}: {used:7d} bytes "
                   f"{'ok' if used <= limit else 'OVER'}", flush=True)
     sys.exit(0 if ok else 1)
 

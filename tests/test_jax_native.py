@@ -31,7 +31,7 @@ from vsa_jax import native
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-POOL, COARSE_FWD, TOPK, SPARSE_FWD = ("block_mean_pool_kernel", "coarse_attn_fwd_kernel", "topk_select_kernel",
+POOL, COARSE_FWD, TOPK, SPARSE_FWD = ("block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", "topk_select_kernel",
                                       "sparse_attn_fwd_kernel")
 BACKWARD_KERNELS = ["compact_mask_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_dq_kernel",
                     "coarse_attn_bwd_dkdv_kernel", "sparse_attn_bwd_dq_kernel", "sparse_attn_bwd_dkdv_kernel"]
@@ -55,12 +55,11 @@ def _plan(stage, p):
 @pytest.mark.parametrize("p", PROBLEMS, ids=lambda p: f"E{p.block_elems}-{p.layout}-{'train' if p.training else 'infer'}")
 def test_forward_plan_contents(p):
     plan = _plan("forward", p)
-    assert [l.kernel_name for l in plan.launches] == [POOL, POOL, POOL, COARSE_FWD, TOPK, SPARSE_FWD]
+    assert [l.kernel_name for l in plan.launches] == [POOL, COARSE_FWD, TOPK, SPARSE_FWD]
     bh = p.batch * p.heads
-    pool_q, pool_k, pool_v, coarse, topk, sparse = plan.launches
-    assert pool_q.buffers == ("q", "q_counts", "q_pool") and pool_q.grid == (p.n_q_blocks, bh, 1)
-    assert pool_k.buffers == ("k", "kv_counts", "k_pool") and pool_k.grid == (p.n_kv_blocks, bh, 1)
-    assert pool_v.buffers == ("v", "kv_counts", "v_pool")
+    pool, coarse, topk, sparse = plan.launches
+    assert pool.buffers == ("q", "k", "v", "q_counts", "kv_counts", "q_pool", "k_pool", "v_pool")
+    assert pool.grid == (p.n_q_blocks + 2 * p.n_kv_blocks, bh, 1)
     assert coarse.buffers == ("q_pool", "k_pool", "v_pool", "kv_counts", "scores", "out_coarse", "lse_coarse")
     assert coarse.grid[1:] == (bh, 1)
     assert topk.buffers == ("scores", "sel_idx", "sel_num", "sel_mask") and topk.grid == (bh * p.n_q_blocks, 1, 1)
@@ -180,7 +179,7 @@ def test_native_program_is_one_custom_call_per_launch(monkeypatch):
         text = jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout).as_text()
     finally:
         native.native_program.cache_clear()
-    assert text.count(f"@{native.FFI_TARGET}") == 12, text.count(f"@{native.FFI_TARGET}")
+    assert text.count(f"@{native.FFI_TARGET}") == 10, text.count(f"@{native.FFI_TARGET}")
     for name in [POOL, COARSE_FWD, TOPK, SPARSE_FWD] + BACKWARD_KERNELS:
         assert name in text
     assert "output_operand_aliases" in text

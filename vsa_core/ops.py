@@ -43,9 +43,8 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
     with launch_stream(stream, b["q"].device):
         _sequence_ids(p, b)
         if p.is_vsa:
-            T.block_mean_pool(p, b["q"], b["q_counts"], b["q_pool"], p.q_len)
-            T.block_mean_pool(p, b["k"], b["kv_counts"], b["k_pool"], p.kv_len)
-            T.block_mean_pool(p, b["v"], b["kv_counts"], b["v_pool"], p.kv_len)
+            T.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
+                                  b["k_pool"], b["v_pool"])
             T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
                              b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
             T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])

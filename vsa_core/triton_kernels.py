@@ -79,19 +79,9 @@ def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexpr, 
 # Block mean pooling
 # --------------------------------------------------------------------------------------
 @triton.jit
-def block_mean_pool_kernel(
-    X, COUNTS, POOLED,
-    stride_b, stride_h, stride_s,
-    H, n_blocks,
-    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-):
-    """POOLED[b, h, i] = sum of the BLOCK_ELEMS token rows of block i / COUNTS[i].
-
-    The padded tail is summed too (callers zero it, and the gradient of the mean
-    reaches it, as in FastVideo). A block with no valid token has a zero mean.
-    """
-    block = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
+                BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """POOLED[b, h, block] = sum of the BLOCK_ELEMS token rows of the block / COUNTS[block]."""
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
@@ -106,9 +96,68 @@ def block_mean_pool_kernel(
     tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
 
 
+@triton.jit
+def block_mean_pool_kernel(
+    X, COUNTS, POOLED,
+    stride_b, stride_h, stride_s,
+    H, n_blocks,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """POOLED[b, h, i] = sum of the BLOCK_ELEMS token rows of block i / COUNTS[i].
+
+    The padded tail is summed too (callers zero it, and the gradient of the mean
+    reaches it, as in FastVideo). A block with no valid token has a zero mean.
+    """
+    _pool_block(X, COUNTS, POOLED, tl.program_id(0), tl.program_id(1).to(tl.int64), H, stride_b, stride_h,
+                stride_s, n_blocks, BLOCK_ELEMS, HEAD_DIM, ROWS)
+
+
+@triton.jit
+def block_mean_pool_qkv_kernel(
+    Q, K, V, Q_COUNTS, KV_COUNTS, Q_POOL, K_POOL, V_POOL,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    H, n_q, n_kv,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """block_mean_pool_kernel of q, k and v in one launch: program i < n_q pools query
+    block i, the next n_kv programs the key blocks, the last n_kv the value blocks
+    (one launch instead of three; the bytes read are the same)."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    if i < n_q:
+        _pool_block(Q, Q_COUNTS, Q_POOL, i, bh, H, stride_qb, stride_qh, stride_qs, n_q,
+                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+    elif i < n_q + n_kv:
+        _pool_block(K, KV_COUNTS, K_POOL, i - n_q, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
+                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+    else:
+        _pool_block(V, KV_COUNTS, V_POOL, i - n_q - n_kv, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
+                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+
+
 # --------------------------------------------------------------------------------------
 # Coarse attention over block means
 # --------------------------------------------------------------------------------------
+# The contraction over the head dim of the coarse backward (dO_c @ V_c^T) runs in chunks of
+# COARSE_D_CHUNK columns, each chunk's dot continuing the accumulator of the one before: the
+# same fp32 products summed in the same order as one dot over HEAD_DIM, but an exact fp32 dot
+# (FMA units) holds each thread's operand slices for its whole contraction in registers, and
+# 128 columns of them spill (sm_90: 0.5 local-memory accesses per FMA at 64x64).
+COARSE_D_CHUNK = tl.constexpr(16)
+
+
+@triton.jit
+def _rows_dot_cols(A, a_rows, a_ok, B, b_rows, b_ok, acc, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + A[a_rows] @ B[b_rows]^T over the head dim (fp32, exact with "ieee"), loading
+    COARSE_D_CHUNK columns of both at a time; rows outside a_ok / b_ok read as zeros."""
+    for c in tl.static_range(0, HEAD_DIM, COARSE_D_CHUNK):
+        d = c + tl.arange(0, COARSE_D_CHUNK)
+        a = tl.load(A + a_rows[:, None] * HEAD_DIM + d[None, :], mask=a_ok[:, None], other=0.0).to(tl.float32)
+        b = tl.load(B + b_rows[:, None] * HEAD_DIM + d[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit
 def coarse_attn_fwd_kernel(
     QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C, Q_SEQ, KV_SEQ,
@@ -190,12 +239,12 @@ def coarse_attn_bwd_dq_kernel(
         col_ok = cols < n_kv
         valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
         k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * sm_scale
         if VARLEN:  # a KV block of another sequence: exp(-inf - lse) = 0, as for an empty block
             s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision=DOT_PRECISION)
+        dp = _rows_dot_cols(DOUT_C, bh * n_q + rows, row_ok, VC, bh * n_kv + cols, col_ok,
+                            tl.zeros([BLOCK_M, BLOCK_N], tl.float32), HEAD_DIM, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds, k.to(tl.float32), input_precision=DOT_PRECISION)
     tl.store(DQ_C + row_ptr, dq * sm_scale, mask=row_ok[:, None])
@@ -259,12 +308,14 @@ def topk_select_kernel(
     Empty KV blocks carry a -inf score and are never taken; k = min(topk, finite scores).
 
     One threshold pass instead of k rounds of max + argmin: each score's fp32 bit
-    pattern, read as an int32, is mapped to a key with the same order as the floats
-    (negative floats have their magnitude bits flipped), the k-th largest key T
+    pattern, read as a uint32, is mapped to a key with the same order as the floats
+    (negative floats: all bits flipped; others: the sign bit set), the k-th largest key T
     is found bit by bit from the top (32 counting passes: keep a bit if at least k keys
     are >= the threshold with it set), and the row takes every key > T plus the
     lowest-index keys == T until it has k: the same set as k rounds of "largest score,
-    lowest index first". -0.0 is made +0.0 first, as the two compare equal.
+    lowest index first". -0.0 is made +0.0 first, as the two compare equal. The keys are
+    32-bit (64-bit integer compares and adds take two instructions each on a GPU), and a
+    row is best reduced by few warps: each counting pass is a reduction over the row.
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, N_PAD)
@@ -272,12 +323,13 @@ def topk_select_kernel(
     scores = tl.load(SCORES + row * n_kv + cols, mask=in_range, other=float("-inf"))
     n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
     k_eff = tl.minimum(topk, n_finite)
-    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # ordered like the floats
-    threshold = tl.full([], -2147483648, tl.int64)  # the smallest key; raised one bit at a time
-    step = tl.full([], 1, tl.int64) << 31
+    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.uint32, bitcast=True)
+    negative = (bits >> 31) != 0
+    key = tl.where(negative, ~bits, bits | 0x80000000)  # unsigned, ordered like the floats
+    threshold = tl.full([], 0, tl.uint32)  # the smallest key; raised one bit at a time
+    step = tl.full([], 0x80000000, tl.uint32)
     for _ in range(0, 32):
-        candidate = threshold + step
+        candidate = threshold | step
         threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= k_eff, candidate, threshold)
         step = step >> 1
     above = key > threshold  # fewer than k_eff of them

@@ -141,30 +141,38 @@ _sparse_bwd_dkdv = _TunedKernel(
     [(64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)], _KEY + ["n_kv_blocks"],
     {"Q": "BLOCK_M", "DOUT": "BLOCK_M"})
 
-# Coarse kernels: (tile, num_warps, num_stages) by head dim; the tile is both BLOCK_M and
-# BLOCK_N. With exact fp32 dots the operands of the fp32 products are staged through shared
-# memory, and each pipeline stage of the dK/dV kernel's loop holds q, dO and out_c tiles.
-# Shared memory per kernel (fwd, dq, dkdv; bytes, compiled for sm_90 with Triton 3.9):
-#   D=64,  64x64, 3/3/2 stages: 41472 / 57856 /  90368
-#   D=128, 64x64, 3/3/1 stages: 66048 / 98816 /  99328
-# (D=128 dkdv with 3 stages: 229888, at the edge of the 232448 an sm_90 block may use; issue 8
-# saw a 128x64 tile fail with 262656), so every config stays under 101376 bytes (the
-# sm_86/sm_89 limit). With VSA_COARSE_PRECISION=tf32 (comparisons only) the D=128 dkdv
-# kernel needs 131200 bytes at 1 stage: sm_80/sm_90 only.
+# Coarse kernels: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. BLOCK_M tiles the
+# pooled queries, BLOCK_N the pooled keys; the program owns BLOCK_M queries (fwd, dq) or
+# BLOCK_N keys (dkdv) and loops over the other. Exact fp32 dots ("ieee") run on FMA units,
+# and Triton's FMA dot keeps each thread's operand slices for its whole contraction in
+# registers, so the contraction length and the threads per tile decide the register spills
+# (all these kernels sit at 255 registers). The contractions: P@V and dS@K over BLOCK_N,
+# P^T@dO and dS^T@Q over BLOCK_M, dO@V^T over the head dim (dq: in 16-column chunks, see
+# COARSE_D_CHUNK in triton_kernels). Local-memory loads+stores per FMA, compiled for sm_90
+# with Triton 3.9, D=128 (D=64), before -> now:
+#   fwd   64x64 4 warps 0.44 (0.31)  ->  64x16 8 warps 0.06 (0)
+#   dq    64x64 4 warps 0.53 (0.36)  ->  64x16 8 warps 0.03 (0), with the chunked dO@V^T
+#   dkdv  64x64 4 warps 0.49         ->  16x64 8 warps 0.36 (0.02)
+# BLOCK_M 64 keeps the fwd's Q@K^T scores (what the selection ranks) on wgmma (below 64 rows
+# Triton moved to mma.sync and ptxas to 32 registers and a 5 KB stack).
+# Shared memory (bytes, sm_90), D=128: fwd 28800, dq 61568, dkdv 77888; D=64: 16512, 32896,
+# 41024; all under 101376 (the sm_86/sm_89 limit; benchmarks/coarse_smem.py compiles and checks).
+# Before (29bb075, 64x64 everywhere): D=128 dkdv 99328 bytes at 1 stage; 229888 at 3 stages,
+# at the edge of sm_90's 232448 (issue 8 saw a 128x64 tile fail with 262656).
 COARSE_CONFIGS = {
-    64: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 2)},
-    128: {"fwd": (64, 4, 3), "dq": (64, 4, 3), "dkdv": (64, 4, 1)},
+    64: {"fwd": (64, 16, 8, 3), "dq": (64, 16, 8, 3), "dkdv": (16, 64, 8, 2)},
+    128: {"fwd": (64, 16, 8, 3), "dq": (64, 16, 8, 3), "dkdv": (16, 64, 8, 2)},
 }
-COARSE_INTERPRETER_CONFIG = (16, 4, 1)
+COARSE_INTERPRETER_CONFIG = (16, 16, 4, 1)
 
 
 def _coarse_config(p: AttnProblem, x, stage: str):
     """(kernels module, launch options) of one coarse kernel for tensors like x."""
     if interpreted(x):
-        tile, warps, stages = COARSE_INTERPRETER_CONFIG
+        block_m, block_n, warps, stages = COARSE_INTERPRETER_CONFIG
     else:
-        tile, warps, stages = COARSE_CONFIGS[p.head_dim][stage]
-    return kernels_for(x), dict(HEAD_DIM=p.head_dim, BLOCK_M=tile, BLOCK_N=tile, UPCAST=interpreted(x),
+        block_m, block_n, warps, stages = COARSE_CONFIGS[p.head_dim][stage]
+    return kernels_for(x), dict(HEAD_DIM=p.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted(x),
                                 DOT_PRECISION=COARSE_DOT_PRECISION, num_warps=warps, num_stages=stages)
 
 
@@ -181,6 +189,14 @@ def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
     n_blocks = seq_len // p.block_elems
     kernels_for(x).block_mean_pool_kernel[(n_blocks, _bh(p))](
         x, counts, pooled, sb, sh, ss, p.heads, n_blocks,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
+
+
+def block_mean_pool_qkv(p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
+    """block_mean_pool of q, k and v in one launch."""
+    kernels_for(q).block_mean_pool_qkv_kernel[(p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p))](
+        q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
+        *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
 
 
@@ -207,10 +223,18 @@ def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coars
         p.n_q_blocks, p.n_kv_blocks, scale, VARLEN=q_seq is not None, **opts)
 
 
-def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask):
+def select_warps(n_pad: int) -> int:
+    """Warps per score row of the top-k selection: its 32 counting passes are each a
+    reduction over the row, and within one warp a reduction needs no barrier (shuffles
+    only), so a row gets one warp up to 1024 scores (32 per thread), more beyond."""
+    return min(8, max(1, n_pad // 1024))
+
+
+def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None):
+    n_pad = _pow2(p.n_kv_blocks)
     kernels_for(scores).topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
         scores, sel_idx, sel_num, sel_mask, p.n_kv_blocks, p.topk, p.select_capacity,
-        N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
+        N_PAD=n_pad, num_warps=num_warps or select_warps(n_pad))
 
 
 def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
