@@ -9,15 +9,25 @@ allocates nothing, never synchronises, and writes every element of every output.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Optional
 
 from .backends import triton_backend as T
+from .backends.base import FineBackward, FineForward
 from .problem import AttnProblem
 from .runtime import as_tensor, launch_stream
 
 
 def _views(buffers: Mapping):
     return {name: as_tensor(buf) for name, buf in buffers.items()}
+
+
+def _fine_args(contract, b: dict):
+    """The backend's typed arguments (FineForward / FineBackward), built once from the buffers
+    of the same names: a required buffer that is missing raises KeyError naming it; an
+    optional one (None in the buffers, or absent) stays None."""
+    fields = dataclasses.fields(contract)
+    return contract(**{f.name: b[f.name] if f.default is dataclasses.MISSING else b.get(f.name) for f in fields})
 
 
 def _sequence_ids(p: AttnProblem, b: dict) -> None:
@@ -52,9 +62,7 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
         elif p.varlen:  # given lists: keep each query block's entries of its own sequence only
             T.same_seq_lists(p, b["given_idx"], b["given_num"], b["q_seq"], b["kv_seq"], b["sel_idx"],
                              b["sel_num"])
-        backend.sparse_forward(p, b["q"], b["k"], b["v"], b["out"], b["lse"], b["sel_idx"], b["sel_num"],
-                               b["kv_counts"], gate=b.get("gate"), out_coarse=b.get("out_coarse"),
-                               out_fine=b.get("out_fine"), q_counts=b.get("q_counts"))
+        backend.sparse_forward(p, _fine_args(FineForward, b))
 
 
 def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
@@ -78,8 +86,4 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
             T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
                               b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],
                               q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
-        backend.sparse_backward(
-            p, b["q"], b["k"], b["v"], b["lse"], b["dout"], b["delta"], b["dq"], b["dk"], b["dv"],
-            b["sel_idx"], b["sel_num"], b["inv_idx"], b["inv_num"], b["kv_counts"], q_counts=b.get("q_counts"),
-            dq_pool=b.get("dq_pool"), dk_pool=b.get("dk_pool"), dv_pool=b.get("dv_pool"),
-            out=b["out"], gate=b.get("gate"), out_coarse=b.get("out_coarse"), out_fine=b.get("out_fine"))
+        backend.sparse_backward(p, _fine_args(FineBackward, b))
