@@ -22,12 +22,16 @@ def _views(buffers: Mapping):
     return {name: as_tensor(buf) for name, buf in buffers.items()}
 
 
+# (field name, required) of each contract, read once: this runs on every call
+_FIELDS = {c: tuple((f.name, f.default is dataclasses.MISSING) for f in dataclasses.fields(c))
+           for c in (FineForward, FineBackward)}
+
+
 def _fine_args(contract, b: dict):
     """The backend's typed arguments (FineForward / FineBackward), built once from the buffers
     of the same names: a required buffer that is missing raises KeyError naming it; an
     optional one (None in the buffers, or absent) stays None."""
-    fields = dataclasses.fields(contract)
-    return contract(**{f.name: b[f.name] if f.default is dataclasses.MISSING else b.get(f.name) for f in fields})
+    return contract(*[b[name] if required else b.get(name) for name, required in _FIELDS[contract]])
 
 
 def _sequence_ids(p: AttnProblem, b: dict) -> None:
