@@ -14,6 +14,7 @@ from triton.testing import do_bench
 
 from vsa_core import ops
 from vsa_core.backends import triton_backend as T
+from vsa_core.backends.base import FineForward
 from vsa_core.problem import describe_attention
 
 DTYPES = {"input": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -40,8 +41,8 @@ def main():
     flops = 4.0 * B * H * D * S * topk * E
     print(f"shape B{B} H{H} S{S} D{D} E{E} topk{topk}  (VSA_TMA={int(T.USE_TMA)})")
     runs = {
-        "fwd": (T._sparse_fwd, lambda: T.sparse_forward(p, q, k, v, b["out"], b["lse"], b["sel_idx"], b["sel_num"],
-                                                         counts)),
+        "fwd": (T._sparse_fwd, lambda: T.sparse_forward(p, FineForward(q, k, v, b["out"], b["lse"], b["sel_idx"],
+                                                                     b["sel_num"], counts))),
         "bwd_dq": (T._sparse_bwd_dq, lambda: T.sparse_backward_dq(p, q, k, v, b["lse"], dout, b["delta"], b["dq"],
                                                                    b["sel_idx"], b["sel_num"], counts)),
         "bwd_dkdv": (T._sparse_bwd_dkdv, lambda: T.sparse_backward_dkdv(p, q, k, v, b["lse"], dout, b["delta"],

@@ -1,8 +1,6 @@
 """vsa_jax against the float64 reference and against vsa_torch (CPU: Triton interpreter
 inside XLA's buffer callbacks; GPU: the compiled kernels on XLA's stream)."""
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,91 +9,12 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import CASES, Case, assert_close, from_layout, make_inputs, reference, to_layout
+from common import CASES, Case, assert_close, make_inputs, reference
+from frontends import JAX_GPU, jax_args, run_jax_grad, run_torch, seed_of, to_numpy, vsa_fn
 from vsa_core.reference import block_sparse_attn_reference
 
-JAX_GPU = jax.default_backend() == "gpu"
-TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def seed_of(case: Case) -> int:
-    return zlib.crc32(case.id().encode())
-
-
-def vsa_fn(case: Case, kv_counts, q_counts, **kw):
-    """f(q, k, v, gate) -> out for the case's layout and static arguments."""
-    fn = vsa_jax.video_sparse_attn if case.layout == "bhsd" else vsa_jax.video_sparse_attn_bshd
-
-    def f(q, k, v, gate):
-        return fn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate if case.gate else None, **kw)
-    return f
-
-
-def jax_args(case: Case, inputs: dict):
-    dtype = jnp.dtype(case.dtype)
-    return [jnp.asarray(to_layout(inputs[n], case.layout), dtype) for n in ("q", "k", "v", "gate", "dout")]
-
-
-def to_numpy(case: Case, got: dict) -> dict:
-    return {n: from_layout(np.asarray(x, np.float32), case.layout) for n, x in got.items()}
-
-
-def run_jax_vjp(case: Case, inputs: dict) -> dict:
-    """jit(vjp) with the counts traced (passed as jit arguments)."""
-    @jax.jit
-    def run(q, k, v, gate, dout, kv_counts, q_counts):
-        out, vjp = jax.vjp(vsa_fn(case, kv_counts, q_counts), q, k, v, gate)
-        return out, vjp(dout)
-
-    q, k, v, gate, dout = jax_args(case, inputs)
-    out, (dq, dk, dv, dgate) = run(q, k, v, gate, dout, jnp.asarray(inputs["kv_counts"], jnp.int32),
-                                   jnp.asarray(inputs["q_counts"], jnp.int32))
-    got = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    if case.gate:
-        got["dgate"] = dgate
-    return to_numpy(case, got)
-
-
-def run_jax_grad(case: Case, inputs: dict, backend: str = "auto") -> dict:
-    """jit(grad) of sum(out * dout) (whose cotangent of out is exactly dout), with out
-    from the same (training) forward as an aux output; the counts are numpy constants
-    (their values checked at trace time)."""
-    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"], backend=backend)
-    q, k, v, gate, dout = jax_args(case, inputs)
-
-    def loss(q, k, v, gate):
-        out = f(q, k, v, gate)
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
-
-    (dq, dk, dv, dgate), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, gate)
-    got = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    if case.gate:
-        got["dgate"] = dgate
-    return to_numpy(case, got)
-
-
-def run_torch(case: Case, inputs: dict, backend: str = "auto") -> dict:
-    dtype = getattr(torch, case.dtype)
-
-    def tensor(name):
-        return torch.from_numpy(to_layout(inputs[name], case.layout)).to(TORCH_DEVICE, dtype)
-
-    q, k, v, gate = (tensor(n).requires_grad_() for n in ("q", "k", "v", "gate"))
-    fn = vsa_torch.video_sparse_attn if case.layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
-    out = fn(q, k, v, torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.topk,
-             case.block, gate if case.gate else None, backend=backend)
-    out.backward(tensor("dout"))
-    got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    if case.gate:
-        got["dgate"] = gate.grad
-    return to_numpy(case, {n: t.detach().float().cpu().numpy() for n, t in got.items()})
-
-
 # ---- parity -------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())
-def test_matches_float64_reference(case):
-    inputs = make_inputs(case, seed=seed_of(case))
-    assert_close(case, run_jax_vjp(case, inputs), reference(case, inputs))
+# (the float64 reference over CASES, for each frontend and backend: test_reference_matrix.py)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())

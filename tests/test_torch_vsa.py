@@ -1,39 +1,17 @@
 """vsa_torch.video_sparse_attn against the float64 reference (CPU: Triton interpreter;
 GPU: the compiled kernels, same tests)."""
 
-import zlib
-
 import numpy as np
-import pytest
 import torch
 
 import vsa_torch
-from common import CASES, Case, assert_close, from_layout, make_inputs, reference, to_layout
+from common import Case, assert_close, make_inputs, reference
+from frontends import run_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_torch(case: Case, inputs: dict, backend: str = "auto", device: str = DEVICE) -> dict:
-    dtype = getattr(torch, case.dtype)
-
-    def tensor(name):
-        return torch.from_numpy(to_layout(inputs[name], case.layout)).to(device=device, dtype=dtype)
-
-    q, k, v, gate = (tensor(n).requires_grad_() for n in ("q", "k", "v", "gate"))
-    fn = vsa_torch.video_sparse_attn if case.layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
-    out = fn(q, k, v, torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.topk,
-             case.block, gate if case.gate else None, backend=backend)
-    out.backward(tensor("dout"))
-    got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    if case.gate:
-        got["dgate"] = gate.grad
-    return {n: from_layout(t.detach().float().cpu().numpy(), case.layout) for n, t in got.items()}
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())
-def test_matches_float64_reference(case):
-    inputs = make_inputs(case, seed=zlib.crc32(case.id().encode()))
-    assert_close(case, run_torch(case, inputs), reference(case, inputs))
+# (the float64 reference over CASES, for each frontend and backend: test_reference_matrix.py)
 
 
 def test_ties_go_to_the_lower_block_index():

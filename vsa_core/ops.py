@@ -9,15 +9,29 @@ allocates nothing, never synchronises, and writes every element of every output.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Optional
 
 from .backends import triton_backend as T
+from .backends.base import FineBackward, FineForward
 from .problem import AttnProblem
 from .runtime import as_tensor, launch_stream
 
 
 def _views(buffers: Mapping):
     return {name: as_tensor(buf) for name, buf in buffers.items()}
+
+
+# (field name, required) of each contract, read once: this runs on every call
+_FIELDS = {c: tuple((f.name, f.default is dataclasses.MISSING) for f in dataclasses.fields(c))
+           for c in (FineForward, FineBackward)}
+
+
+def _fine_args(contract, b: dict):
+    """The backend's typed arguments (FineForward / FineBackward), built once from the buffers
+    of the same names: a required buffer that is missing raises KeyError naming it; an
+    optional one (None in the buffers, or absent) stays None."""
+    return contract(*[b[name] if required else b.get(name) for name, required in _FIELDS[contract]])
 
 
 def _sequence_ids(p: AttnProblem, b: dict) -> None:
@@ -53,9 +67,7 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
         else:  # given lists: the entries that count by the rule (packed: of the query's own sequence)
             T.clean_lists(p, b["given_idx"], b["given_num"], b["sel_idx"], b["sel_num"], b.get("q_seq"),
                           b.get("kv_seq"))
-        backend.sparse_forward(p, b["q"], b["k"], b["v"], b["out"], b["lse"], b["sel_idx"], b["sel_num"],
-                               b["kv_counts"], gate=b.get("gate"), out_coarse=b.get("out_coarse"),
-                               out_fine=b.get("out_fine"), q_counts=b.get("q_counts"))
+        backend.sparse_forward(p, _fine_args(FineForward, b))
 
 
 def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
@@ -79,8 +91,4 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
             T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
                               b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],
                               q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
-        backend.sparse_backward(
-            p, b["q"], b["k"], b["v"], b["lse"], b["dout"], b["delta"], b["dq"], b["dk"], b["dv"],
-            b["sel_idx"], b["sel_num"], b["inv_idx"], b["inv_num"], b["kv_counts"], q_counts=b.get("q_counts"),
-            dq_pool=b.get("dq_pool"), dk_pool=b.get("dk_pool"), dv_pool=b.get("dv_pool"),
-            out=b["out"], gate=b.get("gate"), out_coarse=b.get("out_coarse"), out_fine=b.get("out_fine"))
+        backend.sparse_backward(p, _fine_args(FineBackward, b))

@@ -35,7 +35,8 @@ import numpy as np
 from vsa_core import __version__
 from vsa_core.backends import BackendUnavailableError
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
-from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention, describe_varlen
+from vsa_core.api import prepare_block_sparse, prepare_vsa
+from vsa_core.problem import block_elements
 
 from . import ops as _ops
 from . import spmd as _spmd
@@ -57,8 +58,8 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
          backend, layout) -> jax.Array:
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
-    p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
-                           q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
+    p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                    layout=layout, backend=backend).problem
     impl = _ops.backend_for(backend, p, q)
     E = block_elements(block_size)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, E)
@@ -126,9 +127,8 @@ def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.A
     block with nothing selected). Gradients flow through out (lse is not differentiable)."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
-    p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
-                           selection="block_map")
-    check_block_map(block_map, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
+                             backend=backend).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     return _bsa(q, k, v, kv_counts, jnp.asarray(block_map), None, None, p.block_elems, layout, impl)
@@ -161,9 +161,8 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     backward alike."""
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
-    p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
-                           selection="indices")
-    check_index_lists(block_indices, block_counts, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
+                             block_counts=block_counts, layout=layout, backend=backend).problem
     _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
@@ -199,9 +198,8 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     they are concrete.
     """
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    p = describe_varlen(q, k, v, _ops.as_shaped(cu_seqlens_q), _ops.as_shaped(cu_seqlens_k), block_size=block_size,
-                        kv_counts=variable_block_sizes, q_counts=q_variable_block_sizes, topk=topk,
-                        gate=compress_attn_weight)
+    p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                    backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
@@ -221,9 +219,8 @@ def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     concrete arguments anything else raises ValueError; under jit such entries are ignored
     (never attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`)."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
-    p = describe_varlen(q, k, v, _ops.as_shaped(cu_seqlens_q), _ops.as_shaped(cu_seqlens_k), block_size=block_size,
-                        kv_counts=variable_block_sizes, selection="block_map")
-    check_block_map(block_map, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
@@ -241,9 +238,9 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
     ascending indices of KV blocks of the packed stream (of its own sequence; entries past
     the count are ignored)."""
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    p = describe_varlen(q, k, v, _ops.as_shaped(cu_seqlens_q), _ops.as_shaped(cu_seqlens_k), block_size=block_size,
-                        kv_counts=variable_block_sizes, selection="indices", list_capacity=block_indices.shape[-1])
-    check_index_lists(block_indices, block_counts, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
+                             block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_k=cu_seqlens_k).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)

@@ -11,7 +11,6 @@ Inputs are only read; nothing is kept past the callback.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from typing import Optional
@@ -22,9 +21,9 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from vsa_core import ops as core_ops
+from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets,
-                              check_varlen_selection, describe_attention)
+from vsa_core.problem import AttnProblem, check_count_values, check_index_values, check_offsets, check_varlen_selection
 from vsa_core.runtime import DeviceInfo
 
 from . import native as _native
@@ -182,19 +181,12 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True, cu_q=None,
              list_capacity=None):
-    """Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
-    p = describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
-                           q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
-    if cu_q is not None:
-        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1)
-    if list_capacity is not None:
-        p = dataclasses.replace(p, list_capacity=list_capacity)
-    return p
-
-
-def as_shaped(x):
-    """Offsets given as a list become a numpy array (anything with .shape and .dtype stays)."""
-    return x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+    """The problem inside the custom_vjp (at trace time). The frontend checked the call
+    (`vsa_core.api.prepare_*`); here it is rebuilt from the shapes and statics, a cache hit
+    (`op_problem`): under vsa_jax.spmd the shapes are a device's shard, not the caller's.
+    Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
+    return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
+                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity)
 
 
 def as_offsets(name: str, cu, total: int, block_elems: int) -> jax.Array:

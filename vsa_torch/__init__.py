@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from vsa_core import __version__
-from vsa_core.backends import BackendUnavailableError, check_backend_name
+from vsa_core.api import prepare_block_sparse, prepare_vsa
+from vsa_core.backends import BackendUnavailableError
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
-from vsa_core.problem import block_elements, check_block_map, check_index_lists, describe_attention, describe_varlen
+from vsa_core.problem import block_elements
 
 from . import ops as _ops
 
@@ -42,11 +43,10 @@ def _require_tensors(**tensors):
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
          backend, layout) -> Tensor:
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    check_backend_name(backend)
     variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
     q_variable_block_sizes = _ops.counts_tensor("q_variable_block_sizes", q_variable_block_sizes)
-    p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
-                           q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
+    p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                    layout=layout, backend=backend).problem
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     E = p.block_elems
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
@@ -97,11 +97,9 @@ def block_sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_map: Tensor, variab
     the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for a query
     block with nothing selected). Gradients flow through out (lse is not differentiable)."""
     _require_tensors(q=q, k=k, v=v, block_map=block_map)
-    check_backend_name(backend)
     variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
-    p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
-                           selection="block_map")
-    check_block_map(block_map, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
+                             backend=backend).problem
     _ops.check_devices(q, k=k, v=v, block_map=block_map)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     return _ops.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, block_map.contiguous(),
@@ -123,11 +121,9 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
     of order are dropped; `vsa_core.reference.index_lists_to_block_map`), in the forward
     and the backward alike."""
     _require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    check_backend_name(backend)
     variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
-    p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=variable_block_sizes,
-                           selection="indices")
-    check_index_lists(block_indices, block_counts, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
+                             block_counts=block_counts, layout=layout, backend=backend).problem
     _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     if not torch.compiler.is_compiling():  # compiled: the kernels bound the lists instead
         _ops.check_index_lists_once(block_indices, block_counts, p.n_kv_blocks)
@@ -162,15 +158,15 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     """
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k)
-    p = describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_size=block_size, kv_counts=variable_block_sizes,
-                        q_counts=q_variable_block_sizes, topk=topk, gate=compress_attn_weight)
+    p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                    backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).problem
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
     gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
     out = _ops.vsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, q_counts,
-                           gate, int(topk), p.block_elems, "bshd", backend, cu_q, cu_k)
+                           gate, p.topk, p.block_elems, "bshd", backend, cu_q, cu_k)
     return out[0]
 
 
@@ -183,9 +179,8 @@ def block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     anything else raises ValueError; under torch.compile such entries are ignored (never
     attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`)."""
     _require_tensors(q=q, k=k, v=v, block_map=block_map, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    p = describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_size=block_size, kv_counts=variable_block_sizes,
-                        selection="block_map")
-    check_block_map(block_map, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).problem
     _ops.check_devices(q, k=k, v=v, block_map=block_map)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
@@ -205,9 +200,9 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
     the count are ignored)."""
     _require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    p = describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_size=block_size, kv_counts=variable_block_sizes,
-                        selection="indices", list_capacity=block_indices.shape[-1])
-    check_index_lists(block_indices, block_counts, p)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
+                             block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_k=cu_seqlens_k).problem
     _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)

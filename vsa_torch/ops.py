@@ -7,7 +7,6 @@ core, and returns them; the core launches on torch's current stream.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import List, Optional, Tuple
 
@@ -16,9 +15,9 @@ import torch
 from torch import Tensor
 
 from vsa_core import ops as core_ops
+from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets,
-                              check_varlen_selection, describe_attention)
+from vsa_core.problem import AttnProblem, check_count_values, check_index_values, check_offsets, check_varlen_selection
 from vsa_core.runtime import DeviceInfo
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -31,14 +30,12 @@ def _alloc(specs: dict, like: Tensor) -> dict:
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True,
              cu_q: Optional[Tensor] = None, list_capacity: Optional[int] = None) -> AttnProblem:
-    """Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
-    p = describe_attention(q, k, v, block_size=block_elems, layout=layout, kv_counts=kv_counts,
-                           q_counts=q_counts, topk=topk, gate=gate, selection=selection, training=training)
-    if cu_q is not None:
-        p = dataclasses.replace(p, n_seqs=cu_q.shape[0] - 1)
-    if list_capacity is not None:
-        p = dataclasses.replace(p, list_capacity=list_capacity)
-    return p
+    """The problem inside an op. The frontend checked the call and built it once
+    (`vsa_core.api.prepare_*`); a custom op takes only tensors and scalars, so here it is
+    rebuilt from the shapes and statics: a cache hit (`op_problem`), not a second check.
+    Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
+    return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
+                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity)
 
 
 # Value checks read the values on the host. A device tensor already checked and not

@@ -1,8 +1,9 @@
 """Backend registry: which implementation runs the fine (block-sparse) stage.
 
 The coarse branch and the sparse metadata always run on the Triton kernels; a
-backend provides `sparse_forward` / `sparse_backward` for the fine stage, plus
-`unavailable_reason(problem, device)` (None when it can run). `backend="auto"`
+backend provides `sparse_forward(p, FineForward)` / `sparse_backward(p, FineBackward)`
+for the fine stage, plus `unavailable_reason(problem, device)` (None when it can run):
+the `FineStageBackend` protocol of `base.py`. `backend="auto"`
 takes the first available backend of `auto_table.auto_order(problem, device)`: the
 fastest first, per (architecture, block size, head dim, dtype), from a measured table,
 DEFAULT_ORDER for shapes it has no entry for; `VSA_BACKEND` in the environment

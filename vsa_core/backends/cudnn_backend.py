@@ -1,7 +1,7 @@
 """cuDNN backend: NVIDIA cuDNN frontend's block-sparse attention (`cudnn.BSA`) for the fine stage.
 
-Same contract as the Triton and CuTe backends (`sparse_forward` / `sparse_backward` on
-the buffers of `AttnProblem.forward_buffers` / `backward_buffers`, same outputs). The
+Same contract as the Triton and CuTe backends (`base.FineStageBackend`: `sparse_forward` /
+`sparse_backward` on the buffers of `AttnProblem.forward_buffers` / `backward_buffers`, same outputs). The
 kernels are CuTe DSL kernels shipped in nvidia-cudnn-frontend 1.32.0 (no libcudnn
 call); the package is imported lazily: importing vsa_core never needs it.
 
@@ -65,6 +65,7 @@ from typing import Optional
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
+from .base import FineBackward, FineForward
 from .cute_backend import add_block_grad, mix_coarse
 
 name = "cudnn"
@@ -132,8 +133,9 @@ def _block_sizes(p: AttnProblem, kv_counts):
 
 
 # ---- the fine stage -------------------------------------------------------------------------
-def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
-                   out_fine=None, **_unused):
+def sparse_forward(p: AttnProblem, a: FineForward):
+    q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
+    gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     bsa_fwd, _ = _cudnn()
     _check_aligned(q=q, k=k, v=v, out=out)
     direct = p.block_elems == 64  # the blk64 forward writes into given out/lse; blk128 allocates its own
@@ -148,12 +150,12 @@ def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_count
         mix_coarse(p, out, out_coarse, gate=gate, out_fine=out_fine)
 
 
-def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
-                    sel_idx, sel_num, inv_idx, inv_num, kv_counts, q_counts=None,
-                    dq_pool=None, dk_pool=None, dv_pool=None, out=None, out_coarse=None, out_fine=None,
-                    **_unused):
+def sparse_backward(p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage by cuDNN (from the query-owned lists: it builds its own
     K-to-Q lists), then the pooling gradients. `delta`, `inv_idx`, `inv_num` are not used."""
+    q, k, v, out, lse, dout, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.dq, a.dk, a.dv
+    sel_idx, sel_num, kv_counts, q_counts = a.sel_idx, a.sel_num, a.kv_counts, a.q_counts
+    out_coarse, out_fine, dq_pool, dk_pool, dv_pool = a.out_coarse, a.out_fine, a.dq_pool, a.dk_pool, a.dv_pool
     _, bsa_bwd = _cudnn()
     if out_coarse is not None:
         if out_fine is None:

@@ -1,7 +1,7 @@
 """CuTe backend: FlashAttention-4's block-sparse kernels (flash-attn-4) for the fine stage.
 
-Same contract as the Triton backend (`sparse_forward` / `sparse_backward` on the
-buffers of `AttnProblem.forward_buffers` / `backward_buffers`, same outputs), run
+Same contract as the Triton backend (`base.FineStageBackend`: `sparse_forward` /
+`sparse_backward` on the buffers of `AttnProblem.forward_buffers` / `backward_buffers`, same outputs), run
 by `flash_attn.cute.interface._flash_attn_fwd` / `_flash_attn_bwd` on sm_90 for
 128- and 256-token blocks, head dim 64 or 128. FA4 is imported lazily: importing
 vsa_core never needs it.
@@ -66,6 +66,7 @@ import triton
 from .. import triton_kernels as K
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
+from .base import FineBackward, FineForward
 
 name = "cute"
 INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, "
@@ -199,8 +200,9 @@ def _fa4():
 
 
 # ---- the fine stage -------------------------------------------------------------------------
-def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
-                   out_fine=None, **_unused):
+def sparse_forward(p: AttnProblem, a: FineForward):
+    q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
+    gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     fa_fwd, _, BlockSparse, mask_mod = _fa4()
     dev = q.device
     B, H, nq = p.batch, p.heads, p.n_q_blocks
@@ -221,11 +223,12 @@ def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_count
         mix_coarse(p, out, out_coarse, gate=gate, out_fine=out_fine)
 
 
-def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
-                    sel_idx, sel_num, inv_idx, inv_num, kv_counts, q_counts=None,
-                    dq_pool=None, dk_pool=None, dv_pool=None, out=None, out_coarse=None, **_unused):
+def sparse_backward(p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage by FA4 (KV-owned lists from inv_idx/inv_num), then the
     pooling gradients. `delta` (a workspace) is overwritten with FA4's dlse."""
+    q, k, v, out, lse, dout, delta, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.delta, a.dq, a.dk, a.dv
+    inv_idx, inv_num, kv_counts, q_counts, out_coarse = a.inv_idx, a.inv_num, a.kv_counts, a.q_counts, a.out_coarse
+    dq_pool, dk_pool, dv_pool = a.dq_pool, a.dk_pool, a.dv_pool
     _, fa_bwd, BlockSparse, mask_mod = _fa4()
     if out is None:
         raise ValueError("the cute backend's backward needs the forward output `out`")

@@ -21,6 +21,7 @@ from .. import triton_kernels as K
 from ..interpreter import interpreted_kernels
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING
+from .base import FineBackward, FineForward
 
 name = "triton"
 
@@ -276,8 +277,9 @@ def _scales(p: AttnProblem):
     return math.log2(math.e) * scale, scale
 
 
-def sparse_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, kv_counts, gate=None, out_coarse=None,
-                   out_fine=None, **_unused):
+def sparse_forward(p: AttnProblem, a: FineForward):
+    q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
+    gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     _sparse_fwd(
         lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, gate,
@@ -321,13 +323,13 @@ def sparse_backward_dkdv(p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_
         USE_TMA=USE_TMA)
 
 
-def sparse_backward(p: AttnProblem, q, k, v, lse, dout, delta, dq, dk, dv,
-                    sel_idx, sel_num, inv_idx, inv_num, kv_counts, q_counts=None,
-                    dq_pool=None, dk_pool=None, dv_pool=None, **_unused):
+def sparse_backward(p: AttnProblem, a: FineBackward):
     """Fine-stage dQ (query-owned) and dK/dV (KV-owned), no atomics. Given the pooling
     gradients (fp32 per block), each kernel adds grad/count to its tokens as it writes."""
-    sparse_backward_dq(p, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts, q_counts, dq_pool)
-    sparse_backward_dkdv(p, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts, dk_pool, dv_pool)
+    sparse_backward_dq(p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dq, a.sel_idx, a.sel_num, a.kv_counts,
+                       a.q_counts, a.dq_pool)
+    sparse_backward_dkdv(p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dk, a.dv, a.inv_idx, a.inv_num, a.kv_counts,
+                         a.dk_pool, a.dv_pool)
 
 
 def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):

@@ -1,0 +1,107 @@
+"""The one entry both frontends call per user call: check the arguments, build the problem.
+
+`prepare_vsa` / `prepare_block_sparse` take the user's arrays (anything with .shape and
+.dtype: torch tensors, jax arrays or tracers, numpy) and static arguments, run every
+shape / dtype / name check of `vsa_core.problem` once, and return a `PreparedCall`: the
+problem (with its normalised static arguments: tokens per block E, topk clamped to the
+number of KV blocks, the layout) and the checked backend name. What stays in a frontend
+is what only it can know: its array types, devices, and value checks of concrete arrays.
+
+Inside the operator (a torch.library custom op, which takes only tensors and scalars;
+a jax.custom_vjp, which may run on per-device shards under vsa_jax.spmd) the problem is
+rebuilt from the arrays' shapes and the static arguments by `op_problem`: a cache hit
+keyed on those statics, with no checks (they ran here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .backends import check_backend_name
+from .problem import (AttnProblem, BlockSize, check_block_map, check_index_lists, describe_attention,
+                      describe_varlen, dtype_name)
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    problem: AttnProblem  # .block_elems, .topk (clamped), .layout: the ops' static arguments
+    backend: str          # "auto" or a registered backend name (checked)
+
+
+def _as_shaped(x):
+    """Offsets given as a list become a numpy array (anything with .shape and .dtype stays)."""
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+
+
+def prepare_vsa(q, k, v, kv_counts, q_counts, topk, block_size: BlockSize, gate=None, *, layout: str = "bhsd",
+                backend: str = "auto", cu_seqlens_q=None, cu_seqlens_k=None) -> PreparedCall:
+    """Checks a `video_sparse_attn` call ([B, H, S, D] / [B, S, H, D]; packed [total, H, D]
+    when the offsets cu_seqlens_q / cu_seqlens_k are given) and returns its problem."""
+    check_backend_name(backend)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=kv_counts,
+                               q_counts=q_counts, topk=topk, gate=gate)
+    else:
+        p = describe_varlen(q, k, v, _as_shaped(cu_seqlens_q), _as_shaped(cu_seqlens_k), block_size=block_size,
+                            kv_counts=kv_counts, q_counts=q_counts, topk=topk, gate=gate)
+    return PreparedCall(p, backend)
+
+
+def prepare_block_sparse(q, k, v, kv_counts, block_size: BlockSize, *, block_map=None, block_indices=None,
+                         block_counts=None, layout: str = "bhsd", backend: str = "auto", cu_seqlens_q=None,
+                         cu_seqlens_k=None) -> PreparedCall:
+    """Checks a block-sparse call with the selection as a bool map or as index lists (one of
+    the two) and returns its problem; packed when the offsets are given."""
+    check_backend_name(backend)
+    selection = "block_map" if block_map is not None else "indices"
+    capacity = None if block_map is not None else int(block_indices.shape[-1])
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=kv_counts,
+                               selection=selection)
+        p = dataclasses.replace(p, list_capacity=capacity)
+    else:
+        p = describe_varlen(q, k, v, _as_shaped(cu_seqlens_q), _as_shaped(cu_seqlens_k), block_size=block_size,
+                            kv_counts=kv_counts, selection=selection, list_capacity=capacity)
+    if block_map is not None:
+        check_block_map(block_map, p)
+    else:
+        check_index_lists(block_indices, block_counts, p)
+    return PreparedCall(p, backend)
+
+
+def op_problem(q, k, *, block_elems: int, layout: str, selection: str, topk: Optional[int] = None,
+               has_gate: bool = False, training: bool = True, cu_seqlens_q=None,
+               list_capacity: Optional[int] = None) -> AttnProblem:
+    """The problem of an operator call whose arguments `prepare_*` checked: rebuilt from q's
+    and k's shapes and dtype and the static arguments. Packed sequences (cu_seqlens_q given)
+    arrive as BSHD with batch 1. Equal to the problem `prepare_*` returned for the same
+    arrays (the caches keyed on problems rely on it)."""
+    n_seqs = 0 if cu_seqlens_q is None else int(cu_seqlens_q.shape[0]) - 1
+    return _op_problem(_ints(q.shape), _ints(k.shape), dtype_name(q.dtype), block_elems, layout, selection,
+                       topk, has_gate, training, n_seqs, list_capacity)
+
+
+def _ints(shape) -> Tuple[int, ...]:
+    return tuple(int(s) for s in shape)  # also makes a traced (symbolic) size concrete, as the checks do
+
+
+@functools.lru_cache(maxsize=1024)
+def _op_problem(q_shape, k_shape, dtype, block_elems, layout, selection, topk, has_gate, training, n_seqs,
+                list_capacity) -> AttnProblem:
+    if layout == "bhsd":
+        batch, heads, q_len, head_dim = q_shape
+        kv_len = k_shape[2]
+    else:
+        batch, q_len, heads, head_dim = q_shape
+        kv_len = k_shape[1]
+    vsa = selection == "topk"
+    return AttnProblem(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                       block_elems=block_elems, dtype=dtype, layout=layout,
+                       topk=min(int(topk), kv_len // block_elems) if vsa else None, has_gate=vsa and has_gate,
+                       selection=selection, training=training, n_seqs=n_seqs, list_capacity=list_capacity)
