@@ -91,6 +91,29 @@ def test_jax_cpu_arrays_run_without_setup():
     assert run.stderr.count("run the Triton kernels under Triton's interpreter") == 1, run.stderr[-3000:]
 
 
+def test_cpu_call_leaves_triton_language_to_the_gpu_compiler():
+    """A CPU (interpreted) call, then a kernel compiled for sm_90 in the same process: the
+    interpreter's patches of triton.language must be gone by then. Seen on the H200 before
+    the fix: after any CPU test in a pytest worker, every later GPU kernel failed to compile
+    ("'value' object has no attribute 'dtype'"). Compiling needs no GPU (Triton ships ptxas)."""
+    script = "\n".join([
+        "import sys, numpy as np, torch, vsa_torch",
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})",
+        "from coarse_smem import shared_bytes",
+        "from vsa_core import triton_kernels as K",
+        "q, k = (torch.randn(1, 1, 128, 64, dtype=torch.bfloat16) for _ in range(2))",
+        "c = np.array([64, 64])",
+        "vsa_torch.video_sparse_attn(q, k, k.clone(), c, c, 1, 64)",
+        "print('shared', shared_bytes(K.coarse_attn_fwd_kernel, 64, 64, 16, 8, 1, 'ieee', 90))",
+    ])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
+    assert run.returncode == 0 and "shared" in run.stdout, run.stderr[-3000:]
+
+
 def test_other_devices_are_refused_with_a_reason(monkeypatch):
     from vsa_core import backends
     monkeypatch.setattr(backends, "INTERPRETING", False)  # as in a process without TRITON_INTERPRET

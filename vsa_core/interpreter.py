@@ -17,6 +17,7 @@ meant for tests and small checks; the first CPU call warns once per process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -24,6 +25,7 @@ import threading
 import warnings
 
 import triton
+import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -53,6 +55,38 @@ def _language_twins():
     return twins
 
 
+@contextlib.contextmanager
+def _language_restored():
+    """Undoes every patch the interpreter makes to triton.language during the block.
+
+    The interpreter rebinds triton.language's builtins to its numpy builder for each
+    launch and restores them afterwards, but a call of one jit function from another
+    (`_dot`, `tl.zeros`, ...) patches them again and never restores: without this, every
+    kernel compiled for the GPU later in the process would be built by the interpreter's
+    builder and fail ("'value' object has no attribute 'dtype'"). So each patch's
+    original values are recorded as it is made and put back, latest first, at the end.
+    """
+    made = []
+    patch = _interp._patch_lang
+
+    def recording_patch(fn):
+        scope = patch(fn)
+        made.extend(scope._changes)  # (object, attribute, value before this patch)
+        return scope
+
+    _interp._patch_lang = recording_patch
+    try:
+        yield
+    finally:
+        _interp._patch_lang = patch
+        for obj, name, original in reversed(made):
+            if original is _interp._MISSING:
+                if name in vars(obj):
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+
+
 class _InterpretedLaunch:
     """An interpreted kernel whose launches run with triton.language interpreted too."""
 
@@ -63,7 +97,7 @@ class _InterpretedLaunch:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            with _LOCK:
+            with _LOCK, _language_restored():
                 twins = _language_twins()
                 try:
                     for module, attr, _, twin in twins:
