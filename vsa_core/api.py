@@ -83,8 +83,10 @@ def op_problem(q, k, *, block_elems: int, layout: str, selection: str, topk: Opt
     arrive as BSHD with batch 1. Equal to the problem `prepare_*` returned for the same
     arrays (the caches keyed on problems rely on it)."""
     n_seqs = 0 if cu_seqlens_q is None else int(cu_seqlens_q.shape[0]) - 1
-    return _op_problem(_ints(q.shape), _ints(k.shape), dtype_name(q.dtype), block_elems, layout, selection,
-                       topk, has_gate, training, n_seqs, list_capacity)
+    # int(): under torch.compile the static ints may arrive as SymInts, which are not hashable
+    return _op_problem(_ints(q.shape), _ints(k.shape), dtype_name(q.dtype), int(block_elems), layout, selection,
+                       None if topk is None else int(topk), bool(has_gate), bool(training), n_seqs,
+                       None if list_capacity is None else int(list_capacity))
 
 
 def _ints(shape) -> Tuple[int, ...]:
