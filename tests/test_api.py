@@ -15,6 +15,8 @@ from vsa_core.backends import BACKENDS
 from vsa_core.backends.base import FineBackward, FineForward, FineStageBackend
 from vsa_core.problem import AttnProblem
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 class Shaped:
     def __init__(self, *shape, dtype="bfloat16"):
@@ -112,7 +114,7 @@ def test_torch_call_describes_the_problem_once(monkeypatch):
     """One full check per call (vsa_core.api.prepare_vsa); the op's own problem is the
     cached rebuild (op_problem), not a second describe_attention."""
     q, k, v, kv_counts, q_counts = _small_call_inputs()
-    args = [torch.from_numpy(x).bfloat16() for x in (q, k, v)]
+    args = [torch.from_numpy(x).to(DEVICE, torch.bfloat16) for x in (q, k, v)]
     calls = _count_describes(monkeypatch)
     with torch.no_grad():
         vsa_torch.video_sparse_attn(*args, kv_counts, q_counts, 1, 64)

@@ -91,6 +91,7 @@ def test_jax_cpu_arrays_run_without_setup():
     assert run.stderr.count("run the Triton kernels under Triton's interpreter") == 1, run.stderr[-3000:]
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path without TRITON_INTERPRET")
 def test_cpu_call_leaves_triton_language_to_the_gpu_compiler():
     """A CPU (interpreted) call, then a kernel compiled for sm_90 in the same process: the
     interpreter's patches of triton.language must be gone by then. Seen on the H200 before

@@ -13,6 +13,8 @@ BackendUnavailableError with the reason.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import os
 
 from ..problem import AttnProblem
@@ -27,10 +29,26 @@ class BackendUnavailableError(RuntimeError):
     pass
 
 
+def _interpreter_broken() -> Optional[str]:
+    """Why Triton's interpreter cannot run here, or None. Triton 3.6's interpreter converts
+    shape-(1,) arrays with int() and inverts unsigned ints through -1, both errors since
+    numpy 2.4 (seen on the H200 machine: triton 3.6.0, numpy 2.5.2); 3.9 runs (CI)."""
+    import numpy
+    import triton
+    tv = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    nv = tuple(int(x) for x in numpy.__version__.split(".")[:2])
+    if tv <= (3, 6) and nv >= (2, 4):
+        return (f"CPU tensors run under Triton's interpreter, which in triton {triton.__version__} fails with "
+                f"numpy {numpy.__version__} (>= 2.4): use triton >= 3.9 or numpy < 2.4 for CPU tensors")
+    return None
+
+
 def _triton_unavailable(problem: AttnProblem, device: DeviceInfo):
     # CPU tensors run the same kernels under Triton's interpreter (slow; for testing)
-    if device.kind in ("cuda", "cpu") or INTERPRETING:
+    if device.kind == "cuda" or INTERPRETING:
         return None
+    if device.kind == "cpu":
+        return _interpreter_broken()
     return (f"the triton backend runs on CUDA tensors (or, slowly, on CPU tensors under Triton's "
             f"interpreter), got {device.kind} tensors")
 

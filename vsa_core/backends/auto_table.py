@@ -21,14 +21,16 @@ DEFAULT_ORDER: Tuple[str, ...] = ("cute", "triton")
 
 # (arch, tokens per block E, head dim, dtype) -> backends, fastest first
 TABLE = {
-    # H200 (sm_90), bf16, D=128, fine stage, fwd / bwd TFLOPS on sparse FLOPs, measured side by
-    # side in one process before the cudnn backend existed (issue 9, 2026-11-29): 480p-64
-    # (B1 H12 S39936, top-62): cuDNN frontend 1.32 BSA 525 / 422, triton 408 / 395.
-    # PROVISIONAL: to be replaced by benchmarks/cudnn_check.py / bench.py rows of the cudnn backend.
+    # H200 (sm_90), bf16, D=128, fine stage of our backends, fwd / bwd TFLOPS on sparse FLOPs,
+    # benchmarks/cudnn_check.py, 2026-11-30 (benchmarks/results/2026-11-30-h200x2-final):
+    # 480p-64 (B1 H12 S39936, top-62): cudnn 512 / 406, triton 404 / 387. FA4 (cute) does not
+    # take 64-token blocks.
     ("sm_90", 64, 128, "bfloat16"): ("cudnn", "triton"),
-    # H200 (sm_90), bf16, D=128, same run: 480p-256 (top-20) cute 630 / 547, cuDNN BSA as
-    # 128-token blocks 550 / 529, triton below both; 720p-256 (B1 H40 S92160, top-45) cute
-    # 640 / 517, cuDNN BSA 562 / 525. The cudnn backend does not take 256-token blocks.
+    # H200 (sm_90), bf16, D=128, benchmarks/bench.py, 2026-11-29 (benchmarks/results/
+    # 2026-11-29-h200): 480p-256 (top-20) fine cute 705 / 522, triton 425 / 392; 720p-256
+    # (B1 H40 S92160, top-45) cute 635 / 527, triton 431 / 374. The cudnn backend does not take
+    # 256-token blocks. (Whole VSA at 720p-256 on 2026-11-30, benchmarks/ulysses_bench.py's
+    # 1-GPU column: cute 36.6 ms fwd, 146.2 ms fwd+bwd; triton 54.8 / 200.3 the day before.)
     ("sm_90", 256, 128, "bfloat16"): ("cute", "triton"),
 }
 
