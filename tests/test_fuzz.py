@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from common import TOLERANCE, Case, assert_close, make_inputs, reference
-from test_jax_vsa import JAX_GPU, jax_args, to_numpy, vsa_fn
+from frontends import run_jax_vjp
+from test_jax_vsa import JAX_GPU
 from test_torch_vsa import run_torch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -89,22 +90,6 @@ def fuzz_inputs(case: Case, empty_q: bool, seed: int) -> dict:
     return inputs
 
 
-def run_jax(case: Case, inputs: dict, backend: str) -> dict:
-    """jit(vjp) with the counts traced."""
-    @jax.jit
-    def run(q, k, v, gate, dout, kv_counts, q_counts):
-        out, vjp = jax.vjp(vsa_fn(case, kv_counts, q_counts, backend=backend), q, k, v, gate)
-        return out, vjp(dout)
-
-    q, k, v, gate, dout = jax_args(case, inputs)
-    out, (dq, dk, dv, dgate) = run(q, k, v, gate, dout, np.asarray(inputs["kv_counts"], np.int32),
-                                   np.asarray(inputs["q_counts"], np.int32))
-    got = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    if case.gate:
-        got["dgate"] = dgate
-    return to_numpy(case, got)
-
-
 def large_logit_tolerance(case: Case):
     """fp16 at x16: dK's bounds are rel 2e-2 (bf16's) and max_rel 0.15. There the fine softmax
     is one-hot, so the exact dK (sum of dS q with dS = P (dP - delta)) is nearly all
@@ -124,7 +109,7 @@ def check(frontend: str, backend: str, case: Case, empty_q: bool, seed: int) -> 
     if frontend == "torch":
         got = run_torch(case, inputs, backend=backend, device="cuda" if HAS_CUDA else "cpu")
     else:
-        got = run_jax(case, inputs, backend)
+        got = run_jax_vjp(case, inputs, backend)
     assert_close(case, got, reference(case, inputs), large_logit_tolerance(case))
 
 
