@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import zlib
 
-import jax
 import numpy as np
 import pytest
 import torch
