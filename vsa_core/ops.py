@@ -1,7 +1,7 @@
 """The operators as sequences of launches on caller-provided buffers.
 
 This is the single entry point both frontends call. Each function takes the
-problem (from `describe_attention`), the resolved backend, a dict of buffers
+problem (from `vsa_core.api.prepare_*` / `op_problem`), the resolved backend, a dict of buffers
 (inputs, outputs and workspaces named as in `AttnProblem.forward_buffers` /
 `backward_buffers`; anything with `__dlpack__`) and the stream to launch on. It
 allocates nothing, never synchronises, and writes every element of every output.
