@@ -392,6 +392,18 @@ def _max_combine(a, b):
 
 
 @triton.jit
+def _counted_entries(j, valid, i, SLOTS: tl.constexpr):
+    """The rule of the module doc over a whole row at once: entry i (valid: listed and a
+    KV block) counts iff it is greater than every valid entry before it (an entry not
+    counted is at most the last counted one, so the running maximum of valid entries is
+    the last counted entry). Keys j * SLOTS + (SLOTS-1-i) are distinct per entry and order
+    equal entries first-one-largest, so that is "the key equals the running maximum of
+    keys". `i` may repeat (several slots of one entry): they share the entry's verdict."""
+    key = tl.where(valid, j.to(tl.int64), -1) * SLOTS + (SLOTS - 1 - i)
+    return valid & (key == tl.associative_scan(key, 0, _max_combine))
+
+
+@triton.jit
 def clean_lists_kernel(
     IN_IDX, IN_NUM, Q_SEQ, KV_SEQ, OUT_IDX, OUT_NUM,
     n_q_blocks, n_kv_blocks, idx_capacity,
@@ -404,13 +416,7 @@ def clean_lists_kernel(
 
     With SAME_SEQ (packed sequences) an entry also counts only if it names a KV block of
     the query block's own sequence; the others are dropped before the rule. Slots past
-    the count are written 0 (a valid block, in case a consumer prefetches past the count).
-
-    The rule vectorised: entry i counts iff it is valid and greater than every valid entry
-    before it (an entry not counted is at most the last counted one, so the running
-    maximum of valid entries is the last counted entry). Keys entry * SLOTS + (SLOTS-1-i)
-    are distinct and order equal entries first-one-largest, so "greater than every valid
-    entry before" is "the key equals the running maximum of keys"."""
+    the count are written 0 (a valid block, in case a consumer prefetches past the count)."""
     row = tl.program_id(0).to(tl.int64)
     pos = tl.arange(0, SLOTS)
     listed = pos < tl.minimum(tl.maximum(tl.load(IN_NUM + row), 0), idx_capacity)
@@ -419,8 +425,7 @@ def clean_lists_kernel(
     if SAME_SEQ:
         kv_seq = tl.load(KV_SEQ + j, mask=valid, other=-1)
         valid = valid & (kv_seq == tl.load(Q_SEQ + row % n_q_blocks))
-    key = tl.where(valid, j.to(tl.int64), -1) * SLOTS + (SLOTS - 1 - pos)
-    keep = valid & (key == tl.associative_scan(key, 0, _max_combine))
+    keep = _counted_entries(j, valid, pos, SLOTS)
     slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     count = tl.sum(keep.to(tl.int32), axis=0)
     tl.store(OUT_IDX + row * idx_capacity + slot, j, mask=keep)
@@ -686,11 +691,6 @@ def kv_sub_counts_kernel(
 
 
 @triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def fa4_fwd_lists_kernel(
     SEL_IDX, SEL_NUM, KV_COUNTS, FULL_IDX, FULL_NUM, MASK_IDX, MASK_NUM,
     n_kv_blocks, idx_capacity, out_capacity,
@@ -708,11 +708,7 @@ def fa4_fwd_lists_kernel(
     s = pos % SUB
     listed = i < _list_length(SEL_NUM, row, idx_capacity)
     j = tl.load(SEL_IDX + row * idx_capacity + i, mask=listed, other=-1)
-    # "greater than the last entry counted" == greater than every in-range entry before it
-    # (see _list_entry); ranked by (j, -i), an entry passes iff it tops the running max
-    in_range = listed & (j >= 0) & (j < n_kv_blocks)
-    rank = tl.where(in_range, j.to(tl.int64) * SLOTS + (SLOTS - 1 - i), -1)
-    taken = in_range & (rank == tl.associative_scan(rank, 0, _maximum))
+    taken = _counted_entries(j, listed & (j >= 0) & (j < n_kv_blocks), i, SLOTS)
     j = tl.where(taken, j, 0)
     c = tl.minimum(tl.maximum(tl.load(KV_COUNTS + j, mask=taken, other=0), 0), SUB * TILE) - s * TILE
     full = taken & (c >= TILE)
