@@ -187,7 +187,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate):
     coarse = torch.randn(B, H, nq, D, generator=g)
     out = lay(fine.clone())
     out_fine = torch.empty_like(out, dtype=torch.float32)
-    cute_backend.mix_coarse(p, out, coarse.to(DEV), gate=lay(gate_t) if gate else None, out_fine=out_fine)
+    triton_backend.mix_coarse(p, out, coarse.to(DEV), gate=lay(gate_t) if gate else None, out_fine=out_fine)
     c = coarse.repeat_interleave(E, dim=2)
     want = fine.float() + (gate_t.float() * c if gate else c)
     torch.testing.assert_close(back(out), want.bfloat16().float(), rtol=8e-3, atol=1e-6)  # 1 bf16 ulp (FMA)
@@ -207,7 +207,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate):
         x = bhsd().bfloat16()
         pooled = torch.randn(B, H, nq, D, generator=g)
         got = lay(x.clone())
-        cute_backend.add_block_grad(p, got, pooled.to(DEV), counts.to(DEV), nq * E)
+        triton_backend.add_block_grad(p, got, pooled.to(DEV), counts.to(DEV), nq * E)
         per_block = torch.where(counts[:, None] > 0, pooled / counts.clamp_min(1)[:, None].float(),
                                 torch.zeros(()))
         want = (x.float() + per_block.repeat_interleave(E, dim=2)).bfloat16().float()

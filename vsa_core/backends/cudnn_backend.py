@@ -66,7 +66,7 @@ from typing import Optional
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
 from .base import FineBackward, FineForward
-from .cute_backend import add_block_grad, mix_coarse
+from .triton_backend import add_block_grad, mix_coarse
 
 name = "cudnn"
 TESTED_VERSION = "1.32.0"

@@ -67,6 +67,7 @@ from .. import triton_kernels as K
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
 from .base import FineBackward, FineForward
+from .triton_backend import add_block_grad, mix_coarse
 
 name = "cute"
 INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, "
@@ -165,26 +166,11 @@ def backward_lists(p: AttnProblem, inv_idx, inv_num, kv_counts, idx, full_num, m
         COPY_IDX=idx.data_ptr() != inv_idx.data_ptr(), num_warps=4)
 
 
-def mix_coarse(p: AttnProblem, out, out_coarse, gate=None, out_fine=None) -> None:
-    rows = _rows(p)
-    K.mix_coarse_kernel[(p.q_len // rows, p.batch * p.heads)](
-        out, gate, out_coarse, out_fine, *p.token_strides(p.q_len), p.heads, p.n_q_blocks,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows,
-        HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, num_warps=4)
-
-
 def delta_to_dlse(p: AttnProblem, out, dout, delta) -> None:
     rows = _rows(p)
     K.delta_to_dlse_kernel[(p.q_len // rows, p.batch * p.heads)](
         out, dout, delta, *p.token_strides(p.q_len), p.heads, p.q_len,
         HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
-
-
-def add_block_grad(p: AttnProblem, x, pooled, counts, seq_len: int) -> None:
-    rows = _rows(p)
-    K.add_block_grad_kernel[(seq_len // rows, p.batch * p.heads)](
-        x, pooled, counts, *p.token_strides(seq_len), p.heads, seq_len // p.block_elems,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
 
 
 def _int32(shape, device) -> torch.Tensor:

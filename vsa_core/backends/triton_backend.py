@@ -335,3 +335,27 @@ def sparse_backward(p: AttnProblem, a: FineBackward):
 def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):
     kernels_for(sel_idx).lists_to_mask_kernel[(_bh(p) * p.n_q_blocks,)](
         sel_idx, sel_num, block_mask, p.n_kv_blocks, sel_idx.shape[-1], N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
+
+
+# ---- epilogues of the backends whose fine stage is a library kernel (cute, cudnn) ----------
+def _epilogue_rows(p: AttnProblem) -> int:
+    return min(64, p.block_elems)
+
+
+def mix_coarse(p: AttnProblem, out, out_coarse, gate=None, out_fine=None) -> None:
+    """`out` holds the library's fine output: turns it into out_fine + gate * out_c (or
+    + out_c) in place; with `out_fine`, keeps the fine output in fp32 for the backward."""
+    rows = _epilogue_rows(p)
+    K.mix_coarse_kernel[(p.q_len // rows, _bh(p))](
+        out, gate, out_coarse, out_fine, *p.token_strides(p.q_len), p.heads, p.n_q_blocks,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows,
+        HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, num_warps=4)
+
+
+def add_block_grad(p: AttnProblem, x, pooled, counts, seq_len: int) -> None:
+    """x[token] += pooled[its block] / counts[block], in place: the mean pooling's gradient
+    added to a library's fine-stage gradient."""
+    rows = _epilogue_rows(p)
+    K.add_block_grad_kernel[(seq_len // rows, _bh(p))](
+        x, pooled, counts, *p.token_strides(seq_len), p.heads, seq_len // p.block_elems,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
