@@ -13,6 +13,7 @@ BackendUnavailableError with the reason.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import os
@@ -29,6 +30,7 @@ class BackendUnavailableError(RuntimeError):
     pass
 
 
+@functools.lru_cache(maxsize=None)
 def _interpreter_broken() -> Optional[str]:
     """Why Triton's interpreter cannot run here, or None. Triton 3.6's interpreter converts
     shape-(1,) arrays with int() and inverts unsigned ints through -1, both errors since
