@@ -22,7 +22,7 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import Case, assert_close, from_layout, make_inputs, reference, to_layout
+from common import Case, assert_close, from_layout, make_inputs, reference, skip_unavailable, to_layout
 from vsa_core import plan as core_plan
 from vsa_core.backends import triton_backend as T
 from vsa_core.problem import AttnProblem
@@ -380,7 +380,7 @@ def test_kernel_call_protos_carry_the_plan():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "native_proto_check.py")], env=env,
                           capture_output=True, text=True, timeout=1200)
     if proc.returncode == 3:
-        pytest.skip("jaxlib has no CUDA Triton module (no jax CUDA plugin installed)")
+        skip_unavailable("jax", "jaxlib has no CUDA Triton module (no jax CUDA plugin installed)")
     assert proc.returncode == 0 and "PROTOS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vsa_torch
-from common import TOLERANCE, errors
+from common import TOLERANCE, errors, skip_unavailable
 from vsa_core import reference as R
 from vsa_core.backends import BackendUnavailableError
 
@@ -44,7 +44,7 @@ def _call(fn, *args, **kw):
     try:
         return fn(*args, **kw)
     except BackendUnavailableError as e:
-        pytest.skip(str(e))
+        skip_unavailable(kw["backend"], str(e))
 
 
 @pytest.mark.parametrize("backend", ["triton", "cute"])
