@@ -21,7 +21,8 @@ B, H, D, E, N_BLOCKS = 1, 40, 128, 256, 1664
 S = N_BLOCKS * E
 LAST_COUNT = 100  # the last KV block is partial
 BF16 = torch.bfloat16
-pytestmark = pytest.mark.gpu
+# one worker runs them all (gpu_session.sh: `-n 8 --dist loadgroup`): each holds tens of GB
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("large_offsets")]
 
 
 def _randn(shape, seed):
