@@ -105,7 +105,7 @@ case $step in
           # test that would skip for a missing one fails), 64-bit offsets included, and its record
     export VSA_REQUIRE_BACKENDS=cute,cudnn,jax
     versions | tee "$out/versions.txt"
-    t 540 python3 -m pytest -q -rs -n 8 --dist loadgroup --durations=15 tests
+    t 500 python3 -m pytest -q -rs -n 8 --dist loadgroup --durations=15 tests
     record "$out/$step.log"
     ;;
   checks)  # the coarse-stage precision tests must fail with TF32 coarse dots (they pass with the
