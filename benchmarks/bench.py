@@ -200,20 +200,28 @@ def steady_ms(fn: Callable, device: str, budget_ms: float) -> float:
 @dataclass
 class Contender:
     """`fwd()` runs the forward (returns out), `fwd_bwd()` the forward and the backward
-    (returns the input grads); `to_torch` turns their results into torch tensors to check."""
+    (returns the input grads); `to_torch` turns their results into torch tensors to check.
+    `make_bwd()` runs one forward and returns a call that runs the backward alone from what
+    that forward saved, for timing the backward directly."""
     fwd: Callable
     fwd_bwd: Callable
     to_torch: Callable = lambda x: x
     # the same calls without waiting for the result (JAX: async dispatch), for steady_ms
     fwd_async: Optional[Callable] = None
     fwd_bwd_async: Optional[Callable] = None
+    make_bwd: Optional[Callable[[], Callable]] = None
 
 
 def torch_contender(forward: Callable, inputs: tuple, dout) -> Contender:
     # autograd.grad returns the grads without accumulating into .grad, so every call does
     # the same work; the forward runs with grad enabled (training mode), as in fwd_bwd.
+    def make_bwd():
+        out = forward(*inputs)  # the graph is kept (retain_graph) and its backward replayed
+        return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
     return Contender(fwd=lambda: forward(*inputs),
-                     fwd_bwd=lambda: torch.autograd.grad(forward(*inputs), inputs, dout))
+                     fwd_bwd=lambda: torch.autograd.grad(forward(*inputs), inputs, dout),
+                     make_bwd=make_bwd)
 
 
 def jax_contender(forward: Callable, inputs_jax: tuple, dout_jax, device: str) -> Contender:
@@ -225,6 +233,14 @@ def jax_contender(forward: Callable, inputs_jax: tuple, dout_jax, device: str) -
         return pullback(dout)
 
     fwd_jit, fwd_bwd_jit = jax.jit(forward), jax.jit(grads)
+    # the forward with its residuals (jax.vjp's pullback is a pytree of them) and, apart,
+    # the pullback alone: the backward timed from saved residuals, as torch's retained graph
+    vjp_jit = jax.jit(lambda *xs: jax.vjp(forward, *xs)[1])
+    pullback_jit = jax.jit(lambda pullback, dout: pullback(dout))
+
+    def make_bwd():
+        pullback = jax.block_until_ready(vjp_jit(*inputs_jax))
+        return wait_then(lambda: pullback_jit(pullback, dout_jax))
 
     def wait_then(fn):
         # JAX runs on its own stream: let do_bench's cache flush (torch's stream) finish
@@ -239,7 +255,8 @@ def jax_contender(forward: Callable, inputs_jax: tuple, dout_jax, device: str) -
                      fwd_bwd=wait_then(lambda: fwd_bwd_jit(dout_jax, *inputs_jax)),
                      to_torch=jax_to_torch,
                      fwd_async=lambda: fwd_jit(*inputs_jax),
-                     fwd_bwd_async=lambda: fwd_bwd_jit(dout_jax, *inputs_jax))
+                     fwd_bwd_async=lambda: fwd_bwd_jit(dout_jax, *inputs_jax),
+                     make_bwd=make_bwd)
 
 
 def jax_to_torch(x):
@@ -274,6 +291,7 @@ class Row:
     fwd_ms: Optional[float] = None
     fwd_bwd_ms: Optional[float] = None
     bwd_ms: Optional[float] = None
+    bwd_method: Optional[str] = None  # "direct" (backward alone), or "fwd+bwd - fwd" where that failed
     fwd_tflops: Optional[float] = None
     bwd_tflops: Optional[float] = None
     fwd_steady_ms: Optional[float] = None      # see steady_ms: back-to-back calls, wall clock
@@ -305,10 +323,13 @@ def measure(row: Row, c: Contender, timer: Timer, device: str, tol: float, refer
             check_against=None, names=("out", "dq", "dk", "dv"), forward_only_ok=False):
     """Fills `row`: first call, check against `reference` (out, grads...), then the timings.
 
-    Backward time = median(forward + backward) - median(forward): the same method for every
-    contender and framework (a retained graph cannot be replayed in JAX, and compiled
-    graphs free their saved tensors). `forward_only_ok` (peers): a failing backward
-    leaves a note and the forward timing instead of an error."""
+    Backward time: the backward alone, timed directly (`Contender.make_bwd`: one forward
+    outside the timed region, then only the backward from what it saved: torch's retained
+    graph, JAX's pullback over its residuals, both frameworks the same way). Where a
+    contender cannot replay its backward (a compiled graph that frees its saved tensors),
+    median(forward + backward) - median(forward), and `bwd_method` says so.
+    `forward_only_ok` (peers): a failing backward leaves a note and the forward timing
+    instead of an error."""
     try:
         t = time.perf_counter()
         out = c.fwd()
@@ -335,13 +356,15 @@ def measure(row: Row, c: Contender, timer: Timer, device: str, tol: float, refer
         row.fwd_tflops = row.flops_fwd / (row.fwd_ms * 1e-3) / 1e12 if row.fwd_ms else None
         if row.note is None:
             row.fwd_bwd_ms = timer(c.fwd_bwd)
-            row.bwd_ms = max(row.fwd_bwd_ms - row.fwd_ms, 0.0)
+            row.bwd_ms, row.bwd_method = time_backward(c, timer, device), "direct"
+            if row.bwd_ms is None:
+                row.bwd_ms, row.bwd_method = max(row.fwd_bwd_ms - row.fwd_ms, 0.0), "fwd+bwd - fwd"
             row.bwd_tflops = 2.5 * row.flops_fwd / (row.bwd_ms * 1e-3) / 1e12 if row.bwd_ms else None
         if row.stage != "peer" and device == "cuda":
             row.fwd_steady_ms = steady_ms(c.fwd_async or c.fwd, device, timer.rep_ms)
             row.fwd_bwd_steady_ms = steady_ms(c.fwd_bwd_async or c.fwd_bwd, device, timer.rep_ms)
         log(f"  {row.stage:4s} {row.name:28s} fwd {row.fwd_ms:9.3f} ms  bwd {fmt(row.bwd_ms, '9.3f')} ms  "
-            f"first call {row.first_call_s:6.1f} s  {fmt_err(row)}  {row.status}")
+            f"({row.bwd_method or '-'})  first call {row.first_call_s:6.1f} s  {fmt_err(row)}  {row.status}")
         return values
     except Exception as e:
         # a backend that says it cannot run here (no GPU, not installed) is skipped, not an error
@@ -353,6 +376,26 @@ def measure(row: Row, c: Contender, timer: Timer, device: str, tol: float, refer
         if device == "cuda":
             torch.cuda.empty_cache()
         return None
+
+
+def time_backward(c: Contender, timer: Timer, device: str) -> Optional[float]:
+    """Median ms of the backward alone (see measure), or None where the contender cannot
+    replay it."""
+    if c.make_bwd is None:
+        return None
+    bwd = None
+    try:
+        bwd = c.make_bwd()
+        bwd()
+        sync(device)
+        return timer(bwd)
+    except Exception as e:
+        log(f"    backward alone cannot be replayed ({type(e).__name__}: {first_line(e)}): fwd+bwd - fwd")
+        return None
+    finally:
+        del bwd
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def first_line(e: BaseException) -> str:
@@ -615,7 +658,8 @@ def print_table(shapes: List[Shape], rows: List[Row], shares: List[dict], best: 
                   f"{fmt(r.bwd_ms, '9.3f')} {fmt(r.bwd_tflops, '7.1f')} "
                   f"{fmt(r.speedup_fwd_vs_best_peer, '8.2f') + 'x' if r.speedup_fwd_vs_best_peer else '        -'} "
                   f"{fmt(r.speedup_bwd_vs_best_peer, '5.2f') + 'x' if r.speedup_bwd_vs_best_peer else '     -'} "
-                  f"{fmt(err, '8.1e')}  {r.status}" + (f" ({r.note[:60]})" if r.note else ""))
+                  f"{fmt(err, '8.1e')}  {r.status}" + (f" ({r.note[:60]})" if r.note else "")
+                  + (" (bwd = fwd+bwd - fwd)" if r.bwd_method == "fwd+bwd - fwd" else ""))
         for b in (b for b in best if b["shape"] == shape.name):
             print(f"      fastest ours, {b['stage']}: fwd {b['fwd']} {b['fwd_ms']:.3f} ms"
                   + (f", bwd {b['bwd']} {b['bwd_ms']:.3f} ms" if b["bwd"] else ""))
@@ -632,9 +676,38 @@ def print_table(shapes: List[Shape], rows: List[Row], shares: List[dict], best: 
                 line += (f"  vs eager: fwd {100 * (r.fwd_steady_ms / eager.fwd_steady_ms - 1):+.1f}%, "
                          f"fwd+bwd {100 * (r.fwd_bwd_steady_ms / eager.fwd_bwd_steady_ms - 1):+.1f}%")
             print(line)
-    print("\nxpeer: speedup over the fastest peer (time of peer / ours). *dense: FLOPs counted densely. "
+    print_ratios(shapes, rows)
+    print("\nbwd: the backward alone, timed from a forward's saved state (torch: retained graph; jax: the "
+          "pullback over the vjp residuals), except rows marked (bwd = fwd+bwd - fwd).")
+    print("xpeer: speedup over the fastest peer (time of peer / ours). *dense: FLOPs counted densely. "
           "err: max relative-norm error of out and grads (fine: vs flex, or exact masked fp32 where flex "
           "cannot run; vsa: vs the first VSA row; flex: vs exact where the shape is small).")
+
+
+def print_ratios(shapes: List[Shape], rows: List[Row]) -> None:
+    """time(frontend) / time(eager) of the same stage and backend: device times (do_bench)
+    and steady back-to-back wall times; below 1.00 the frontend is faster."""
+    lines = []
+    for shape in shapes:
+        ours = {(r.stage, r.backend, r.frontend): r for r in rows
+                if r.shape == shape.name and r.stage != "peer" and r.usable}
+        for (stage, backend, frontend), r in ours.items():
+            eager = ours.get((stage, backend, "eager"))
+            if frontend == "eager" or eager is None:
+                continue
+
+            def ratio(a, b):
+                return f"{a / b:6.2f}" if a and b else "     -"
+            lines.append(f"{shape.name:9s} {stage:4s} {backend:7s} {frontend:8s} {ratio(r.fwd_ms, eager.fwd_ms)} "
+                         f"{ratio(r.bwd_ms, eager.bwd_ms)} {ratio(r.fwd_bwd_ms, eager.fwd_bwd_ms)} "
+                         f"    {ratio(r.fwd_steady_ms, eager.fwd_steady_ms)} "
+                         f"    {ratio(r.fwd_bwd_steady_ms, eager.fwd_bwd_steady_ms)}")
+    if lines:
+        print("\n== time / eager time (same stage and backend; < 1: faster than eager PyTorch)")
+        print(f"{'shape':9s} {'stage':4s} {'backend':7s} {'frontend':8s} {'fwd':>6s} {'bwd':>6s} {'f+b':>6s} "
+              f"{'steady fwd':>10s} {'steady f+b':>10s}")
+        for line in lines:
+            print(line)
 
 
 def versions() -> dict:
@@ -733,7 +806,9 @@ def main(args) -> int:
     print_table(shapes, rows, shares, best)
     result = dict(meta=meta,
                   config=dict(rep_ms=timer.rep_ms, warmup_ms=timer.warmup_ms, reps=timer.reps, tol=args.tol,
-                              dtype="bfloat16", backward_method="median(fwd+bwd) - median(fwd)",
+                              dtype="bfloat16",
+                              backward_method="the backward alone from a forward's saved state (rows' bwd_method; "
+                                              "'fwd+bwd - fwd' where it could not be replayed)",
                               flops="fwd 4*B*H*D*Sq*topk*E (dense peers 4*B*H*D*Sq*Skv); bwd 2.5x fwd"),
                   shapes=[dict(asdict(s), sparsity=s.sparsity, sparse_flops_fwd=s.sparse_flops(),
                                dense_flops_fwd=s.dense_flops()) for s in shapes],

@@ -3,7 +3,11 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench (each under 10 minutes)
+#   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
+#   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
+#   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
 # Each command has its own timeout so that one hang does not take the others' output with it.
+# The script exits nonzero when a run that must fail (checks: TF32 coarse dots) does not.
 set -uo pipefail
 step=${1:?step}
 # At most 8 files come back from a device run: each step writes one log, and whatever the
@@ -23,27 +27,91 @@ t() {  # t <seconds> <command...>: appends to $step.log
   tail -4 "$out/$log"
 }
 
+status=0
+expect_failure() {  # expect_failure <seconds> <command...>: like t, for a pytest run whose every test must fail
+  local secs=$1 log=$step.log; shift 1
+  echo "### $(date -u +%H:%M:%S) (every test must fail) $*" | tee -a "$out/$log"
+  timeout "$secs" "$@" > "$out/expect.log" 2>&1
+  local rc=$? summary
+  cat "$out/expect.log" >> "$out/$log"
+  summary=$(grep -E '[0-9]+ (passed|failed)' "$out/expect.log" | tail -1)
+  if [[ $rc -ne 0 && $rc -ne 124 && "$summary" == *failed* && "$summary" != *passed* ]]; then
+    echo "### rc=$rc as required: every test failed ($summary)" | tee -a "$out/$log"
+  else
+    echo "### ERROR rc=$rc ($summary): every test of this run had to fail" | tee -a "$out/$log"
+    status=1
+  fi
+}
+
 versions() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 - <<'EOF'
-import importlib, torch, triton, jax
-print("torch", torch.__version__, "triton", triton.__version__, "jax", jax.__version__, "gpus", torch.cuda.device_count())
-for m in ("flash_attn.cute", "cudnn", "cutlass"):
+import importlib, importlib.metadata as md, torch, triton, jax
+print("torch", torch.__version__, "(CUDA", torch.version.cuda, ") triton", triton.__version__, "jax", jax.__version__,
+      "(backend", jax.default_backend(), ") gpus", torch.cuda.device_count())
+for m, dist in (("flash_attn.cute", "flash-attn-4"), ("cudnn", "nvidia-cudnn-frontend"), ("cutlass", "nvidia-cutlass-dsl")):
     try:
-        mod = importlib.import_module(m); print(m, getattr(mod, "__version__", "ok"))
+        print(m, getattr(importlib.import_module(m), "__version__", "ok"), end="")
     except Exception as e:
-        print(m, "unavailable:", type(e).__name__, e)
+        print(m, "unavailable:", type(e).__name__, e, end="")
+    try:
+        print(f" ({dist} {md.version(dist)})")
+    except md.PackageNotFoundError:
+        print(f" ({dist}: no such distribution)")
 EOF
 }
 
+commit() {  # the commit under test: git where .git came along, else $COMMIT from the caller
+  if git rev-parse HEAD >/dev/null 2>&1; then
+    echo "$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo ' + uncommitted changes')"
+  else
+    echo "${COMMIT:-unknown (no .git here: run as COMMIT=\$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests)}"
+  fi
+}
+
+record() {  # record <log>: suite_record.md: date, device, versions, commit, counts, failures, skip reasons
+  local log=$1 rec=$out/suite_record.md
+  {
+    echo "# GPU test suite record"
+    echo
+    echo "- date (UTC): $(date -u '+%Y-%m-%d %H:%M:%S')"
+    echo "- device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | paste -sd ';')"
+    echo "- commit: $(commit)"
+    echo "- command: VSA_REQUIRE_BACKENDS=$VSA_REQUIRE_BACKENDS python3 -m pytest -q -rs -n 8 --dist loadgroup tests"
+    echo "- counts: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$log" | grep -E ' in [0-9.]+s' | tail -1 | tr -d '=' | sed 's/^ *//')"
+    echo "- pytest $(grep -E '^### rc=[0-9]+ after python3 -m pytest' "$log" | tail -1 | grep -oE 'rc=[0-9]+') (124: timed out)"
+    echo
+    echo "## versions"
+    echo '```'
+    cat "$out/versions.txt"
+    echo '```'
+    echo
+    echo "## failures"
+    echo '```'
+    grep -E '^(FAILED|ERROR) ' "$log" || echo "none"
+    echo '```'
+    echo
+    echo "## skipped (-rs)"
+    echo '```'
+    grep -E '^SKIPPED ' "$log" || echo "none"
+    echo '```'
+  } > "$rec"
+  cp "$rec" "$final/"
+  cat "$rec"
+}
+
 case $step in
-  tests)  # the whole suite on the GPUs (2-GPU tests included), parallel workers, big-offset test apart
+  tests)  # the whole suite in strict mode (FA4, cuDNN frontend and JAX's GPU backend must be there: a
+          # test that would skip for a missing one fails), 64-bit offsets included, and its record
+    export VSA_REQUIRE_BACKENDS=cute,cudnn,jax
     versions | tee "$out/versions.txt"
-    t 330 python3 -m pytest -q -rs -n 8 tests --ignore=tests/test_large_offsets.py
+    t 500 python3 -m pytest -q -rs -n 8 --dist loadgroup --durations=15 tests
+    record "$out/$step.log"
     ;;
-  checks)  # precision (and that the x16 tests see TF32), 64-bit offsets, bad values, memcheck, coarse, cuDNN
-    t 60 env VSA_COARSE_PRECISION=tf32 python3 -m pytest -q -m gpu tests/test_coarse_precision.py
-    t 90 python3 -m pytest -q -rs tests/test_large_offsets.py
+  checks)  # the coarse-stage precision tests must fail with TF32 coarse dots (they pass with the
+           # default in `tests`), bad values, memcheck, coarse timing, cuDNN
+    expect_failure 120 env VSA_COARSE_PRECISION=tf32 python3 -m pytest -q -s -m gpu tests/test_coarse_precision.py \
+      -k coarse_stage
     t 90 python3 benchmarks/safety_gpu.py
     t 120 compute-sanitizer --tool memcheck --report-api-errors no python3 benchmarks/safety_gpu.py --small \
       --frontends torch --backends triton,cute,cudnn
@@ -63,3 +131,4 @@ case $step in
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
+exit $status

@@ -8,13 +8,62 @@ tests check the same cases with the same tolerances.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import pytest
 import torch
 
 from vsa_core import reference as R
+
+# ---- strict mode --------------------------------------------------------------------------
+# VSA_REQUIRE_BACKENDS=cute,cudnn,jax (benchmarks/gpu_session.sh sets it): on a machine with a
+# GPU, a test that would skip because one of these is missing fails instead, so a GPU run
+# without FA4, cuDNN frontend or JAX's CUDA plugin cannot pass as green. A backend that is
+# installed but does not take a case (a block size, head dim or dtype it has no kernel for)
+# still skips, with its reason. Without a GPU the GPU tests skip as usual.
+STRICT_NAMES = ("cute", "cudnn", "jax")
+REQUIRED_BACKENDS = frozenset(n.strip() for n in os.environ.get("VSA_REQUIRE_BACKENDS", "").split(",") if n.strip())
+if REQUIRED_BACKENDS - set(STRICT_NAMES):
+    raise ValueError(f"VSA_REQUIRE_BACKENDS must name some of {STRICT_NAMES}, got {sorted(REQUIRED_BACKENDS)}")
+
+
+def strict(name: str) -> bool:
+    """True when `name` (cute, cudnn, jax) must be present: strict mode and a GPU."""
+    return name in REQUIRED_BACKENDS and torch.cuda.is_available()
+
+
+def missing(name: str) -> Optional[str]:
+    """Why `name`'s library cannot be used on this machine's GPU (None when it can)."""
+    if name == "cute":
+        from vsa_core.backends import cute_backend
+        return cute_backend._fa4_import_error()
+    if name == "cudnn":
+        from vsa_core.backends import cudnn_backend
+        return cudnn_backend._cudnn_import_error()
+    if name == "jax":
+        import jax
+        return None if jax.default_backend() == "gpu" else f"jax has no GPU backend ({jax.default_backend()})"
+    return None
+
+
+def skip_unavailable(name: str, reason: Optional[str]) -> None:
+    """Skips the test with `reason` (None: returns) because `name` cannot run it here; in strict
+    mode fails instead when `name` itself is missing (not installed, no GPU plugin)."""
+    if reason is None:
+        return
+    if strict(name) and missing(name) is not None:
+        pytest.fail(f"strict mode (VSA_REQUIRE_BACKENDS={','.join(sorted(REQUIRED_BACKENDS))}): {name} is "
+                    f"missing: {missing(name)}; the test would have skipped with: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_jax_gpu() -> None:
+    """Skips unless JAX runs on the GPU (fails in strict mode with `jax` required)."""
+    skip_unavailable("jax", missing("jax"))
+
 
 # ||x - ref|| / ||ref|| and max|x - ref| / max|ref| bounds, per dtype.
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3): the inputs are exact in the
@@ -88,14 +137,20 @@ def _zero_padding(x: np.ndarray, counts: np.ndarray, E: int) -> None:
         x[:, :, i * E + n:(i + 1) * E] = 0
 
 
+def _reference_scores(inputs: dict, case: Case) -> np.ndarray:
+    """float64 coarse scores [B, H, nQ, nKV] of the block means rounded to the case's dtype
+    (-inf for empty KV blocks), as the reference ranks them."""
+    t = {n: torch.from_numpy(inputs[n]).double() for n in ("q", "k")}
+    round_to = getattr(torch, case.dtype)
+    return R.coarse_scores(t["q"].to(round_to).double(), t["k"].to(round_to).double(),
+                           torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.E,
+                           round_to).numpy()
+
+
 def _selection_margin(inputs: dict, case: Case) -> float:
     """Smallest gap, over all rows, between the last selected and first unselected
     coarse score (float64 scores of the rounded block means)."""
-    t = {n: torch.from_numpy(inputs[n]).double() for n in ("q", "k")}
-    round_to = getattr(torch, case.dtype)
-    s = R.coarse_scores(t["q"].to(round_to).double(), t["k"].to(round_to).double(),
-                        torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.E,
-                        round_to).numpy()
+    s = _reference_scores(inputs, case)
     finite = np.where(np.isfinite(s), s, -np.inf)
     ordered = -np.sort(-finite, axis=-1)
     k = min(case.topk, case.n_kv_blocks)
@@ -105,13 +160,20 @@ def _selection_margin(inputs: dict, case: Case) -> float:
     return float(np.nanmin(np.where(np.isfinite(gap), gap, np.inf)))
 
 
+DRAWS = 50
+
+
 def make_inputs(case: Case, seed: int, margin: Optional[float] = 1e-4) -> dict:
-    """Fresh random inputs (float32 numpy, BHSD). Redraws until the top-k choice is
-    unambiguous by `margin`, far above the kernels' rounding of the scores (1e-5): near-ties
-    would let a correct kernel pick another block than the reference. `margin=None` takes the
-    first draw: for tests that compare two runs of our own kernels (bit for bit) and not the
-    reference, where large cases (many rows) would almost never pass the margin."""
-    for attempt in range(50 if margin is not None else 1):
+    """Fresh random inputs (float32 numpy, BHSD). Redraws (up to DRAWS times) until the top-k
+    choice is unambiguous by `margin`, far above the kernels' rounding of the scores (1e-5):
+    near-ties would let a correct kernel pick another block than the reference. Cases with
+    many rows and close scores (E 256 at x1: block means of 256 tokens score within ~1e-2 of
+    each other) may never get there; then the last draw comes back marked `near_ties` with
+    the margin, and `reference` takes the kernel's own selection once it has checked that it
+    is a top-k of the float64 scores up to that margin (`checked_kernel_selection`).
+    `margin=None` takes the first draw: for tests that compare two runs of our own kernels
+    (bit for bit) and not the reference."""
+    for attempt in range(DRAWS if margin is not None else 1):
         rng = np.random.default_rng([seed, attempt])
         E, D, B, H = case.E, case.head_dim, case.batch, case.heads
         sq, skv = case.n_q_blocks * E, case.n_kv_blocks * E
@@ -130,7 +192,48 @@ def make_inputs(case: Case, seed: int, margin: Optional[float] = 1e-4) -> dict:
         _zero_padding(x["v"], kv_counts, E)
         if margin is None or _selection_margin(x, case) > margin:
             return x
-    raise RuntimeError("could not draw inputs with an unambiguous top-k selection")
+    x["near_ties"] = margin
+    return x
+
+
+def kernel_selection(case: Case, inputs: dict, device: str) -> np.ndarray:
+    """The blocks the kernels select for these inputs (bool [B, H, nQ, nKV]): the pooling,
+    coarse forward and top-k launches of `vsa_core.ops.forward`, on `device`. Selection always
+    runs on these Triton kernels, whatever the fine stage's backend and the frontend."""
+    from vsa_core.api import prepare_vsa
+    from vsa_core.backends import triton_backend as T
+    dtype = getattr(torch, case.dtype)
+    q, k, v = (torch.from_numpy(to_layout(inputs[n], case.layout)).to(device, dtype) for n in ("q", "k", "v"))
+    kv_counts, q_counts = (torch.from_numpy(inputs[n]).to(device, torch.int32) for n in ("kv_counts", "q_counts"))
+    p = prepare_vsa(q, k, v, kv_counts, q_counts, case.topk, case.block, layout=case.layout).problem
+    b = {name: torch.empty(shape, device=device, dtype=dtype if kind == "input" else getattr(torch, kind))
+         for name, (shape, kind) in p.forward_buffers().items()}
+    T.block_mean_pool_qkv(p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
+    T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
+                     b["lse_coarse"])
+    T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    return b["sel_mask"].bool().cpu().numpy()
+
+
+def check_top_k(scores: np.ndarray, selected: np.ndarray, topk: int, margin: float) -> None:
+    """`selected` picks, in every row, min(topk, finite scores) blocks with finite scores, and
+    no unselected block scores more than `margin` above the lowest selected one."""
+    finite = np.isfinite(scores)
+    want = np.minimum(topk, finite.sum(-1))
+    assert (selected.sum(-1) == want).all(), "the kernel selected a wrong number of blocks in some row"
+    assert not (selected & ~finite).any(), "the kernel selected an empty block"
+    lowest_in = np.where(selected, scores, np.inf).min(-1)
+    highest_out = np.where(~selected & finite, scores, -np.inf).max(-1)
+    worst = float(np.max(highest_out - lowest_in))
+    assert worst <= margin, f"the kernel's selection passes over a block scoring {worst:.2e} higher (margin {margin})"
+
+
+def checked_kernel_selection(case: Case, inputs: dict) -> np.ndarray:
+    """The kernel's selection on these inputs, checked to be a top-k of the float64 scores
+    up to the draw's margin (see make_inputs)."""
+    selected = kernel_selection(case, inputs, "cuda" if torch.cuda.is_available() else "cpu")
+    check_top_k(_reference_scores(inputs, case), selected, case.topk, inputs["near_ties"])
+    return selected
 
 
 def to_layout(x: np.ndarray, layout: str) -> np.ndarray:
@@ -146,9 +249,11 @@ def reference(case: Case, inputs: dict) -> dict:
     round_to = getattr(torch, case.dtype)
     t = {n: torch.from_numpy(inputs[n]).to(round_to).double().requires_grad_()
          for n in ("q", "k", "v", "gate")}
+    # near-tie draws (make_inputs): the kernel's selection, once checked to be a top-k
+    block_map = torch.from_numpy(checked_kernel_selection(case, inputs)) if inputs.get("near_ties") else None
     out, _, _ = R.video_sparse_attn_reference(
         t["q"], t["k"], t["v"], inputs["kv_counts"], inputs["q_counts"], case.topk, case.E,
-        gate=t["gate"] if case.gate else None, round_to=round_to)
+        gate=t["gate"] if case.gate else None, round_to=round_to, block_map=block_map)
     dout = torch.from_numpy(inputs["dout"]).to(round_to).double()
     out.backward(dout)
     res = {"out": out.detach().numpy(), "dq": t["q"].grad.numpy(), "dk": t["k"].grad.numpy(),

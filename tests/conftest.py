@@ -24,6 +24,15 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
+    import common  # noqa: F401  (checks VSA_REQUIRE_BACKENDS before any test runs)
+
+
+def pytest_report_header(config):
+    from common import REQUIRED_BACKENDS
+    if REQUIRED_BACKENDS:
+        return (f"strict mode: VSA_REQUIRE_BACKENDS={','.join(sorted(REQUIRED_BACKENDS))} "
+                + ("(a test that would skip for one of them missing fails)" if HAS_CUDA else "(no GPU: no effect)"))
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,11 +2,14 @@
 command buffers (CUDA graphs), replayed with new inputs, against the callback path.
 
 XLA reads XLA_FLAGS once, at backend start, hence a process of its own. Prints one line
-per replay and "ALL EQUAL" at the end when every result matched bit for bit.
+per replay and "ALL EQUAL" at the end when every result matched bit for bit; exits nonzero
+unless every result matched and XLA's optimized HLO shows the native custom calls inside a
+command buffer (the point of the check: a run without command buffers proves nothing).
 """
 
 import glob
 import os
+import re
 import sys
 import tempfile
 
@@ -62,9 +65,32 @@ for replay in range(3):
     ok &= all(equal.values())
     print(f"replay {replay}: native == callback: {equal}")
 
-dumped = glob.glob(os.path.join(DUMP, "*"))
-mentions = [f for f in dumped if os.path.isfile(f) and "command_buffer" in open(f, errors="ignore").read()]
-print(f"XLA dump: {len(dumped)} files, {len(mentions)} mention command_buffer: "
-      + ", ".join(os.path.basename(f) for f in mentions[:5]))
+
+def captured_custom_calls(hlo: str) -> int:
+    """How many FFI_TARGET custom calls sit inside a command-buffer computation of one HLO
+    module's text (XLA outlines what it records into a CUDA graph into computations named
+    command_buffer*, called from the entry computation)."""
+    count, inside = 0, False
+    for line in hlo.splitlines():
+        head = re.match(r"\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)
+        if head:
+            inside = "command_buffer" in head.group(2)
+        elif line.strip() == "}":
+            inside = False
+        elif inside and f'custom_call_target="{native.FFI_TARGET}"' in line:
+            count += 1
+    return count
+
+
+optimized = [f for f in glob.glob(os.path.join(DUMP, "*after_optimizations*.txt")) if os.path.isfile(f)]
+captured = {os.path.basename(f): captured_custom_calls(open(f, errors="ignore").read()) for f in optimized}
+captured = {name: n for name, n in captured.items() if n}
+print(f"XLA dump: {len(optimized)} optimized modules; {native.FFI_TARGET} calls inside command buffers: "
+      + (", ".join(f"{name}: {n}" for name, n in captured.items()) or "none"))
 print("ALL EQUAL" if ok else "MISMATCH")
-sys.exit(0 if ok else 1)
+if not captured:
+    mentions = [f for f in glob.glob(os.path.join(DUMP, "*")) if os.path.isfile(f)
+                and "command_buffer" in open(f, errors="ignore").read()]
+    print("NO COMMAND BUFFER: no native custom call inside a command_buffer computation; dump files that "
+          f"mention command_buffer: {[os.path.basename(f) for f in mentions[:8]]} (dump kept in {DUMP})")
+sys.exit(0 if ok and captured else 1)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vsa_torch
-from common import Case, assert_close, errors, make_inputs, reference, to_layout
+from common import Case, assert_close, errors, make_inputs, reference, require_jax_gpu, skip_unavailable, to_layout
 from test_torch_vsa import run_torch
 from vsa_core.backends import (BackendUnavailableError, auto_table, cudnn_backend, resolve_backend,
                                triton_backend)
@@ -137,8 +137,7 @@ def _cudnn_reason(case: Case, training: bool = True):
 
 def _require_cudnn(case: Case, training: bool = True):
     reason = _cudnn_reason(case, training)
-    if reason is not None:
-        pytest.skip(f"cudnn backend unavailable: {reason}")
+    skip_unavailable("cudnn", reason and f"cudnn backend unavailable: {reason}")
 
 
 # bf16, head dim 128 (its sm_90 backward), 64- and 128-token blocks
@@ -290,9 +289,7 @@ def test_cudnn_torch_and_jax(case):
     """The same cuDNN kernels through both frontends: the forward (no atomics) bit for bit,
     the gradients within the reference tolerance (cuDNN's backward adds dQ with atomics
     and builds its K-to-Q lists with atomics: not bitwise reproducible run to run)."""
-    jax = pytest.importorskip("jax")
-    if jax.default_backend() != "gpu":
-        pytest.skip("jax has no GPU backend")
+    require_jax_gpu()
     _require_cudnn(case)
     import jax.numpy as jnp
     from test_jax_vsa import jax_args, to_numpy, vsa_fn
@@ -347,9 +344,8 @@ def test_cudnn_bad_lists_under_compile_equal_clean_lists(frontend, E):
             out.backward(torch.from_numpy(inputs["dout"]).to("cuda", torch.bfloat16))
             results.append([x.detach().float().cpu().numpy() for x in (out, lse, q.grad, k.grad, v.grad)])
     else:
-        jax = pytest.importorskip("jax")
-        if jax.default_backend() != "gpu":
-            pytest.skip("jax has no GPU backend")
+        require_jax_gpu()
+        import jax
         import jax.numpy as jnp
 
         import vsa_jax

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vsa_torch
-from common import Case, assert_close, errors, make_inputs, reference, to_layout
+from common import Case, assert_close, errors, make_inputs, reference, skip_unavailable, to_layout
 from test_torch_vsa import run_torch
 from vsa_core.backends import BackendUnavailableError, cute_backend, resolve_backend, triton_backend
 from vsa_core.problem import AttnProblem
@@ -225,8 +225,7 @@ def _cute_reason(case: Case):
 
 def _require_cute(case: Case):
     reason = _cute_reason(case)
-    if reason is not None:
-        pytest.skip(f"cute backend unavailable: {reason}")
+    skip_unavailable("cute", reason and f"cute backend unavailable: {reason}")
 
 
 CUTE_CASES = [

@@ -22,7 +22,7 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import Case, assert_close, from_layout, make_inputs, reference, to_layout
+from common import Case, assert_close, from_layout, make_inputs, reference, skip_unavailable, to_layout
 from vsa_core import plan as core_plan
 from vsa_core.backends import triton_backend as T
 from vsa_core.problem import AttnProblem
@@ -325,13 +325,15 @@ def test_native_matches_callback_and_torch_bitwise(case, eager_tma, fixed_config
 def test_native_under_xla_command_buffers():
     """In a fresh process (XLA reads its flags once) with command buffers on for custom
     calls: three replays with new inputs, each equal bit for bit to the callback path and
-    close to the reference; prints whether XLA's dump shows command buffers."""
+    close to the reference, and XLA's optimized HLO has the native custom calls inside a
+    command buffer (the script exits nonzero otherwise)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + os.path.join(REPO, "tests") + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "native_cmdbuf_check.py")], env=env,
                           capture_output=True, text=True, timeout=900)
     print(proc.stdout[-4000:])
-    assert proc.returncode == 0 and "ALL EQUAL" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0 and "ALL EQUAL" in proc.stdout and "inside command buffers: none" not in proc.stdout, (
+        proc.stdout[-4000:] + proc.stderr[-4000:])
 
 
 @pytest.mark.gpu
@@ -380,7 +382,7 @@ def test_kernel_call_protos_carry_the_plan():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "native_proto_check.py")], env=env,
                           capture_output=True, text=True, timeout=1200)
     if proc.returncode == 3:
-        pytest.skip("jaxlib has no CUDA Triton module (no jax CUDA plugin installed)")
+        skip_unavailable("jax", "jaxlib has no CUDA Triton module (no jax CUDA plugin installed)")
     assert proc.returncode == 0 and "PROTOS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vsa_jax
-from common import Case, assert_close, make_inputs, reference
+from common import Case, assert_close, make_inputs, reference, skip_unavailable
 from test_jax_vsa import jax_args, to_numpy, vsa_fn
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
@@ -314,7 +314,7 @@ def test_two_gpus_heads_split_equal_one_gpu(backend, how):
     try:
         want = [np.asarray(x) for x in jax.jit(fn)(*args)]
     except BackendUnavailableError as e:
-        pytest.skip(f"{backend} backend unavailable: {e}")
+        skip_unavailable(backend, f"{backend} backend unavailable: {e}")
     assert all(np.isfinite(np.asarray(w, np.float32)).all() for w in want), "non-finite values on one GPU"
 
     mesh, spec = mesh_of(), P(None, "x")

@@ -9,8 +9,8 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import CASES, Case, assert_close, make_inputs, reference
-from frontends import JAX_GPU, jax_args, run_jax_grad, run_torch, seed_of, to_numpy, vsa_fn
+from common import CASES, Case, assert_close, make_inputs, reference, require_jax_gpu
+from frontends import jax_args, run_jax_grad, run_torch, seed_of, to_numpy, vsa_fn
 from vsa_core.reference import block_sparse_attn_reference
 
 # ---- parity -------------------------------------------------------------------------------
@@ -39,7 +39,6 @@ CUTE_PARITY_CASES = [c for c in CASES if c.E in (128, 256)] + [Case(block=256, h
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not JAX_GPU, reason="jax has no GPU backend")
 @pytest.mark.parametrize("case", CUTE_PARITY_CASES, ids=lambda c: c.id())
 def test_matches_torch_on_cute(case):
     """backend="cute" (FA4's fine stage): what is and is not bitwise.
@@ -50,6 +49,7 @@ def test_matches_torch_on_cute(case):
       tolerance of each other, not bitwise; dk and dv are compared the same way
       (their determinism is FA4's business, not promised here)."""
     from test_cute_backend import _require_cute
+    require_jax_gpu()
     _require_cute(case)
     inputs = make_inputs(case, seed=seed_of(case))
     got_jax, got_torch = run_jax_grad(case, inputs, "cute"), run_torch(case, inputs, "cute")
@@ -280,7 +280,6 @@ def test_tiling_helpers_match_numpy_metadata():
 # ---- GPU ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [CASES[0], CASES[8]], ids=lambda c: c.id())
 @pytest.mark.gpu
-@pytest.mark.skipif(not JAX_GPU, reason="jax has no GPU backend")
 def test_gpu_kernels_run_on_xla_stream(case, monkeypatch):
     """jit(f) with XLA ops right before and after the callback and no synchronisation:
     correct results need the kernels on XLA's stream. A spy also checks that the fine

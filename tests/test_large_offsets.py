@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vsa_torch
-from common import TOLERANCE, errors
+from common import TOLERANCE, errors, skip_unavailable
 from vsa_core import reference as R
 from vsa_core.backends import BackendUnavailableError
 
@@ -21,7 +21,8 @@ B, H, D, E, N_BLOCKS = 1, 40, 128, 256, 1664
 S = N_BLOCKS * E
 LAST_COUNT = 100  # the last KV block is partial
 BF16 = torch.bfloat16
-pytestmark = pytest.mark.gpu
+# one worker runs them all (gpu_session.sh: `-n 8 --dist loadgroup`): each holds tens of GB
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("large_offsets")]
 
 
 def _randn(shape, seed):
@@ -44,7 +45,7 @@ def _call(fn, *args, **kw):
     try:
         return fn(*args, **kw)
     except BackendUnavailableError as e:
-        pytest.skip(str(e))
+        skip_unavailable(kw["backend"], str(e))
 
 
 @pytest.mark.parametrize("backend", ["triton", "cute"])

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vsa_jax
-from common import Case, assert_close, make_inputs, reference
+from common import Case, assert_close, make_inputs, reference, skip_unavailable
 from test_jax_vsa import jax_args, to_numpy
 from vsa_jax.parallel import ulysses_video_sparse_attn, ulysses_video_sparse_attn_on_mesh
 
@@ -193,8 +193,7 @@ def test_gpu_on_mesh_equals_one_device(job):
     if backend == "cute":
         from test_cute_backend import _cute_reason
         reason = _cute_reason(case)
-        if reason is not None:
-            pytest.skip(f"cute backend unavailable: {reason}")
+        skip_unavailable("cute", reason and f"cute backend unavailable: {reason}")
     inputs = make_inputs(case, seed_of(case))
     args = jax_args(case, inputs)
     want = one_device(case, inputs, args, backend=backend)

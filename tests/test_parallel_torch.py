@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import vsa_torch
-from common import Case, assert_close, from_layout, make_inputs, reference, to_layout
+from common import Case, assert_close, from_layout, make_inputs, reference, skip_unavailable, to_layout
 from test_torch_vsa import run_torch
 from vsa_torch.parallel import ulysses_video_sparse_attn
 
@@ -181,8 +181,7 @@ def test_nccl_equals_one_device(tmp_path, monkeypatch, job):
     if backend == "cute":
         from test_cute_backend import _cute_reason
         reason = _cute_reason(case)
-        if reason is not None:
-            pytest.skip(f"cute backend unavailable: {reason}")
+        skip_unavailable("cute", reason and f"cute backend unavailable: {reason}")
     ranks = spawn(tmp_path, monkeypatch, "nccl", [(case, backend)])
     bitwise = check_against_one_device(case, ranks, 0)
     if backend == "triton":  # no atomics: every result reproduces

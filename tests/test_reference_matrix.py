@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from common import CASES, Case, assert_close, make_inputs, reference
+from common import CASES, Case, assert_close, make_inputs, reference, require_jax_gpu, skip_unavailable
 from frontends import TORCH_DEVICE, run_jax_vjp, run_torch, seed_of
 from vsa_core.backends import BackendUnavailableError, resolve_backend
 from vsa_core.problem import AttnProblem
@@ -49,9 +49,9 @@ def _unavailable(case: Case, backend: str, frontend: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("frontend", list(RUNNERS))
 def test_matches_float64_reference(frontend, backend, case):
-    reason = _unavailable(case, backend, frontend)
-    if reason is not None:
-        pytest.skip(reason)
+    if frontend == "jax" and backend != "triton":
+        require_jax_gpu()
+    skip_unavailable(backend, _unavailable(case, backend, frontend))
     if backend != "triton" and case.scale != 1.0:
         # FA4 and cuDNN form the backward's delta from the output in q's dtype (FlashAttention's
         # recipe), which at large logits is outside this tolerance by design; their own test files

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import vsa_torch
-from common import Case, assert_close, make_inputs, reference
+from common import Case, assert_close, make_inputs, reference, skip_unavailable
 from vsa_core.backends import BackendUnavailableError
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +54,7 @@ def require_backend(case: Case, backend: str) -> None:
     try:
         step(case, backend, x, backward=False)
     except BackendUnavailableError as e:
-        pytest.skip(f"{backend} backend unavailable: {e}")
+        skip_unavailable(backend, f"{backend} backend unavailable: {e}")
 
 
 def to_numpy(results) -> dict:

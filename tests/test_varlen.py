@@ -34,7 +34,7 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import Case, assert_close, make_inputs, reference
+from common import Case, assert_close, make_inputs, reference, skip_unavailable
 from vsa_core import reference as R
 from vsa_torch import ops as torch_ops
 
@@ -515,17 +515,20 @@ GPU_PACKS = [
 
 
 def _skip_unless_backend_runs(backend: str, pack: Pack) -> None:
-    from vsa_core.backends import resolve_backend
+    """Skips (strict mode: fails) when `backend` cannot run the pack's problem here; only
+    BackendUnavailableError means that: any other error is a bug in the test or the code."""
+    from vsa_core.backends import BackendUnavailableError, resolve_backend
     from vsa_core.problem import describe_attention
     from vsa_core.runtime import DeviceInfo
-    probe = describe_attention(torch.empty(1, 1, pack.E, pack.head_dim, dtype=BF16),
-                               *[torch.empty(1, 1, pack.E, pack.head_dim, dtype=BF16)] * 2,
-                               block_size=pack.block, layout="bshd", kv_counts=np.array([pack.E]),
-                               q_counts=np.array([pack.E]), topk=1)
+    # one whole block of the pack's E, D and dtype, BSHD [1, E, H, D]: what the backends decide on
+    one_block = torch.empty(1, pack.E, pack.heads, pack.head_dim, dtype=BF16)
+    probe = describe_attention(one_block, one_block, one_block, block_size=pack.block, layout="bshd",
+                               kv_counts=np.array([pack.E]), q_counts=np.array([pack.E]), topk=1,
+                               gate=one_block if pack.gate else None)
     try:
         resolve_backend(backend, probe, DeviceInfo.of(torch.empty(1, device="cuda")))
-    except Exception as e:  # noqa: BLE001 (FA4 not installed / another GPU: say why)
-        pytest.skip(str(e))
+    except BackendUnavailableError as e:
+        skip_unavailable(backend, str(e))
 
 
 @pytest.mark.gpu
