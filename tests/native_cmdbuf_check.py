@@ -92,5 +92,10 @@ if not captured:
     mentions = [f for f in glob.glob(os.path.join(DUMP, "*")) if os.path.isfile(f)
                 and "command_buffer" in open(f, errors="ignore").read()]
     print("NO COMMAND BUFFER: no native custom call inside a command_buffer computation; dump files that "
-          f"mention command_buffer: {[os.path.basename(f) for f in mentions[:8]]} (dump kept in {DUMP})")
+          f"mention command_buffer: {[os.path.basename(f) for f in mentions if 'jit_loss' in f]} (dump kept in {DUMP})")
+    for f in sorted(glob.glob(os.path.join(DUMP, "*jit_loss*thunk*"))):  # what XLA did with the loss
+        lines = [ln for ln in open(f, errors="ignore").read().splitlines()
+                 if "ommand" in ln or native.FFI_TARGET in ln or "custom" in ln.lower()]
+        print(f"--- {os.path.basename(f)}: {len(lines)} lines about command buffers / custom calls")
+        print("\n".join(lines[:25]))
 sys.exit(0 if ok and captured else 1)

@@ -291,6 +291,7 @@ def test_cudnn_torch_and_jax(case):
     and builds its K-to-Q lists with atomics: not bitwise reproducible run to run)."""
     require_jax_gpu()
     _require_cudnn(case)
+    import jax
     import jax.numpy as jnp
     from test_jax_vsa import jax_args, to_numpy, vsa_fn
     inputs = make_inputs(case, seed=zlib.crc32(case.id().encode()) + 2)

@@ -268,16 +268,21 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 # ---- block-sparse attention over packed sequences ------------------------------------------
+def same_sequence_blocks(pack: Pack, x: dict) -> np.ndarray:
+    """Bool [nQ, nKV]: query block i and KV block j belong to the same packed sequence."""
+    q_seq = np.searchsorted(x["cu_q"][1:], np.arange(sum(pack.q_blocks)) * pack.E, side="right")
+    kv_seq = np.searchsorted(x["cu_k"][1:], np.arange(sum(pack.kv_blocks)) * pack.E, side="right")
+    return q_seq[:, None] == kv_seq[None, :]
+
+
 def own_sequence_map(pack: Pack, x: dict, seed: int) -> np.ndarray:
     """Random bool [H, nQ, nKV] map over the packed blocks, only within each sequence; one
     query block selects nothing (out 0, lse -inf)."""
     rng = np.random.default_rng(seed)
-    E = pack.E
-    q_seq = np.searchsorted(x["cu_q"][1:], np.arange(sum(pack.q_blocks)) * E, side="right")
-    kv_seq = np.searchsorted(x["cu_k"][1:], np.arange(sum(pack.kv_blocks)) * E, side="right")
-    own = q_seq[:, None] == kv_seq[None, :]
-    bm = (rng.random((pack.heads, len(q_seq), len(kv_seq))) < 0.6) & own
-    bm[:, np.arange(len(q_seq)), np.argmax(own, axis=1)] = True  # every query block sees something...
+    own = same_sequence_blocks(pack, x)
+    nq, nk = own.shape
+    bm = (rng.random((pack.heads, nq, nk)) < 0.6) & own
+    bm[:, np.arange(nq), np.argmax(own, axis=1)] = True  # every query block sees something...
     bm[0, 0, :] = False                                            # ...but one
     return bm
 
@@ -554,5 +559,7 @@ def test_block_sparse_varlen_gpu_backends(backend, pack):
     assert_close(_tol_case(pack), {n: got[n] for n in ref}, ref)
     lists = map_to_lists(bm, capacity=max(pack.kv_blocks) + 1)
     assert_equal_or_close(run_torch_bsa(pack, x, lists=lists, backend=backend), got, "lists vs map")
-    crossed = bm | (np.random.default_rng(8).random(bm.shape) < 0.3)
+    # entries in other sequences only: an own-sequence entry would change the answer
+    crossed = bm | ((np.random.default_rng(8).random(bm.shape) < 0.3) & ~same_sequence_blocks(pack, x))
+    assert (crossed != bm).any()
     assert_equal_or_close(run_torch_bsa(pack, x, bm=crossed, check=False, backend=backend), got, "cross entries")
