@@ -120,7 +120,7 @@ def breakdown(shape, backend, iters):
     meta, q, k, v, gate = inputs(shape, smooth=False)
     for x in (q, k, v, gate):
         x.requires_grad_(True)
-    counts = meta.variable_block_sizes.to("cuda")
+    counts = torch.as_tensor(meta.variable_block_sizes, device="cuda")
     dout = torch.randn_like(q)
 
     def call():
@@ -155,7 +155,7 @@ def breakdown(shape, backend, iters):
 def overlap(shape, smooth):
     B, H, video, D, tile, topk = shape
     meta, q, k, v, gate = inputs(shape, smooth=smooth, seed=1)
-    counts = meta.variable_block_sizes.to("cuda")
+    counts = torch.as_tensor(meta.variable_block_sizes, device="cuda")
     E = int(np.prod(tile))
     n = q.shape[2] // E
     # the kernel's own selection: the fine stage alone gets it from the map; take it from the
