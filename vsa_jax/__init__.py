@@ -272,7 +272,7 @@ def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequ
 
 def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
     """Raw (T, H, W row-major) tokens along `dim` -> padded tile-contiguous order (zero padding)."""
-    dim = dim % x.ndim
+    dim = meta.token_axis("x", x.shape, dim, tiled=False)  # shapes are static: free under jit
     shape = list(x.shape)
     shape[dim] = meta.padded_len
     slots = (slice(None),) * dim + (meta.non_pad_index,)
@@ -281,7 +281,8 @@ def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
 
 def from_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
     """Padded tile-contiguous order along `dim` -> raw token order (padding dropped)."""
-    return jnp.take(x, meta.non_pad_index[meta.raw_from_tiled], axis=dim % x.ndim)
+    dim = meta.token_axis("x", x.shape, dim, tiled=True)
+    return jnp.take(x, meta.non_pad_index[meta.raw_from_tiled], axis=dim)
 
 
 from . import parallel  # noqa: E402,F401  (vsa_jax.parallel: sequence parallelism; needs the names above)

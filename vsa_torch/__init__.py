@@ -237,7 +237,7 @@ def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequ
 
 def to_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
     """Raw (T, H, W row-major) tokens along `dim` -> padded tile-contiguous order."""
-    dim = dim % x.dim()
+    dim = meta.token_axis("x", x.shape, dim, tiled=False)
     shape = list(x.shape)
     shape[dim] = meta.padded_len
     out = x.new_zeros(shape)
@@ -248,8 +248,9 @@ def to_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
 
 def from_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
     """Padded tile-contiguous order along `dim` -> raw token order (padding dropped)."""
+    dim = meta.token_axis("x", x.shape, dim, tiled=True)
     idx = torch.as_tensor(meta.non_pad_index[meta.raw_from_tiled], device=x.device)
-    return x.index_select(dim % x.dim(), idx)
+    return x.index_select(dim, idx)
 
 
 from . import parallel  # noqa: E402,F401  (vsa_torch.parallel: sequence parallelism; needs the names above)
