@@ -81,3 +81,41 @@ def test_metadata_repr_is_short():
 def test_unsupported_tile_volume_uses_fastvideo_wording(tile, volume):
     with pytest.raises(ValueError, match=rf"Unsupported VSA tile volume {volume}\b"):
         build_vsa_metadata((8, 8, 8), tile)
+
+
+# ---- 3. errors that say what disagrees -------------------------------------------------------------
+def _vsa_args(frontend, layout="bhsd", S=512, dtype=np.float16):
+    _, make = FRONTENDS[frontend]
+    shape = (1, 2, S, 64) if layout == "bhsd" else (1, S, 2, 64)
+    q = make(np.zeros(shape, dtype))
+    return q, q, q
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_block_size_that_disagrees_with_the_counts_is_named(frontend):
+    """Counts built for (4, 4, 4) tiles (8 blocks of 64) but block_size (4, 4, 8): the
+    message names block_size and the counts, with both block sizes."""
+    fe, _ = FRONTENDS[frontend]
+    q, k, v = _vsa_args(frontend)
+    counts = build_vsa_metadata((8, 8, 8), (4, 4, 4)).variable_block_sizes
+    with pytest.raises(ValueError, match=r"block_size and variable_block_sizes disagree: block_size=\(4, 4, 8\) "
+                                         r"makes 128-token blocks.* 4 blocks, but variable_block_sizes has 8 counts "
+                                         r"\(64-token blocks\)"):
+        fe.video_sparse_attn(q, k, v, counts, counts, 2, (4, 4, 8))
+    with pytest.raises(ValueError, match=r"block_size and variable_block_sizes disagree: block_size=256 .* 2 blocks, "
+                                         r"but variable_block_sizes has 8 counts"):
+        fe.block_sparse_attn(q, k, v, FRONTENDS[frontend][1](np.ones((1, 2, 2, 2), bool)), counts, 256)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_bshd_data_in_the_bhsd_function_suggests_the_layout(frontend):
+    fe, _ = FRONTENDS[frontend]
+    q, k, v = _vsa_args(frontend, layout="bshd")  # [1, 512, 2, 64] given to the BHSD function
+    counts = np.full(8, 64, np.int32)
+    with pytest.raises(ValueError, match=r"q sequence length must be a positive multiple of the block size 64, got 2 "
+                                         r"\(shape \(1, 512, 2, 64\): \[B, H, S, D\] is read here; for \[B, S, H, D\] "
+                                         r"data use video_sparse_attn_bshd"):
+        fe.video_sparse_attn(q, k, v, counts, counts, 2, 64)
+    q, k, v = _vsa_args(frontend)  # and the other way round
+    with pytest.raises(ValueError, match=r"\[B, S, H, D\] is read here; for \[B, H, S, D\] data use video_sparse_attn"):
+        fe.video_sparse_attn_bshd(q, k, v, counts, counts, 2, 64)
