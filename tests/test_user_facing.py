@@ -119,3 +119,38 @@ def test_bshd_data_in_the_bhsd_function_suggests_the_layout(frontend):
     q, k, v = _vsa_args(frontend)  # and the other way round
     with pytest.raises(ValueError, match=r"\[B, S, H, D\] is read here; for \[B, H, S, D\] data use video_sparse_attn"):
         fe.video_sparse_attn_bshd(q, k, v, counts, counts, 2, 64)
+
+
+# ---- 4. the CPU warning points at the caller's line, in the frontend's words -------------------------
+WARNING_SCRIPTS = {
+    "torch": ("import torch, vsa_torch\n"
+              "q = torch.randn(1, 1, 64, 64, dtype=torch.bfloat16)\n"
+              "out = vsa_torch.video_sparse_attn(q, q, q, [64], [64], 1, 64)  # line 3\n"),
+    "jax": ("import jax.numpy as jnp, vsa_jax\n"
+            "q = jnp.ones((1, 1, 64, 64), jnp.bfloat16)\n"
+            "out = vsa_jax.video_sparse_attn(q, q, q, [64], [64], 1, 64)  # line 3\n"),
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path without TRITON_INTERPRET")
+@pytest.mark.parametrize("frontend,words", [("torch", "CPU tensors"), ("jax", "JAX arrays on the CPU")])
+def test_cpu_warning_points_at_the_callers_line(frontend, words, tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    from vsa_core.backends import _interpreter_broken
+    if _interpreter_broken():
+        pytest.skip(_interpreter_broken())
+    script = tmp_path / "user_script.py"
+    script.write_text(WARNING_SCRIPTS[frontend])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    run = subprocess.run([sys.executable, "-W", "default", str(script)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if "interpreter" in line]
+    assert len(lines) == 1, run.stderr[-3000:]
+    assert lines[0].startswith(f"{script}:3: UserWarning: vsa: {words} run the Triton kernels under Triton's "
+                               "interpreter"), lines[0]
