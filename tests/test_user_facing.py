@@ -154,3 +154,40 @@ def test_cpu_warning_points_at_the_callers_line(frontend, words, tmp_path):
     assert len(lines) == 1, run.stderr[-3000:]
     assert lines[0].startswith(f"{script}:3: UserWarning: vsa: {words} run the Triton kernels under Triton's "
                                "interpreter"), lines[0]
+
+
+# ---- 6. demo.py: options, and a line saying what it computed ----------------------------------------
+def _demo(*args):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(root / "demo.py"), *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_demo_help_lists_the_options():
+    run = _demo("--help")
+    assert run.returncode == 0, run.stderr
+    for option in ("--video T,H,W", "--topk", "--backend", "--frontend {torch,jax}", "--dtype", "--tile"):
+        assert option in run.stdout, (option, run.stdout)
+    bad = _demo("--video", "4,4")
+    assert bad.returncode == 2 and "--video: expected three positive ints T,H,W" in bad.stderr
+
+
+@pytest.mark.parametrize("args,summary", [
+    ((), r"vsa demo \(torch, backend auto, (GPU|CPU, Triton interpreter)\): video 5x8x8 \(320 tokens\) in 4x4x4 "
+         r"tiles = 8 blocks of 64 tokens \(4 partial\), B1 H2 D64, top-2 of 8, bfloat16, gate on: forward \+ "
+         r"backward in [0-9.]+ s, largest error [0-9.e-]+ \(pass < 2e-02\): PASS"),
+    (("--frontend", "jax", "--video", "4,4,8", "--topk", "1", "--dtype", "float16", "--heads", "1",
+      "--head-dim", "128", "--backend", "triton"),
+     r"vsa demo \(jax, backend triton, .*\): video 4x4x8 \(128 tokens\) .* B1 H1 D128, top-1 of 2, float16, "
+     r"gate on: .* \(pass < 3e-03\): PASS"),
+])
+def test_demo_says_what_it_computed(args, summary):
+    import re
+    run = _demo(*args, "--no-bench")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert re.search(summary, run.stdout), run.stdout
