@@ -191,3 +191,20 @@ def test_demo_says_what_it_computed(args, summary):
     run = _demo(*args, "--no-bench")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert re.search(summary, run.stdout), run.stdout
+
+
+# ---- 8. the docstrings are enough without the README ---------------------------------------------------
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_help_states_the_contract(frontend):
+    import pydoc
+    fe, _ = FRONTENDS[frontend]
+    text = " ".join(pydoc.render_doc(fe.video_sparse_attn, renderer=pydoc.plaintext).split())
+    for fact in ("bf16 or fp16", "head dim D 64 or 128", "multiples of the block's token count E",
+                 "tile order", "Returns out: q's shape and dtype, `[B, H, Sq, D]`",
+                 "`variable_block_sizes` counts the valid tokens of each KV block",
+                 "`q_variable_block_sizes` those of each query block", "Padding is never read",
+                 "clamped", "fp32 coarse scores"):
+        assert fact in text, (frontend, fact)
+    for helper in (fe.to_tiled, fe.from_tiled):
+        doc = " ".join(helper.__doc__.split())
+        assert "dim=1 for `[B, S, H, D]`" in doc and "ValueError" in doc, (frontend, helper.__name__)
