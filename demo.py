@@ -1,53 +1,174 @@
-"""Video Sparse Attention in one run.
+"""Video Sparse Attention in one run: `python demo.py` (`--help` for the options).
 
-On a GPU: times vsa_torch.video_sparse_attn forward and backward at a 480p video
-shape against dense attention (torch SDPA) and checks a small case against the float64
-reference. On the CPU: runs a small case through the same Triton kernels under Triton's
-interpreter (vsa does that by itself for CPU tensors, with a warning that it is slow)
-and checks it against the float64 reference.
+Runs VSA forward and backward on a small video latent (by default 5x8x8 tokens in
+4x4x4 tiles: 64-token blocks, the second time row of tiles holds 1 of 4 frames, so some
+tiles are partial; gate on) and checks the output and the gradients to q, k, v and the
+gate against the float64 reference (`vsa_core/reference.py`), then prints one line saying
+what it computed and whether it passed. On a GPU it also times VSA forward and backward
+at a 480p video shape against dense attention (torch SDPA). On the CPU the same Triton
+kernels run under Triton's interpreter (vsa does that by itself, with a warning that it
+is slow): keep the video small there.
 """
 
-import sys
+from __future__ import annotations
 
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
 import torch
 
-import vsa_torch
 from vsa_core import reference as R
+from vsa_core.metadata import build_vsa_metadata
 
 ON_GPU = torch.cuda.is_available()
+# ||x - ref|| / ||ref|| bounds: bf16 keeps 8 significant bits, fp16 11 (see tests/common.py)
+THRESHOLD = {"bfloat16": 2e-2, "float16": 3e-3}
 
-DEVICE = "cuda" if ON_GPU else "cpu"
+
+def _triple(text: str):
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three ints T,H,W, got {text!r}") from None
+    if len(values) != 3 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected three positive ints T,H,W, got {text!r}")
+    return values
 
 
-def check_small_case() -> bool:
-    """A 5x8x8-token video latent in 4x4x4 tiles (64 tokens; the second time row of tiles
-    holds 1 of 4 frames: partial tiles), gate on."""
-    torch.manual_seed(0)
-    meta = vsa_torch.build_vsa_metadata((5, 8, 8), (4, 4, 4))
-    B, H, D, topk = 1, 2, 64, 2
-    raw = [torch.randn(B, H, meta.num_tokens, D) for _ in range(4)]
-    q, k, v, gate = (vsa_torch.to_tiled(x, meta).to(DEVICE, torch.bfloat16) for x in raw)
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Run VSA forward and backward on a small video latent and check it against the float64 "
+                    "reference; on a GPU also time it at 480p.")
+    parser.add_argument("--video", type=_triple, default=(5, 8, 8), metavar="T,H,W",
+                        help="latent video shape in tokens (frames, height, width); default 5,8,8")
+    parser.add_argument("--tile", type=_triple, default=(4, 4, 4), metavar="t,h,w",
+                        help="tile shape; t*h*w (the block size) must be 64, 128 or 256; default 4,4,4")
+    parser.add_argument("--topk", type=int, default=2, help="KV blocks each query block attends to; default 2")
+    parser.add_argument("--heads", type=int, default=2, help="attention heads; default 2")
+    parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128), help="head dim D; default 64")
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(THRESHOLD), help="default bfloat16")
+    parser.add_argument("--backend", default="auto", choices=("auto", "triton", "cute", "cudnn"),
+                        help="fine-stage backend; default auto")
+    parser.add_argument("--frontend", default="torch", choices=("torch", "jax"), help="default torch")
+    parser.add_argument("--no-bench", action="store_true", help="skip the 480p timing on a GPU")
+    return parser.parse_args(argv)
+
+
+def _draw(meta, args, seed: int):
+    """q, k, v, gate, dout as float32 numpy [1, H, S, D] in tile order (padding zeroed by
+    to_tiled). q and k get a component shared by each tile's tokens, as neighbouring tokens
+    of a video latent share content: without it the block means of noise are all near 0."""
+    rng = np.random.default_rng(seed)
+    shape = (1, args.heads, meta.num_tokens, args.head_dim)
+    x = [rng.standard_normal(shape, np.float32) for _ in range(5)]
+    # raw token -> its tile: its position among the valid tokens in tile order, then the tile
+    tile_of_token = np.searchsorted(np.cumsum(meta.variable_block_sizes), meta.raw_from_tiled, side="right")
+    for i in (0, 1):
+        shared = rng.standard_normal((1, args.heads, len(meta.variable_block_sizes), args.head_dim), np.float32)
+        x[i] = x[i] + shared[:, :, tile_of_token]
+    return [np.ascontiguousarray(meta.to_tiled(a)) for a in x]
+
+
+def _selection_gap(meta, args, arrays) -> float:
+    """Smallest gap between the k-th and the (k+1)-th coarse score of a row, as a fraction of
+    the row's largest score (float64 scores of the rounded block means)."""
+    dtype = getattr(torch, args.dtype)
+    q, k = (torch.from_numpy(a).to(dtype).double() for a in arrays[:2])
     counts = torch.from_numpy(meta.variable_block_sizes)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, gate)]
-    out = vsa_torch.video_sparse_attn(*leaves[:3], counts, counts, topk, meta.tile_size, leaves[3])
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, gate)]
-    ref, _, _ = R.video_sparse_attn_reference(*ref_leaves[:3], counts, counts, topk, meta.block_elems,
-                                              gate=ref_leaves[3], round_to=torch.bfloat16)
-    ref.backward(dout.cpu().double())
-    ok = True
-    print(f"check vs float64 reference ({DEVICE}{', Triton interpreter' if not ON_GPU else ''}):")
-    for name, got, want in [("out", out, ref)] + [(f"d{n}", a.grad, b.grad)
-                                                   for n, a, b in zip(("q", "k", "v", "gate"), leaves, ref_leaves)]:
-        got = got.detach().cpu().double()
-        err = ((got - want.detach()).norm() / want.detach().norm()).item()
-        ok &= err < 2e-2
-        print(f"  {name:6s} relative error {err:.2e} {'ok' if err < 2e-2 else 'FAIL'}")
+    s = R.coarse_scores(q, k, counts, counts, meta.block_elems, dtype).numpy()
+    top = min(args.topk, s.shape[-1])
+    if top >= s.shape[-1]:
+        return np.inf
+    ordered = -np.sort(-s, axis=-1)
+    return float(((ordered[..., top - 1] - ordered[..., top]) / np.abs(s).max(axis=-1)).min())
+
+
+def _inputs(meta, args, tries: int = 50):
+    """Inputs whose top-k choice is clear of rounding: the kernels round the block means to the
+    dtype and rank fp32 scores, so a near-tie lets a correct kernel pick another block than the
+    reference (the scores move by ~1% of the largest one). Redraws until every row's gap is
+    above 3%; large videos (many rows) may not get there, and then say so."""
+    best = None
+    for seed in range(tries):
+        arrays = _draw(meta, args, seed)
+        gap = _selection_gap(meta, args, arrays)
+        if gap > 0.03:
+            return arrays
+        if best is None or gap > best[0]:
+            best = (gap, arrays)
+    print(f"note: no draw of {tries} has a clear top-{args.topk} choice in every row (smallest gap "
+          f"{best[0]:.1%} of a row's largest score): a near-tie may pick another block than the reference")
+    return best[1]
+
+
+def run_torch(meta, args, arrays):
+    import vsa_torch
+    device = "cuda" if ON_GPU else "cpu"
+    leaves = [torch.from_numpy(x).to(device, getattr(torch, args.dtype)).requires_grad_() for x in arrays[:4]]
+    counts = meta.variable_block_sizes
+    out = vsa_torch.video_sparse_attn(*leaves[:3], counts, counts, args.topk, meta.tile_size, leaves[3],
+                                      backend=args.backend)
+    out.backward(torch.from_numpy(arrays[4]).to(out))
+    return [t.detach().double().cpu() for t in [out] + [x.grad for x in leaves]]
+
+
+def run_jax(meta, args, arrays):
+    import jax
+    import jax.numpy as jnp
+    import vsa_jax
+    q, k, v, gate, dout = (jnp.asarray(x, getattr(jnp, args.dtype)) for x in arrays)
+    counts = meta.variable_block_sizes
+
+    def f(q, k, v, gate):
+        return vsa_jax.video_sparse_attn(q, k, v, counts, counts, args.topk, meta.tile_size, gate,
+                                         backend=args.backend)
+    out, vjp = jax.vjp(f, q, k, v, gate)
+    grads = vjp(dout)
+    return [torch.from_numpy(np.asarray(x, np.float64)) for x in (out, *grads)]
+
+
+def reference(meta, args, arrays):
+    """float64 out and gradients on the inputs rounded to the dtype."""
+    dtype = getattr(torch, args.dtype)
+    leaves = [torch.from_numpy(x).to(dtype).double().requires_grad_() for x in arrays[:4]]
+    counts = meta.variable_block_sizes
+    out, _, _ = R.video_sparse_attn_reference(*leaves[:3], counts, counts, args.topk, meta.block_elems,
+                                              gate=leaves[3], round_to=dtype)
+    out.backward(torch.from_numpy(arrays[4]).to(dtype).double())
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def check(args) -> bool:
+    meta = build_vsa_metadata(args.video, args.tile)
+    arrays = _inputs(meta, args)
+    run = run_torch if args.frontend == "torch" else run_jax
+    start = time.perf_counter()
+    got = run(meta, args, arrays)
+    seconds = time.perf_counter() - start
+    want = reference(meta, args, arrays)
+    threshold = THRESHOLD[args.dtype]
+    errors = {}
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dgate"), got, want):
+        errors[name] = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+    ok = all(e < threshold for e in errors.values())
+    n_blocks = math.prod(meta.num_tiles)
+    partial = int((meta.variable_block_sizes < meta.block_elems).sum())
+    where = "GPU" if ON_GPU else "CPU, Triton interpreter"
+    print("relative errors vs the float64 reference: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    print(f"vsa demo ({args.frontend}, backend {args.backend}, {where}): video {'x'.join(map(str, args.video))} "
+          f"({meta.num_tokens} tokens) in {'x'.join(map(str, args.tile))} tiles = {n_blocks} blocks of "
+          f"{meta.block_elems} tokens ({partial} partial), B1 H{args.heads} D{args.head_dim}, "
+          f"top-{min(args.topk, n_blocks)} of {n_blocks}, {args.dtype}, gate on: forward + backward in "
+          f"{seconds:.2f} s, largest error {max(errors.values()):.1e} "
+          f"(pass < {threshold:.0e}): {'PASS' if ok else 'FAIL'}")
     return ok
 
 
 def time_480p():
+    import vsa_torch
     from triton.testing import do_bench
 
     B, H, S, D, E, topk = 1, 12, 39936, 128, 64, 62
@@ -78,7 +199,8 @@ def time_480p():
 
 
 if __name__ == "__main__":
-    ok = check_small_case()
-    if ON_GPU:
+    args = parse_args()
+    ok = check(args)
+    if ON_GPU and not args.no_bench:
         time_480p()
     sys.exit(0 if ok else 1)

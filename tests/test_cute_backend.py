@@ -187,11 +187,17 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate):
     coarse = torch.randn(B, H, nq, D, generator=g)
     out = lay(fine.clone())
     out_fine = torch.empty_like(out, dtype=torch.float32)
-    triton_backend.mix_coarse(p, out, coarse.to(DEV), gate=lay(gate_t) if gate else None, out_fine=out_fine)
+    lse_in = torch.randn(B, H, nq * E, generator=g)
+    lse = lse_in.clone().to(DEV)
+    q_counts = torch.tensor([E, 37], dtype=torch.int32)  # the second query block: 91 padded rows
+    triton_backend.mix_coarse(p, out, lse, coarse.to(DEV), q_counts.to(DEV), gate=lay(gate_t) if gate else None,
+                              out_fine=out_fine)
+    valid = (torch.arange(nq * E) % E < q_counts.repeat_interleave(E))[:, None]
     c = coarse.repeat_interleave(E, dim=2)
-    want = fine.float() + (gate_t.float() * c if gate else c)
+    want = torch.where(valid, fine.float() + (gate_t.float() * c if gate else c), 0.0)
     torch.testing.assert_close(back(out), want.bfloat16().float(), rtol=8e-3, atol=1e-6)  # 1 bf16 ulp (FMA)
-    torch.testing.assert_close(back(out_fine), fine.float(), rtol=0, atol=0)
+    torch.testing.assert_close(back(out_fine), torch.where(valid, fine.float(), 0.0), rtol=0, atol=0)
+    torch.testing.assert_close(lse.cpu(), torch.where(valid[:, 0], lse_in, float("inf")), rtol=0, atol=0)
 
     delta = torch.randn(B, H, nq * E, generator=g)
     dlse = delta.clone().to(DEV)
@@ -210,7 +216,8 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate):
         triton_backend.add_block_grad(p, got, pooled.to(DEV), counts.to(DEV), nq * E)
         per_block = torch.where(counts[:, None] > 0, pooled / counts.clamp_min(1)[:, None].float(),
                                 torch.zeros(()))
-        want = (x.float() + per_block.repeat_interleave(E, dim=2)).bfloat16().float()
+        valid = (torch.arange(nq * E) % E < counts.repeat_interleave(E))[:, None]  # padded rows: exactly 0
+        want = torch.where(valid, x.float() + per_block.repeat_interleave(E, dim=2), 0.0).bfloat16().float()
         torch.testing.assert_close(back(got), want, rtol=8e-3, atol=1e-6)
 
 

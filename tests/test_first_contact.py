@@ -251,4 +251,4 @@ def test_docs_state_clamping_and_ranking_precision():
 
 def test_demo_docstring_matches_its_video():
     demo = (ROOT / "demo.py").read_text()
-    assert "build_vsa_metadata((5, 8, 8)" in demo and "5x8x8" in demo and "4x8x8" not in demo
+    assert 'default=(5, 8, 8)' in demo and "5x8x8" in demo and "4x8x8" not in demo

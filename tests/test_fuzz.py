@@ -91,16 +91,23 @@ def fuzz_inputs(case: Case, empty_q: bool, seed: int) -> dict:
 
 
 def large_logit_tolerance(case: Case):
-    """fp16 at x16: dK's bounds are rel 2e-2 (bf16's) and max_rel 0.15. There the fine softmax
+    """fp16 at x16: dK's bounds are rel 2e-2 (bf16's) and max_rel 0.25. There the fine softmax
     is one-hot, so the exact dK (sum of dS q with dS = P (dP - delta)) is nearly all
     cancellation: with one query block its norm came out 1e-4 of dQ's, and the fp16 rounding
     of P before P@V (FlashAttention's recipe, which feeds delta) left 4.3e-3 relative error
     (6.7e-2 in the largest element) on the CPU, where every product is exact fp32. The
     norm-wise 2e-2 still fails a wrong block, mask or scale (errors 1e-1 .. 1) and the TF32
     coarse products of issue 8 (dK 5e-2); the per-element bound is the looser one because a
-    single element of a cancelled sum carries its rounding alone."""
+    single element of a cancelled sum carries its rounding alone. dQ gets the same bounds: its
+    exact value is as cancelled (one query block over two KV blocks: norm 1e-2 against dV's 38,
+    1.0e-2 relative error from 1.1e-4 absolute); it used to look accurate only because the
+    padded query rows carried a large pooling gradient, which they no longer get (issue 15).
+    Since the padded rows' dO no longer reaches the pooling gradient, dK's exact norm shrank
+    too (the draw test_fuzz_cpu[jax-2]: 0.025 -> 0.011, largest element error 0.155 of the
+    largest value), hence max_rel 0.25 rather than 0.15."""
     if case.dtype == "float16" and case.scale >= 16:
-        return {"dk": dict(rel=TOLERANCE["bfloat16"]["rel"], max_rel=0.15)}
+        bound = dict(rel=TOLERANCE["bfloat16"]["rel"], max_rel=0.25)
+        return {"dk": bound, "dq": bound}
     return None
 
 

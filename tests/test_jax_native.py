@@ -66,7 +66,8 @@ def test_forward_plan_contents(p):
     assert topk.arg("topk").value == p.topk
     gate = ("gate",) if p.has_gate else ()
     fine = "out_fine" if p.training else "lse"  # lse stands in for the absent out_fine (never written)
-    assert sparse.buffers == ("q", "k", "v", "out", "lse", "sel_idx", "sel_num", "kv_counts", *gate, "out_coarse", fine)
+    assert sparse.buffers == ("q", "k", "v", "out", "lse", "sel_idx", "sel_num", "kv_counts", "q_counts", *gate,
+                              "out_coarse", fine)
     assert sparse.arg("store_fine").value == int(p.training)
     block_m = sparse.arg("BLOCK_M").value
     assert p.block_elems % block_m == 0 and sparse.grid == (p.q_len // block_m, bh, 1)

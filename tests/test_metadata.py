@@ -47,7 +47,7 @@ def test_bad_shapes(bad, message):
 @pytest.mark.parametrize("tile", [(2, 4, 4), (4, 4, 2), (8, 8, 8), (1, 1, 1)])
 def test_unsupported_tile_volumes_raise(tile):
     """FastVideo raises for tiles the kernels cannot run (E must be 64, 128 or 256)."""
-    with pytest.raises(ValueError, match=r"tile_size must hold \(64, 128, 256\) tokens"):
+    with pytest.raises(ValueError, match=r"Unsupported VSA tile volume \d+: tile_size must hold \(64, 128, 256\) tokens"):
         build_vsa_metadata((8, 8, 8), tile)
 
 

@@ -31,9 +31,37 @@ from triton.runtime.jit import JITFunction
 
 from . import triton_kernels
 
-INTERPRETER_WARNING = ("vsa: CPU tensors run the Triton kernels under Triton's interpreter. This path is for "
-                       "testing and is slow (seconds to minutes for what a GPU does in milliseconds); use CUDA "
-                       "tensors for real work.")
+INTERPRETER_WARNING = ("vsa: {arrays} run the Triton kernels under Triton's interpreter. This path is for "
+                       "testing and is slow (seconds to minutes for what a GPU does in milliseconds); use {gpu} "
+                       "for real work.")
+
+_warned = False
+
+
+def _library_dirs():
+    """Directories of the code between the user's call and the warning: ours and the frameworks'."""
+    import os
+    dirs = []
+    for name in ("vsa_core", "vsa_torch", "vsa_jax", "torch", "jax", "jaxlib", "triton", "contextlib", "functools"):
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(path) + os.sep if path.endswith("__init__.py") else path)
+    return tuple(dirs)
+
+
+def warn_interpreted(arrays: str = "CPU tensors", gpu: str = "CUDA tensors") -> None:
+    """Once per process: the interpreter's warning, attributed to the first frame of the
+    caller's own code (not to a line of vsa or of the framework that called it)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    skip = _library_dirs()
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(INTERPRETER_WARNING.format(arrays=arrays, gpu=gpu), stacklevel=level if frame is not None else 2)
 
 _LOCK = threading.RLock()  # one interpreted launch at a time: the language swap is process-wide
 
@@ -117,7 +145,7 @@ def interpreted_kernels():
     """`triton_kernels` with every kernel interpreted (a second module object)."""
     if isinstance(triton_kernels.block_mean_pool_kernel, InterpretedFunction):
         return triton_kernels  # TRITON_INTERPRET=1 was set before triton was imported
-    warnings.warn(INTERPRETER_WARNING, stacklevel=2)
+    warn_interpreted()  # a no-op when a frontend has warned already, with its own words
     spec = importlib.util.spec_from_file_location("vsa_core._triton_kernels_interpreted", triton_kernels.__file__)
     module = importlib.util.module_from_spec(spec)
     with triton.knobs.runtime.scope():  # restores the knob and TRITON_INTERPRET afterwards

@@ -64,16 +64,53 @@ class VSAMetadata:
     def padded_len(self) -> int:
         return math.prod(self.num_tiles) * self.block_elems
 
+    def __repr__(self) -> str:
+        # the index arrays (one entry per token) would fill the screen: summarise them
+        n_blocks = math.prod(self.num_tiles)
+        partial = int(np.count_nonzero(self.variable_block_sizes < self.block_elems))
+        return (f"VSAMetadata(video_shape={self.video_shape}, tile_size={self.tile_size}, "
+                f"num_tiles={self.num_tiles}: {n_blocks} blocks of {self.block_elems} tokens ({partial} partial), "
+                f"num_tokens={self.num_tokens}, padded_len={self.padded_len})")
+
+    def token_axis(self, name: str, shape, dim: int, tiled: bool) -> int:
+        """`dim` as a non-negative axis of an array of `shape` whose tokens lie along it,
+        after checking their number: the raw `num_tokens` (tiled=False, the input of
+        to_tiled) or the tiled `padded_len` (tiled=True, the input of from_tiled).
+        Raises ValueError naming `name` otherwise (a gather would silently truncate a
+        longer input, or fail / read garbage for a shorter one)."""
+        shape = tuple(int(s) for s in shape)
+        if not -len(shape) <= dim < len(shape):
+            raise ValueError(f"dim {dim} is out of range for {name} of shape {shape}")
+        dim %= len(shape)
+        want = self.padded_len if tiled else self.num_tokens
+        if shape[dim] != want:
+            what = ("padded_len = tiles * tile volume (the tile-ordered sequence)" if tiled
+                    else "num_tokens = T*H*W (raw order)")
+            if len(shape) == 4 and dim == 2 and shape[1] == want:
+                hint = " (BSHD arrays: pass dim=1)"
+            elif shape[dim] == (self.num_tokens if tiled else self.padded_len) != want:
+                hint = (" (the raw length: from_tiled takes tile-ordered tokens)" if tiled
+                        else " (the tiled length: is x tiled already?)")
+            else:
+                hint = ""
+            raise ValueError(f"{name} must have {want} tokens along dim {dim} ({what} of video {self.video_shape} "
+                             f"with tile {self.tile_size}), got {shape[dim]} (shape {shape}){hint}")
+        return dim
+
     def to_tiled(self, x: np.ndarray, axis: int = -2) -> np.ndarray:
         """Raw-order tokens along `axis` -> padded tile-contiguous order (zero padding)."""
-        x = np.moveaxis(np.asarray(x), axis, -1)
+        x = np.asarray(x)
+        axis = self.token_axis("x", x.shape, axis, tiled=False)
+        x = np.moveaxis(x, axis, -1)
         out = np.zeros(x.shape[:-1] + (self.padded_len,), dtype=x.dtype)
         out[..., self.non_pad_index] = x[..., self.tiled_from_raw]
         return np.moveaxis(out, -1, axis)
 
     def from_tiled(self, x: np.ndarray, axis: int = -2) -> np.ndarray:
         """Padded tile-contiguous order along `axis` -> raw order (padding dropped)."""
-        x = np.moveaxis(np.asarray(x), axis, -1)
+        x = np.asarray(x)
+        axis = self.token_axis("x", x.shape, axis, tiled=True)
+        x = np.moveaxis(x, axis, -1)
         return np.moveaxis(x[..., self.non_pad_index][..., self.raw_from_tiled], -1, axis)
 
 
@@ -132,13 +169,14 @@ def build_vsa_metadata(video_shape, tile_size=(4, 4, 4)) -> VSAMetadata:
     counts of `video_sparse_attn` and `meta.tile_size` as its `block_size`, and move
     tokens between raw (t, h, w row-major) and tiled order with the frontends'
     `to_tiled` / `from_tiled` (or `meta.to_tiled` / `meta.from_tiled` on numpy arrays).
-    Raises ValueError for non-positive sizes or another tile volume, TypeError for
-    anything but ints.
+    Raises ValueError for non-positive sizes or another tile volume (its message starts
+    with FastVideo's "Unsupported VSA tile volume N", for code that matches on it),
+    TypeError for anything but ints.
     """
     volume = math.prod(_as_triple("tile_size", tile_size))
     if volume not in SUPPORTED_TILE_VOLUMES:
-        raise ValueError(f"tile_size must hold {SUPPORTED_TILE_VOLUMES} tokens (t*h*w), got {tuple(tile_size)} "
-                         f"({volume} tokens)")
+        raise ValueError(f"Unsupported VSA tile volume {volume}: tile_size must hold {SUPPORTED_TILE_VOLUMES} "
+                         f"tokens (t*h*w), got {tuple(tile_size)} ({volume} tokens)")
     forward = tiled_from_raw(video_shape, tile_size)
     inverse = np.empty_like(forward)
     inverse[forward] = np.arange(forward.size)

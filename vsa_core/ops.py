@@ -86,7 +86,7 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
         T.columns_to_lists(p, block_mask, b["inv_idx"], b["inv_num"])
         T.backward_preprocess(p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"], gate=b.get("gate"),
                               out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
-                              dout_coarse=b.get("dout_coarse"))
+                              dout_coarse=b.get("dout_coarse"), q_counts=b.get("q_counts"))
         if p.is_vsa:
             T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
                               b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],

@@ -192,12 +192,19 @@ def _split_token_shape(name: str, shape, layout: str):
     return b, h, s, d
 
 
-def _check_counts(name: str, counts, n_blocks: int):
+def _check_counts(name: str, counts, n_blocks: int, seq_name: str, seq_len: int, block_size: BlockSize):
     if counts is None:
         raise ValueError(f"{name} is required: a 1-D integer array of {n_blocks} per-block valid-token counts")
     if not hasattr(counts, "shape"):
         counts = np.asarray(counts)
     shape = _shape(counts)
+    if len(shape) == 1 and shape[0] >= 1 and shape != (n_blocks,) and seq_len % shape[0] == 0 \
+            and seq_len // shape[0] in SUPPORTED_BLOCK_ELEMS:
+        # the counts describe whole blocks of another size: the block size is the likelier mistake
+        raise ValueError(f"block_size and {name} disagree: block_size={block_size!r} makes {seq_len // n_blocks}-token "
+                         f"blocks, so {seq_name}'s {seq_len} tokens are {n_blocks} blocks, but {name} has "
+                         f"{shape[0]} counts ({seq_len // shape[0]}-token blocks); pass the block_size the counts were "
+                         f"built for (meta.tile_size of build_vsa_metadata)")
     if shape != (n_blocks,):
         raise ValueError(f"{name} must have shape ({n_blocks},) (one count per block), got {shape}")
     name_of_dtype = dtype_name(counts.dtype)
@@ -215,6 +222,20 @@ def check_count_values(name: str, values: np.ndarray, block_elems: int) -> None:
     if values.size and (values.min() < 0 or values.max() > block_elems):
         bad = values[(values < 0) | (values > block_elems)][0]
         raise ValueError(f"{name} values must lie in [0, {block_elems}] (tokens per block), found {int(bad)}")
+
+
+def _layout_hint(shape, layout: str, block_elems: int) -> str:
+    """A hint when the other layout would fit: its sequence axis a multiple of E."""
+    if len(shape) != 4:
+        return ""
+    other_seq = shape[1] if layout == "bhsd" else shape[2]
+    if other_seq < block_elems or other_seq % block_elems:
+        return ""
+    if layout == "bhsd":
+        return (f" (shape {tuple(shape)}: [B, H, S, D] is read here; for [B, S, H, D] data use "
+                "video_sparse_attn_bshd, or layout='bshd')")
+    return (f" (shape {tuple(shape)}: [B, S, H, D] is read here; for [B, H, S, D] data use "
+            "video_sparse_attn, or layout='bhsd')")
 
 
 def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts, q_counts=None,
@@ -241,14 +262,15 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
             raise TypeError(f"{name} must have the same dtype as q ({dt}), got {dtype_name(x.dtype)}")
     if dq not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim (last axis of q) must be one of {SUPPORTED_HEAD_DIMS}, got {dq}")
-    for name, s in (("q", sq), ("k", sk)):
+    for name, s, shape in (("q", sq, _shape(q)), ("k", sk, _shape(k))):
         if s < E or s % E:
-            raise ValueError(f"{name} sequence length must be a positive multiple of the block size {E}, got {s}")
-    _check_counts("variable_block_sizes", kv_counts, sk // E)
+            raise ValueError(f"{name} sequence length must be a positive multiple of the block size {E}, got {s}"
+                             f"{_layout_hint(shape, layout, E)}")
+    _check_counts("variable_block_sizes", kv_counts, sk // E, "k", sk, block_size)
     has_gate = False
     vsa = selection == "topk"
     if vsa:
-        _check_counts("q_variable_block_sizes", q_counts, sq // E)
+        _check_counts("q_variable_block_sizes", q_counts, sq // E, "q", sq, block_size)
         if isinstance(topk, (bool, np.bool_)) or not isinstance(topk, (int, np.integer)):
             raise TypeError(f"topk must be a Python int, got {topk!r}")
         if topk < 1:

@@ -15,8 +15,17 @@ import numpy as np
 import torch
 
 
+def valid_tokens(counts, block_elems: int) -> torch.Tensor:
+    """Bool [S]: token j of the tile-ordered sequence is valid (among the first counts[j // E]
+    of its block); the rest is padding."""
+    counts = torch.as_tensor(np.asarray(counts), dtype=torch.int64).clamp(0, block_elems)
+    return torch.arange(counts.numel() * block_elems) % block_elems < counts.repeat_interleave(block_elems)
+
+
 def _block_mean(x: torch.Tensor, counts: torch.Tensor, block_elems: int, round_to) -> torch.Tensor:
+    """Mean of each block's valid tokens: the padded tail is not read (nor given a gradient)."""
     B, H, S, D = x.shape
+    x = torch.where(valid_tokens(counts, block_elems)[:, None], x, torch.zeros((), dtype=x.dtype))
     total = x.reshape(B, H, S // block_elems, block_elems, D).sum(dim=3)
     counts = counts.to(x.dtype)[:, None]
     mean = torch.where(counts > 0, total / counts.clamp_min(1), torch.zeros_like(total))
@@ -90,6 +99,11 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
                                 block_map: Optional[torch.Tensor] = None):
     """VSA forward in float64. Returns (out, block_map used, coarse scores).
 
+    Padding: only the valid tokens of each block (the first q_counts[i] / kv_counts[i])
+    are read, so the padded tails of q, k, v and the gate cannot change the result or
+    the valid tokens' gradients; the padded output rows are exactly 0, so they have no
+    gradient to give (the padded rows' gradients are 0, and dout there is ignored).
+
     `round_to` (e.g. torch.bfloat16) models the kernels' cast of the block means to
     the input dtype. `block_map` overrides the selection (the tests pass the kernel's
     selection once they have checked it is a valid top-k of these scores).
@@ -108,4 +122,5 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
         block_map = topk_mask(scores, min(topk, k.shape[2] // block_elems))
     out_fine, _ = block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems)
     out = out_coarse * gate + out_fine if gate is not None else out_coarse + out_fine
+    out = torch.where(valid_tokens(q_counts, block_elems)[:, None], out, torch.zeros((), dtype=out.dtype))
     return out, block_map, scores.detach()

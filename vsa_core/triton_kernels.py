@@ -81,17 +81,20 @@ def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexpr, 
 @triton.jit
 def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
                 BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """POOLED[b, h, block] = sum of the BLOCK_ELEMS token rows of the block / COUNTS[block]."""
+    """POOLED[b, h, block] = sum of the block's COUNTS[block] valid token rows / that count.
+    The padded tail is not read: its contents cannot reach the mean."""
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
     base = X + b * stride_b + h * stride_h
+    n_valid = _clamped_count(COUNTS, block, BLOCK_ELEMS)
     total = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for start in range(0, BLOCK_ELEMS, ROWS):
-        rows = (block * BLOCK_ELEMS + start + tl.arange(0, ROWS)).to(tl.int64)
-        x = tl.load(base + rows[:, None] * stride_s + d[None, :])
+        in_block = start + tl.arange(0, ROWS)
+        rows = (block * BLOCK_ELEMS + in_block).to(tl.int64)
+        x = tl.load(base + rows[:, None] * stride_s + d[None, :], mask=(in_block < n_valid)[:, None], other=0.0)
         total += tl.sum(x.to(tl.float32), axis=0)
-    count = _clamped_count(COUNTS, block, BLOCK_ELEMS).to(tl.float32)
+    count = n_valid.to(tl.float32)
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
     tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
 
@@ -103,10 +106,10 @@ def block_mean_pool_kernel(
     H, n_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """POOLED[b, h, i] = sum of the BLOCK_ELEMS token rows of block i / COUNTS[i].
+    """POOLED[b, h, i] = mean of the COUNTS[i] valid token rows of block i.
 
-    The padded tail is summed too (callers zero it, and the gradient of the mean
-    reaches it, as in FastVideo). A block with no valid token has a zero mean.
+    The padded tail is neither read nor given a gradient (FastVideo sums it too and
+    relies on callers zeroing it). A block with no valid token has a zero mean.
     """
     _pool_block(X, COUNTS, POOLED, tl.program_id(0), tl.program_id(1).to(tl.int64), H, stride_b, stride_h,
                 stride_s, n_blocks, BLOCK_ELEMS, HEAD_DIM, ROWS)
@@ -438,7 +441,7 @@ def clean_lists_kernel(
 # --------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["store_fine"])  # one binary for store_fine 0 and 1
 def sparse_attn_fwd_kernel(
-    Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, GATE, OUT_C, OUT_FINE,
+    Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, Q_COUNTS, GATE, OUT_C, OUT_FINE,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, store_fine,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -454,6 +457,9 @@ def sparse_attn_fwd_kernel(
     accuracy: measured on x16 inputs, 3.7e-2 relative error in dQ/dK from a bf16 out,
     7e-3 from an fp32 one, for 4 extra bytes per element written and read.
     LSE is the fine branch's natural-log logsumexp (-inf for a query with nothing to see).
+    With HAS_COARSE (VSA) the padded rows of each query block (past Q_COUNTS) are written
+    out 0, out_fine 0 and lse +inf: they read no gate, and their probabilities
+    exp(S - lse) in the backward are 0, so they feed no gradient.
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -464,6 +470,9 @@ def sparse_attn_fwd_kernel(
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     q_ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
     q = tl.load(Q + q_ptr)
+    if HAS_COARSE:  # VSA: the query block's padded rows (past its count) are outputs of nothing
+        q_in_block = (pid_m % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_valid = q_in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
     sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
     n_tiles = _list_length(SEL_NUM, bh * n_q_blocks + q_block, idx_capacity) * (BLOCK_ELEMS // BLOCK_N)
     last = tl.full([], -1, tl.int32)
@@ -495,47 +504,56 @@ def sparse_attn_fwd_kernel(
     l_safe = tl.where(has_any, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if HAS_COARSE:
+        out = tl.where(q_valid[:, None], out, 0.0)
+        lse = tl.where(q_valid, lse, float("inf"))  # P = exp(S - lse) = 0 there in any backward
     if store_fine != 0:  # a run-time flag: training and inference run the same binary, same out
         tl.store(OUT_FINE + q_ptr, out)
     if HAS_COARSE:
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
         if HAS_GATE:
-            gate = tl.load(GATE + q_ptr).to(tl.float32)
+            gate = tl.load(GATE + q_ptr, mask=q_valid[:, None], other=0.0).to(tl.float32)
             out += gate * coarse[None, :]
         else:
-            out += coarse[None, :]
+            out += tl.where(q_valid[:, None], coarse[None, :], 0.0)
     tl.store(OUT + q_ptr, out.to(OUT.dtype.element_ty))
     tl.store(LSE + bh * q_len + rows, lse)
 
 
 @triton.jit
 def sparse_attn_bwd_preprocess_kernel(
-    DOUT, OUT_FINE, GATE, OUT_C, DELTA, DGATE, DOUT_C,
+    DOUT, OUT_FINE, GATE, OUT_C, DELTA, DGATE, DOUT_C, Q_COUNTS,
     stride_qb, stride_qh, stride_qs,
     H, q_len, n_q_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     """Per query block: delta = rowsum(dO * out_fine) for the fine backward and, with the
-    coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate."""
+    coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate.
+    With the coarse branch (VSA) dO of the block's padded rows (past Q_COUNTS) reads as 0:
+    the output is 0 there whatever the inputs, so no gradient comes from those rows."""
     q_block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
+    n_valid = BLOCK_ELEMS
     if HAS_COARSE:
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
+        n_valid = _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
     dcoarse = tl.zeros([HEAD_DIM], tl.float32)
     for start in range(0, BLOCK_ELEMS, ROWS):
-        rows = (q_block * BLOCK_ELEMS + start + tl.arange(0, ROWS)).to(tl.int64)
+        in_block = start + tl.arange(0, ROWS)
+        rows = (q_block * BLOCK_ELEMS + in_block).to(tl.int64)
         ptr = b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :]
-        do = tl.load(DOUT + ptr).to(tl.float32)
-        out_fine = tl.load(OUT_FINE + ptr).to(tl.float32)
+        valid = (in_block < n_valid)[:, None]
+        do = tl.load(DOUT + ptr, mask=valid, other=0.0).to(tl.float32)
+        out_fine = tl.load(OUT_FINE + ptr, mask=valid, other=0.0).to(tl.float32)
         tl.store(DELTA + bh * q_len + rows, tl.sum(do * out_fine, axis=1))
         if HAS_COARSE:
             if HAS_GATE:
                 tl.store(DGATE + ptr, (do * coarse[None, :]).to(DGATE.dtype.element_ty))
-                dcoarse += tl.sum(do * tl.load(GATE + ptr).to(tl.float32), axis=0)
+                dcoarse += tl.sum(do * tl.load(GATE + ptr, mask=valid, other=0.0).to(tl.float32), axis=0)
             else:
                 dcoarse += tl.sum(do, axis=0)
     if HAS_COARSE:
@@ -551,7 +569,8 @@ def sparse_attn_bwd_dq_kernel(
     HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dQ, owned by query tiles (no atomics). With HAS_COARSE it also adds the pooling
-    gradient dq_c[block] / q_count[block], so dQ is written once."""
+    gradient dq_c[block] / q_count[block] to the block's valid rows, so dQ is written once
+    (padded rows: exactly 0; their lse is +inf, so P is 0 there too)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -588,10 +607,14 @@ def sparse_attn_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST)
     dq *= sm_scale
-    if HAS_COARSE:
-        count = _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS).to(tl.float32)
+    if HAS_COARSE:  # the pooling gradient, to the valid rows only; padded rows get exactly 0
+        n_valid = _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
+        count = n_valid.to(tl.float32)
         dq_c = tl.load(DQ_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
         dq += tl.where(count > 0, dq_c / tl.maximum(count, 1.0), 0.0)[None, :]
+        q_in_block = (pid_m % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_valid = q_in_block < n_valid
+        dq = tl.where(q_valid[:, None], dq, 0.0)
     tl.store(DQ + q_ptr, dq.to(DQ.dtype.element_ty))
 
 
@@ -643,11 +666,11 @@ def sparse_attn_bwd_dkdv_kernel(
         dst = pt * (dpt - delta[None, :])
         dk += _dot(dst.to(q.dtype), q, UPCAST)
     dk *= sm_scale
-    if HAS_COARSE:
+    if HAS_COARSE:  # the pooling gradients, to the valid rows only (padded rows stay exactly 0)
         inv_count = tl.where(count > 0, 1.0 / tl.maximum(count.to(tl.float32), 1.0), 0.0)
         c_ptr = (bh * n_kv_blocks + kv_block) * HEAD_DIM + d
-        dk += (tl.load(DK_C + c_ptr) * inv_count)[None, :]
-        dv += (tl.load(DV_C + c_ptr) * inv_count)[None, :]
+        dk += tl.where(valid[:, None], (tl.load(DK_C + c_ptr) * inv_count)[None, :], 0.0)
+        dv += tl.where(valid[:, None], (tl.load(DV_C + c_ptr) * inv_count)[None, :], 0.0)
     tl.store(DK + kv_ptr, dk.to(DK.dtype.element_ty))
     tl.store(DV + kv_ptr, dv.to(DV.dtype.element_ty))
 
@@ -750,31 +773,38 @@ def fa4_bwd_lists_kernel(
 
 @triton.jit
 def mix_coarse_kernel(
-    OUT, GATE, OUT_C, OUT_FINE,
+    OUT, LSE, GATE, OUT_C, OUT_FINE, Q_COUNTS,
     stride_b, stride_h, stride_s,
-    H, n_q_blocks,
+    H, q_len, n_q_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
     HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr,
 ):
     """OUT holds the fine output on entry; on exit out_fine + gate * out_c (or + out_c).
-    STORE_FINE also keeps the fine output in fp32 for the backward's delta."""
+    STORE_FINE also keeps the fine output in fp32 for the backward's delta.
+    Padded query rows (past Q_COUNTS) as in sparse_attn_fwd_kernel: out 0, out_fine 0 and
+    LSE +inf, so that the library's backward gives them probability 0 (no gradient from
+    them to K and V, none to them) whatever their q and dO hold."""
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
+    in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     q_block = (pid * ROWS) // BLOCK_ELEMS
+    valid = in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
-    fine = tl.load(OUT + ptr).to(tl.float32)
+    fine = tl.where(valid[:, None], tl.load(OUT + ptr).to(tl.float32), 0.0)
     if STORE_FINE:
         tl.store(OUT_FINE + ptr, fine)
     coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
     if HAS_GATE:
-        out = fine + tl.load(GATE + ptr).to(tl.float32) * coarse[None, :]
+        out = fine + tl.load(GATE + ptr, mask=valid[:, None], other=0.0).to(tl.float32) * coarse[None, :]
     else:
-        out = fine + coarse[None, :]
+        out = fine + tl.where(valid[:, None], coarse[None, :], 0.0)
     tl.store(OUT + ptr, out.to(OUT.dtype.element_ty))
+    at = LSE + bh * q_len + rows
+    tl.store(at, tl.where(valid, tl.load(at), float("inf")))
 
 
 @triton.jit
@@ -807,18 +837,21 @@ def add_block_grad_kernel(
     H, n_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """X[token] += POOL[its block] / COUNTS[block] (0 for an empty block), in place:
-    the mean pooling's gradient reaches every row of the block, padding included."""
+    """X[token] += POOL[its block] / COUNTS[block] for the block's valid tokens, in place:
+    the mean pooling's gradient. Padded rows (past COUNTS) are written exactly 0,
+    whatever the library left there: they are inputs of nothing."""
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
+    in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     block = (pid * ROWS) // BLOCK_ELEMS
-    count = _clamped_count(COUNTS, block, BLOCK_ELEMS).to(tl.float32)
+    n_valid = _clamped_count(COUNTS, block, BLOCK_ELEMS)
+    count = n_valid.to(tl.float32)
     g = tl.load(POOL + (bh * n_blocks + block) * HEAD_DIM + d)
     g = tl.where(count > 0, g / tl.maximum(count, 1.0), 0.0)
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
-    x = tl.load(X + ptr).to(tl.float32) + g[None, :]
+    x = tl.where((in_block < n_valid)[:, None], tl.load(X + ptr).to(tl.float32) + g[None, :], 0.0)
     tl.store(X + ptr, x.to(X.dtype.element_ty))

@@ -88,10 +88,23 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
                       backend: str = "auto") -> jax.Array:
     """Video Sparse Attention on `[B, H, S, D]` arrays (a drop-in for FastVideo's).
 
+    q: `[B, H, Sq, D]`; k, v: `[B, H, Skv, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`),
+    bf16 or fp16 (all the same dtype), head dim D 64 or 128, Sq and Skv multiples of the
+    block's token count E (64, 128 or 256; they may differ). Tokens are in tile order:
+    block i is tile i of `build_vsa_metadata`, its `variable_block_sizes[i]` valid tokens
+    first, then padding (`to_tiled` / `from_tiled` convert from / to raw (t, h, w) order).
+    `variable_block_sizes` counts the valid tokens of each KV block (length Skv / E),
+    `q_variable_block_sizes` those of each query block (length Sq / E); for
+    self-attention on one video pass `meta.variable_block_sizes` as both.
+    `compress_attn_weight` (the gate): q's shape and dtype, or None.
+    Returns out: q's shape and dtype, `[B, H, Sq, D]`, in tile order.
+
     Coarse branch: attention between block means; selection: for each query block the
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
+    Padding is never read: whatever the padded rows of q, k, v and the gate hold changes
+    nothing; padded output rows are 0 and padded rows get 0 gradients.
 
     `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
     non-empty block is then selected); empty blocks (count 0) are never selected, so a
@@ -271,8 +284,13 @@ def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequ
 
 
 def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
-    """Raw (T, H, W row-major) tokens along `dim` -> padded tile-contiguous order (zero padding)."""
-    dim = dim % x.ndim
+    """Raw (T, H, W row-major) tokens along `dim` -> padded tile-contiguous order (zero padding).
+
+    x holds `meta.num_tokens` tokens along `dim` (the default -2 fits `[B, H, S, D]`; use
+    dim=1 for `[B, S, H, D]`, dim=0 for packed `[S, H, D]`); the result holds
+    `meta.padded_len` (each tile's valid tokens first, zeros after them). Another length
+    raises ValueError (at trace time under jit: the shapes are static)."""
+    dim = meta.token_axis("x", x.shape, dim, tiled=False)  # shapes are static: free under jit
     shape = list(x.shape)
     shape[dim] = meta.padded_len
     slots = (slice(None),) * dim + (meta.non_pad_index,)
@@ -280,8 +298,12 @@ def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
 
 
 def from_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
-    """Padded tile-contiguous order along `dim` -> raw token order (padding dropped)."""
-    return jnp.take(x, meta.non_pad_index[meta.raw_from_tiled], axis=dim % x.ndim)
+    """Padded tile-contiguous order along `dim` -> raw token order (padding dropped).
+
+    x holds `meta.padded_len` tokens along `dim` (default -2: `[B, H, S, D]`; dim=1 for
+    `[B, S, H, D]`); the result holds `meta.num_tokens`. Another length raises ValueError."""
+    dim = meta.token_axis("x", x.shape, dim, tiled=True)
+    return jnp.take(x, meta.non_pad_index[meta.raw_from_tiled], axis=dim)
 
 
 from . import parallel  # noqa: E402,F401  (vsa_jax.parallel: sequence parallelism; needs the names above)

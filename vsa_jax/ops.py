@@ -59,7 +59,7 @@ def device_info(x) -> DeviceInfo:
 
 
 def backend_for(backend, p: AttnProblem, q):
-    return resolve_backend(backend, p, device_info(q))
+    return resolve_backend(backend, p, device_info(q), arrays="JAX arrays on the CPU", gpu="arrays on a GPU")
 
 
 # Value checks read the values on the host. A concrete jax.Array is immutable, so one

@@ -62,10 +62,23 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_v
                       ) -> Tensor:
     """Video Sparse Attention on `[B, H, S, D]` tensors (a drop-in for FastVideo's).
 
+    q: `[B, H, Sq, D]`; k, v: `[B, H, Skv, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`),
+    bf16 or fp16 (all the same dtype), head dim D 64 or 128, Sq and Skv multiples of the
+    block's token count E (64, 128 or 256; they may differ). Tokens are in tile order:
+    block i is tile i of `build_vsa_metadata`, its `variable_block_sizes[i]` valid tokens
+    first, then padding (`to_tiled` / `from_tiled` convert from / to raw (t, h, w) order).
+    `variable_block_sizes` counts the valid tokens of each KV block (length Skv / E),
+    `q_variable_block_sizes` those of each query block (length Sq / E); for
+    self-attention on one video pass `meta.variable_block_sizes` as both.
+    `compress_attn_weight` (the gate): q's shape and dtype, or None.
+    Returns out: q's shape and dtype, `[B, H, Sq, D]`, in tile order.
+
     Coarse branch: attention between block means; selection: for each query block the
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
+    Padding is never read: whatever the padded rows of q, k, v and the gate hold changes
+    nothing; padded output rows are 0 and padded rows get 0 gradients.
 
     `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
     non-empty block is then selected); empty blocks (count 0) are never selected, so a
@@ -236,8 +249,13 @@ def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequ
 
 
 def to_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
-    """Raw (T, H, W row-major) tokens along `dim` -> padded tile-contiguous order."""
-    dim = dim % x.dim()
+    """Raw (T, H, W row-major) tokens along `dim` -> padded tile-contiguous order.
+
+    x holds `meta.num_tokens` tokens along `dim` (the default -2 fits `[B, H, S, D]`; use
+    dim=1 for `[B, S, H, D]`, dim=0 for packed `[S, H, D]`); the result holds
+    `meta.padded_len` (each tile's valid tokens first, zeros after them). Another length
+    raises ValueError."""
+    dim = meta.token_axis("x", x.shape, dim, tiled=False)
     shape = list(x.shape)
     shape[dim] = meta.padded_len
     out = x.new_zeros(shape)
@@ -247,9 +265,13 @@ def to_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
 
 
 def from_tiled(x: Tensor, meta: VSAMetadata, dim: int = -2) -> Tensor:
-    """Padded tile-contiguous order along `dim` -> raw token order (padding dropped)."""
+    """Padded tile-contiguous order along `dim` -> raw token order (padding dropped).
+
+    x holds `meta.padded_len` tokens along `dim` (default -2: `[B, H, S, D]`; dim=1 for
+    `[B, S, H, D]`); the result holds `meta.num_tokens`. Another length raises ValueError."""
+    dim = meta.token_axis("x", x.shape, dim, tiled=True)
     idx = torch.as_tensor(meta.non_pad_index[meta.raw_from_tiled], device=x.device)
-    return x.index_select(dim % x.dim(), idx)
+    return x.index_select(dim, idx)
 
 
 from . import parallel  # noqa: E402,F401  (vsa_torch.parallel: sequence parallelism; needs the names above)

@@ -66,7 +66,18 @@ def check_backend_name(backend) -> None:
         raise ValueError(f"backend must be one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
 
 
-def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo):
+def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo, arrays: str = "CPU tensors",
+                    gpu: str = "CUDA tensors"):
+    """The backend module that runs `problem` on `device`. CPU arrays warn once per process
+    that they run under the interpreter (`arrays` / `gpu` name the frontend's arrays)."""
+    impl = _resolve(backend, problem, device)
+    if device.kind == "cpu" and impl is triton_backend and not INTERPRETING:
+        from ..interpreter import warn_interpreted
+        warn_interpreted(arrays, gpu)
+    return impl
+
+
+def _resolve(backend: str, problem: AttnProblem, device: DeviceInfo):
     check_backend_name(backend)
     if backend == "auto":
         backend = os.environ.get("VSA_BACKEND", "auto") or "auto"

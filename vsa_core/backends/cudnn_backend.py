@@ -29,7 +29,9 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   `allow_empty_block_nums=True`: a query block with no (or only empty) blocks gives
   out 0 and lse -inf (the kernel's "empty-safe" finaliser; without it such rows are NaN).
 - lse: natural-log fp32 [B, H, Sq], -inf where a row sees nothing: our contract as is.
-  The backward takes it back in the same form (it converts to log2 itself).
+  The backward takes it back in the same form (it converts to log2 itself). With the
+  coarse branch, `mix_coarse` sets the padded query rows' lse to +inf (out and out_fine to
+  0 there), so the backward's probabilities are 0 on those rows and their dO is not used.
 - coarse mixing (VSA): like the CuTe backend, `mix_coarse` turns the fine output in
   `out` into out_fine + gate * out_c in place and, training, keeps the fine output in
   fp32 (`out_fine`, holding exactly the values written in q's dtype).
@@ -147,7 +149,7 @@ def sparse_forward(p: AttnProblem, a: FineForward):
         out.copy_(o)
         lse.copy_(m)
     if out_coarse is not None:
-        mix_coarse(p, out, out_coarse, gate=gate, out_fine=out_fine)
+        mix_coarse(p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):

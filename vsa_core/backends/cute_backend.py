@@ -23,7 +23,10 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
   BHSD tensors go in as `.transpose(1, 2)` views: no copy, either layout. Outputs
   (out, dq, dk, dv) are written straight into our buffers through the same views.
 - lse: FA4 writes (B, H, Sq) fp32 natural-log lse, -inf for a row that sees nothing
-  (out 0 there): exactly our `lse` buffer, passed as `lse=`.
+  (out 0 there): exactly our `lse` buffer, passed as `lse=`. With the coarse branch,
+  `mix_coarse` then sets the padded query rows' lse to +inf (and their out to 0), so FA4's
+  backward gives them probability exp2(S - inf) = 0: their q and dO, whatever they hold,
+  reach no gradient (FA4 resets only a -inf lse, to 0, before the backward).
 - Coarse mixing: FA4 writes only the fine output, in the input dtype. It goes into
   `out`, then `mix_coarse_kernel` turns `out` into out_fine + gate * out_c in place
   and, training, fills the fp32 `out_fine` buffer (with the bf16-rounded values:
@@ -37,7 +40,8 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
   delta. Without the coarse branch out is the fine output and dlse is left out.
 - Pooling gradients (VSA): FA4 writes dq/dk/dv of the fine branch; then
   `add_block_grad_kernel` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count
-  in place (one more bf16 rounding than the Triton backend's fused add).
+  in place to the valid rows and writes 0 to the padded ones (one more bf16 rounding than
+  the Triton backend's fused add).
 - Streams: FA4's kernels are compiled against TVM-FFI's environment stream, and
   each call with torch CUDA tensors sets that to torch's current stream of the
   tensors' device (tvm_ffi function.pxi, DLPack exchange API `current_work_stream`),
@@ -206,7 +210,7 @@ def sparse_forward(p: AttnProblem, a: FineForward):
                mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
                out=_bshd(p, out), lse=lse, return_lse=True)
     if out_coarse is not None:
-        mix_coarse(p, out, out_coarse, gate=gate, out_fine=out_fine)
+        mix_coarse(p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):

@@ -282,7 +282,7 @@ def sparse_forward(p: AttnProblem, a: FineForward):
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     _sparse_fwd(
         lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
-        q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, gate,
+        q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, a.q_counts, gate,
         out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
@@ -292,10 +292,11 @@ def sparse_forward(p: AttnProblem, a: FineForward):
 
 
 def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
-                        dout_coarse=None):
-    """delta for the fine backward; with the coarse branch also dgate and dout_coarse."""
+                        dout_coarse=None, q_counts=None):
+    """delta for the fine backward; with the coarse branch also dgate and dout_coarse
+    (and dout of the padded query rows, past q_counts, read as 0)."""
     kernels_for(dout).sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
-        dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, *p.token_strides(p.q_len),
+        dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, q_counts, *p.token_strides(p.q_len),
         p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
         HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None)
@@ -342,19 +343,22 @@ def _epilogue_rows(p: AttnProblem) -> int:
     return min(64, p.block_elems)
 
 
-def mix_coarse(p: AttnProblem, out, out_coarse, gate=None, out_fine=None) -> None:
+def mix_coarse(p: AttnProblem, out, lse, out_coarse, q_counts, gate=None, out_fine=None) -> None:
     """`out` holds the library's fine output: turns it into out_fine + gate * out_c (or
-    + out_c) in place; with `out_fine`, keeps the fine output in fp32 for the backward."""
+    + out_c) in place; with `out_fine`, keeps the fine output in fp32 for the backward.
+    The padded query rows (past q_counts) get out 0, out_fine 0 and lse +inf (in place
+    in the library's `lse`), so the library's backward takes nothing from them."""
     rows = _epilogue_rows(p)
     K.mix_coarse_kernel[(p.q_len // rows, _bh(p))](
-        out, gate, out_coarse, out_fine, *p.token_strides(p.q_len), p.heads, p.n_q_blocks,
+        out, lse, gate, out_coarse, out_fine, q_counts, *p.token_strides(p.q_len), p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows,
         HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, num_warps=4)
 
 
 def add_block_grad(p: AttnProblem, x, pooled, counts, seq_len: int) -> None:
-    """x[token] += pooled[its block] / counts[block], in place: the mean pooling's gradient
-    added to a library's fine-stage gradient."""
+    """x[token] += pooled[its block] / counts[block] for the block's valid tokens, in place:
+    the mean pooling's gradient added to a library's fine-stage gradient; padded tokens
+    (past counts) are set to exactly 0."""
     rows = _epilogue_rows(p)
     K.add_block_grad_kernel[(seq_len // rows, _bh(p))](
         x, pooled, counts, *p.token_strides(seq_len), p.heads, seq_len // p.block_elems,
