@@ -159,3 +159,34 @@ def test_draws_cover_the_space():
         assert {c.head_dim for c in cases} == {64, 128} and {c.dtype for c in cases} == {"bfloat16", "float16"}
         assert any(c.topk > c.n_kv_blocks for c in cases) and any(c.n_q_blocks != c.n_kv_blocks for c in cases)
         assert any(e for _, e in drawn) and any(not c.gate for c in cases)
+
+
+PREFIX_DRAWS = 12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(PREFIX_DRAWS))
+@pytest.mark.parametrize("backend", ["triton", "cute"])
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+def test_fuzz_gpu_prefix(frontend, backend, index, request):
+    """Mixed-modality draws (issue 18): prefix_blocks 0..4 with Sq == Skv, both modes, against
+    the float64 reference (inputs redrawn until the prefix selection is unambiguous)."""
+    import dataclasses
+
+    from test_prefix import draw, prefix_reference
+    if frontend == "jax" and not JAX_GPU:
+        pytest.skip("jax has no GPU backend")
+    rng = np.random.default_rng(_seed(request.node.name))
+    case, _ = draw_case(rng, gpu=True, backend=backend)
+    P, mode = int(rng.integers(0, 5)), str(rng.choice(["exempt", "compete"]))
+    n = max(case.n_q_blocks, P + 1)
+    case = dataclasses.replace(case, n_q_blocks=n, n_kv_blocks=n)
+    if backend == "cute":
+        from test_cute_backend import _require_cute
+        _require_cute(case)
+    inputs = draw(case, P, mode, _seed(request.node.name))
+    if frontend == "torch":
+        got = run_torch(case, inputs, backend=backend, device="cuda", prefix_blocks=P, prefix_mode=mode)
+    else:
+        got = run_jax_vjp(case, inputs, backend, prefix_blocks=P, prefix_mode=mode)
+    assert_close(case, got, prefix_reference(case, inputs, P, mode), large_logit_tolerance(case))

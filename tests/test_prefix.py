@@ -28,7 +28,7 @@ import vsa_torch
 from common import Case, assert_close, make_inputs
 from frontends import run_jax_vjp, run_torch
 from vsa_core import reference as R
-from vsa_core.backends import triton_backend
+from vsa_core.backends import BackendUnavailableError, triton_backend
 from vsa_core.problem import AttnProblem
 
 GPU = torch.cuda.is_available()
@@ -174,6 +174,26 @@ def test_matches_float64_reference(frontend, P, mode, case):
     x = draw(case, P, mode, _seed(P, mode))
     got = RUNNERS[frontend](case, x, backend="triton", prefix_blocks=P, prefix_mode=mode)
     assert_close(case, got, prefix_reference(case, x, P, mode))
+
+
+GPU_CASE = Case(block=128, head_dim=128, n_q_blocks=6, n_kv_blocks=6, batch=1, heads=2, topk=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P, mode", [(P, m) for P in range(5) for m in MODES], ids=lambda x: str(x))
+@pytest.mark.parametrize("backend", ["cute", "cudnn"])
+@pytest.mark.parametrize("frontend", list(RUNNERS))
+def test_gpu_backends_match_float64_reference(frontend, backend, P, mode):
+    """The library fine stages (FA4, cuDNN BSA) on the prefix lists: 128-token blocks, D 128, bf16
+    (a shape both can run forward and backward)."""
+    if frontend == "jax" and jax.default_backend() != "gpu":
+        pytest.skip("jax has no GPU backend")
+    x = draw(GPU_CASE, P, mode, _seed("gpu", P, mode))
+    try:
+        got = RUNNERS[frontend](GPU_CASE, x, backend=backend, prefix_blocks=P, prefix_mode=mode)
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+    assert_close(GPU_CASE, got, prefix_reference(GPU_CASE, x, P, mode))
 
 
 @pytest.mark.parametrize("P, mode", [(2, "exempt"), (3, "compete")])
