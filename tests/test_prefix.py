@@ -364,3 +364,47 @@ def test_varlen_bad_values(lib, cu_k, prefix, error, match):
     else:
         with pytest.raises(error, match=match):
             call()
+
+
+# ---- the JAX native path's launch plan (recorded on the CPU) -------------------------------------
+@pytest.mark.parametrize("varlen", [False, True], ids=["plain", "varlen"])
+def test_native_plan_records_the_prefix_selection(varlen):
+    from vsa_core import plan as core_plan
+    p = AttnProblem(batch=1, heads=2, q_len=384, kv_len=384, head_dim=64, block_elems=64, dtype="bfloat16", topk=2,
+                    layout="bshd", prefix_blocks=0 if varlen else 2, prefix_mode="compete", seq_prefix=varlen,
+                    n_seqs=2 if varlen else 0)
+    inputs = core_plan.forward_inputs(p)
+    if varlen:
+        inputs.update(cu_seqlens_q=((3,), "int32"), cu_seqlens_k=((3,), "int32"), seq_prefix=((2,), "int32"))
+    topk = next(l for l in core_plan.record_plan("forward", p, inputs).launches
+                if l.kernel_name == "topk_select_kernel")
+    extra = ("q_seq", "cu_seqlens_q", "cu_seqlens_k", "seq_prefix") if varlen else ()
+    assert topk.buffers == ("scores", "sel_idx", "sel_num", "sel_mask") + extra
+    assert topk.arg("PREFIX_MODE").value == 2 and topk.arg("VARLEN").value is varlen
+    assert topk.arg("PER_SEQ_PREFIX").value is varlen and topk.arg("idx_capacity").value == p.n_kv_blocks
+    assert p.forward_buffers()["sel_idx"][0][-1] == p.n_kv_blocks  # dense prefix rows: room for every block
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------
+def test_torch_compile_fullgraph_matches_eager():
+    """prefix_blocks static, per-sequence counts a tensor input: one full graph, equal to eager."""
+    cases, seqs, x = make_pack((3, 2), [1, 2], _seed("compile"), "exempt")
+    cu = torch.from_numpy(x["cu"]).to(DEVICE)
+    counts = [torch.from_numpy(x[n]).to(DEVICE) for n in ("kv_counts", "q_counts")]
+    prefix = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+
+    def loss(q, k, v):
+        packed = vsa_torch.video_sparse_attn_varlen(q, k, v, cu, cu, *counts, 1, 64, prefix_blocks=prefix)
+        plain = vsa_torch.video_sparse_attn_bshd(q[None], k[None], v[None], *counts, 1, 64, prefix_blocks=2,
+                                                 prefix_mode="compete")
+        return (packed.float() ** 2).sum() + (plain.float() ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    results = []
+    for fn in (loss, compiled):
+        q, k, v = (torch.from_numpy(x[n]).to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v"))
+        value = fn(q, k, v)
+        value.backward()
+        results.append([value.detach(), q.grad, k.grad, v.grad])
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=0, atol=0)
