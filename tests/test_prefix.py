@@ -233,7 +233,8 @@ def _unpack(refs):
 
 
 def run_torch_varlen(x, topk, prefix, mode):
-    q, k, v, gate = (torch.from_numpy(x[n]).to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v", "gate"))
+    q, k, v, gate = (torch.from_numpy(x[n]).to(DEVICE, torch.bfloat16).requires_grad_()
+                     for n in ("q", "k", "v", "gate"))
     cu = torch.from_numpy(x["cu"]).to(DEVICE)
     out = vsa_torch.video_sparse_attn_varlen(q, k, v, cu, cu, torch.from_numpy(x["kv_counts"]),
                                              torch.from_numpy(x["q_counts"]), topk, 64, gate, prefix_blocks=prefix,
@@ -358,7 +359,8 @@ def test_varlen_bad_values(lib, cu_k, prefix, error, match):
         cu_q, cu_k = np.array([0, 128, 192], np.int32), np.array(cu_k, np.int32)
         prefix = np.array(prefix) if isinstance(prefix, list) else prefix
     counts = np.full(3, 64)
-    call = lambda: mod.video_sparse_attn_varlen(q, q, q, cu_q, cu_k, counts, counts, 1, 64, prefix_blocks=prefix)  # noqa: E731
+    def call():
+        return mod.video_sparse_attn_varlen(q, q, q, cu_q, cu_k, counts, counts, 1, 64, prefix_blocks=prefix)
     if error is None:
         call()
     else:
