@@ -301,7 +301,7 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
     prefix = {}
     if vsa:
         check_prefix_mode(prefix_mode)
-        P = _check_prefix_int(prefix_blocks, sq // E, sk // E, "") if prefix_blocks is not None else 0
+        P = _check_prefix_int(prefix_blocks, sq // E, sk // E, "")
         if P:  # no prefix: the plain problem, whatever the mode
             prefix = dict(prefix_blocks=P, prefix_mode=prefix_mode)
     return AttnProblem(batch=bq, heads=hq, q_len=sq, kv_len=sk, head_dim=dq, block_elems=E, dtype=dt,
@@ -409,11 +409,11 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
                          f"(shape {_shape(cu_seqlens_k)})")
     p = describe_attention(_Batched(q), _Batched(k), _Batched(v), block_size=block_size, layout="bshd",
                            kv_counts=kv_counts, q_counts=q_counts, topk=topk,
-                           gate=None if gate is None else _Batched(gate), selection=selection, training=training,
-                           prefix_blocks=None)
+                           gate=None if gate is None else _Batched(gate), selection=selection, training=training)
     p = dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
     if selection != "topk":
         return p
+    # the prefix of a packed call: an int for every sequence, or one count per sequence
     check_prefix_mode(prefix_mode)
     if hasattr(prefix_blocks, "shape") or isinstance(prefix_blocks, (list, tuple)):
         per_seq = prefix_blocks if hasattr(prefix_blocks, "shape") else np.asarray(prefix_blocks)
