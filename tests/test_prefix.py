@@ -345,6 +345,7 @@ def test_prefix_needs_equal_lengths(lib):
     ([0, 128, 192], 2, ValueError, "must not exceed the number of blocks of sequence 1"),
     ([0, 64, 192], [1, 0], ValueError, "sequence 0 has 2 query and 1 KV blocks"),
     ([0, 64, 192], [0, 0], None, None),  # no prefix: Sq != Skv per sequence is fine
+    ([0, 128, 192], np.int64(1), None, None),  # a numpy integer is an int (every sequence)
     ([0, 128, 192], [1, 1, 1], ValueError, r"must have shape \(2,\)"),
     ([0, 128, 192], [1.0, 0.0], TypeError, "must be integers"),
 ])

@@ -239,6 +239,12 @@ def check_prefix_mode(prefix_mode) -> str:
     return prefix_mode
 
 
+def per_sequence_prefix(prefix_blocks) -> bool:
+    """Packed calls: whether `prefix_blocks` gives one count per sequence (an array or a list)
+    rather than one static int for all (a 0-d array is not an int: it is refused as one)."""
+    return isinstance(prefix_blocks, (list, tuple)) or len(getattr(prefix_blocks, "shape", ())) > 0
+
+
 def _check_prefix_int(prefix_blocks, n_q: int, n_kv: int, what: str) -> int:
     """A static prefix count: a Python int in [0, blocks of the sequence]; > 0 needs Sq == Skv."""
     if isinstance(prefix_blocks, (bool, np.bool_)) or not isinstance(prefix_blocks, (int, np.integer)):
@@ -415,7 +421,7 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
         return p
     # the prefix of a packed call: an int for every sequence, or one count per sequence
     check_prefix_mode(prefix_mode)
-    if hasattr(prefix_blocks, "shape") or isinstance(prefix_blocks, (list, tuple)):
+    if per_sequence_prefix(prefix_blocks):
         per_seq = prefix_blocks if hasattr(prefix_blocks, "shape") else np.asarray(prefix_blocks)
         if _shape(per_seq) != (n,):
             raise ValueError(f"prefix_blocks as an array must have shape ({n},) (one count per sequence), got "

@@ -24,7 +24,7 @@ from vsa_core import ops as core_ops
 from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection)
+                              check_varlen_selection, per_sequence_prefix)
 from vsa_core.runtime import DeviceInfo
 
 from . import native as _native
@@ -195,7 +195,7 @@ def as_prefix(prefix_blocks, cu_q, cu_k, block_elems: int):
     """Packed calls: per-sequence prefix counts as an int32 jax array (None for an int, which
     stays static). Their values (an int's too) are checked against the offsets when both are
     concrete; under jit they are read on the device only."""
-    per_seq = hasattr(prefix_blocks, "shape") or isinstance(prefix_blocks, (list, tuple))
+    per_seq = per_sequence_prefix(prefix_blocks)
     if per_seq:
         dtype = np.dtype(prefix_blocks.dtype if hasattr(prefix_blocks, "dtype") else np.asarray(prefix_blocks).dtype)
         if dtype.kind not in "iu":

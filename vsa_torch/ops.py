@@ -18,7 +18,7 @@ from vsa_core import ops as core_ops
 from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection)
+                              check_varlen_selection, per_sequence_prefix)
 from vsa_core.runtime import DeviceInfo
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -315,7 +315,7 @@ def as_prefix(prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: Tensor, block_ele
     """Packed calls: per-sequence prefix counts as int32 on q's device (None for an int,
     which stays static). Eagerly their values (an int's too) are checked against the
     offsets (a host read, once per tensor version); under torch.compile not."""
-    per_seq = isinstance(prefix_blocks, Tensor) or isinstance(prefix_blocks, (list, tuple, np.ndarray))
+    per_seq = per_sequence_prefix(prefix_blocks)
     counts = torch.as_tensor(prefix_blocks) if per_seq else None
     if per_seq and (counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool):
         raise TypeError(f"prefix_blocks as an array must be integers, got dtype {counts.dtype}")
