@@ -411,3 +411,41 @@ def test_torch_compile_fullgraph_matches_eager():
         results.append([value.detach(), q.grad, k.grad, v.grad])
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+
+
+# ---- the selection kernel compiles for sm_90 (CPU, in a subprocess without the interpreter) -------
+_COMPILE_SCRIPT = """
+from vsa_core import plan as P
+from vsa_core.problem import AttnProblem
+for kw in (dict(prefix_blocks=1, prefix_mode="exempt"), dict(prefix_blocks=2, prefix_mode="compete", topk=1),
+           dict(seq_prefix=True, n_seqs=2, prefix_mode="exempt"), dict(prefix_blocks=1, n_seqs=1, prefix_mode="compete")):
+    args = dict(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16", topk=2, layout="bshd")
+    args.update(kw)
+    p = AttnProblem(**args)
+    inputs = P.forward_inputs(p)
+    if p.varlen:
+        inputs.update(cu_seqlens_q=((p.n_seqs + 1,), "int32"), cu_seqlens_k=((p.n_seqs + 1,), "int32"))
+        if p.seq_prefix:
+            inputs["seq_prefix"] = ((p.n_seqs,), "int32")
+    plan = P.record_plan("forward", p, inputs)
+    launch = next(l for l in plan.launches if l.kernel_name == "topk_select_kernel")
+    c = P.compile_launch(launch, plan, 90)
+    assert c.cubin[:4] == b"\x7fELF"
+    print(kw, "ok", len(c.cubin))
+print("OK")
+"""
+
+
+def test_selection_kernel_compiles_for_sm90():
+    """prefix 1 (Triton compiles an int argument equal to 1 in as a constant), compete, packed
+    with per-sequence counts and with an int: each specialization compiles to a cubin."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
