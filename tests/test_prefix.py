@@ -157,10 +157,11 @@ def prefix_reference(case: Case, x: dict, P: int, mode: str) -> dict:
     return res
 
 
-# 6 blocks (block 2 empty, 1 and 5 partial): P up to 4 leaves 2 video blocks
-CASE = Case(n_q_blocks=6, n_kv_blocks=6, batch=1, heads=2, topk=1)
+# 6 blocks (block 2 empty, 1 and 5 partial): P up to 4 leaves 2 video blocks. P = 0 is the
+# plain problem in either mode (test_prefix_zero_is_plain_vsa_in_both_modes): run once.
+CASE = Case(n_q_blocks=6, n_kv_blocks=6, batch=1, heads=1, topk=1)
 FRONTEND_CASES = [(P, mode, dataclasses.replace(CASE, layout="bshd", gate=False) if P % 2 else CASE)
-                  for P in range(5) for mode in MODES]
+                  for P in range(5) for mode in MODES if P or mode == "exempt"]
 RUNNERS = {"torch": run_torch, "jax": run_jax_vjp}
 
 
@@ -196,7 +197,7 @@ def test_gpu_backends_match_float64_reference(frontend, backend, P, mode):
     assert_close(GPU_CASE, got, prefix_reference(GPU_CASE, x, P, mode))
 
 
-@pytest.mark.parametrize("P, mode", [(2, "exempt"), (3, "compete")])
+@pytest.mark.parametrize("P, mode", [(2, "exempt")])  # compete: test_varlen_per_sequence_prefixes
 def test_torch_equals_jax_bitwise(P, mode):
     case = dataclasses.replace(CASE, topk=2)
     x = draw(case, P, mode, _seed("parity", P, mode))
