@@ -33,6 +33,8 @@ from vsa_core.problem import AttnProblem
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
+# torch and JAX on the same kind of device (both on the CPU, or both on the GPU): their results are bitwise equal
+SAME_DEVICE = GPU == (jax.default_backend() == "gpu")
 MODES = ("exempt", "compete")
 
 
@@ -198,6 +200,7 @@ def test_gpu_backends_match_float64_reference(frontend, backend, P, mode):
 
 
 @pytest.mark.parametrize("P, mode", [(2, "exempt")])  # compete: test_varlen_per_sequence_prefixes
+@pytest.mark.skipif(not SAME_DEVICE, reason="torch has a GPU, jax has not")
 def test_torch_equals_jax_bitwise(P, mode):
     case = dataclasses.replace(CASE, topk=2)
     x = draw(case, P, mode, _seed("parity", P, mode))
@@ -274,8 +277,9 @@ def test_varlen_per_sequence_prefixes(mode):
     got = run_torch_varlen(x, topk, torch.tensor(prefixes, dtype=torch.int32), mode)
     assert_close(cases[0], got, want)
     got_jax = run_jax_varlen(x, topk, np.array(prefixes, np.int32), mode)
+    assert_close(cases[0], got_jax, want)
     for n in got:
-        assert np.array_equal(got[n], got_jax[n]), n
+        assert np.array_equal(got[n], got_jax[n]) or not SAME_DEVICE, n
 
 
 def test_varlen_int_prefix_equals_per_sequence_calls():
