@@ -91,6 +91,7 @@ class Shape:
     D: int
     E: int       # tokens per block
     topk: int    # selected KV blocks per query block
+    prefix: int = 0  # leading non-video blocks (issue 18: dense rows; video rows take them all, "exempt")
 
     @property
     def n_blocks(self) -> int:
@@ -101,15 +102,20 @@ class Shape:
         return 1.0 - self.topk / self.n_blocks
 
     def sparse_flops(self) -> float:
-        """Forward FLOPs of the fine stage: QK^T and PV over topk blocks of E keys per query."""
-        return 4.0 * self.B * self.H * self.D * self.S * self.topk * self.E
+        """Forward FLOPs of the fine stage: QK^T and PV over topk blocks of E keys per query;
+        with a prefix the real ones: its query blocks dense (every block), each video query
+        block over the prefix blocks plus its topk video blocks."""
+        n, P = self.n_blocks, self.prefix
+        attended_blocks = P * n + (n - P) * (self.topk + P)  # over all query blocks; P = 0: n * topk
+        return 4.0 * self.B * self.H * self.D * self.E * self.E * attended_blocks
 
     def dense_flops(self) -> float:
         return 4.0 * self.B * self.H * self.D * self.S * self.S
 
     def describe(self) -> str:
         return (f"{self.name}: B{self.B} H{self.H} S{self.S} D{self.D} E{self.E} topk {self.topk}/"
-                f"{self.n_blocks} ({100 * self.sparsity:.1f}% sparse)")
+                f"{self.n_blocks} ({100 * self.sparsity:.1f}% sparse)"
+                + (f", {self.prefix} prefix blocks (dense rows, exempt)" if self.prefix else ""))
 
 
 STANDARD_SHAPES = {
@@ -118,6 +124,9 @@ STANDARD_SHAPES = {
     # Wan 480p latent 21x30x52 -> 39936 tokens
     "480p-64": Shape("480p-64", 1, 12, 39936, 128, 64, 62),
     "480p-256": Shape("480p-256", 1, 12, 39936, 128, 256, 20),
+    # the same video after a 512-token text prompt (8 prefix blocks, issue 18); plain VSA on the
+    # same length for the TFLOPS comparison: --custom 1,12,40448,128,64,62
+    "480p-64-prefix8": Shape("480p-64-prefix8", 1, 12, 39936 + 512, 128, 64, 62, prefix=8),
     # 720p latent, 40 heads
     "720p-256": Shape("720p-256", 1, 40, 92160, 128, 256, 45),
 }
@@ -140,7 +149,7 @@ def select_shapes(args) -> List[Shape]:
     if args.device == "cpu" and not shapes:
         shapes = [Shape("tiny", 1, 2, 256, 64, 64, 2)]
     if args.sparsity is not None:
-        shapes = [Shape(s.name, s.B, s.H, s.S, s.D, s.E, max(1, round((1 - args.sparsity) * s.n_blocks)))
+        shapes = [Shape(s.name, s.B, s.H, s.S, s.D, s.E, max(1, round((1 - args.sparsity) * s.n_blocks)), s.prefix)
                   for s in shapes]
     for s in shapes:
         if s.S % s.E or not 1 <= s.topk <= s.n_blocks:
@@ -424,11 +433,16 @@ def load_jax(device: str):
 
 
 def random_block_map(shape: Shape, gen, device) -> "torch.Tensor":
-    """Exactly topk KV blocks per query-block row, chosen uniformly at random."""
-    B, H, n = shape.B, shape.H, shape.n_blocks
+    """Exactly topk KV blocks per query-block row, chosen uniformly at random; with a prefix
+    (P blocks) the selection of prefix_mode "exempt": prefix rows dense, video rows the P
+    prefix blocks plus topk video blocks."""
+    B, H, n, P = shape.B, shape.H, shape.n_blocks, shape.prefix
     scores = torch.rand(B, H, n, n, generator=gen, device=device)
-    chosen = scores.topk(shape.topk, dim=-1).indices
-    return torch.zeros(B, H, n, n, dtype=torch.bool, device=device).scatter_(-1, chosen, True)
+    chosen = scores[..., P:].topk(shape.topk, dim=-1).indices + P
+    block_map = torch.zeros(B, H, n, n, dtype=torch.bool, device=device).scatter_(-1, chosen, True)
+    block_map[..., :P] = True
+    block_map[..., :P, :] = True
+    return block_map
 
 
 @dataclass
@@ -468,7 +482,7 @@ class Inputs:
 
 def our_contender(stage: str, backend: str, frontend: str, x: Inputs, jax_mod, device: str) -> Contender:
     """Our `stage` ("fine": block_sparse_attn, "vsa": video_sparse_attn) through one frontend."""
-    E, topk = x.shape.E, x.shape.topk
+    E, topk, prefix = x.shape.E, x.shape.topk, x.shape.prefix
     if frontend == "jax":
         j = x.jax
         if stage == "fine":
@@ -478,7 +492,7 @@ def our_contender(stage: str, backend: str, frontend: str, x: Inputs, jax_mod, d
 
         def forward(q, k, v, gate):
             return jax_mod.video_sparse_attn(q, k, v, j["counts"], j["counts"], topk, E,
-                                             compress_attn_weight=gate, backend=backend)
+                                             compress_attn_weight=gate, backend=backend, prefix_blocks=prefix)
         return jax_contender(forward, (j["q"], j["k"], j["v"], j["gate"]), j["dout"], device)
 
     # the map and counts are arguments, not closure constants, so torch.compile sees them as inputs
@@ -488,7 +502,8 @@ def our_contender(stage: str, backend: str, frontend: str, x: Inputs, jax_mod, d
         extra, inputs = (x.block_map, x.counts), (x.q, x.k, x.v)
     else:
         def forward(q, k, v, gate, counts):
-            return video_sparse_attn(q, k, v, counts, counts, topk, E, compress_attn_weight=gate, backend=backend)
+            return video_sparse_attn(q, k, v, counts, counts, topk, E, compress_attn_weight=gate, backend=backend,
+                                     prefix_blocks=prefix)
         extra, inputs = (x.counts,), (x.q, x.k, x.v, x.gate)
     if frontend == "compile":
         forward = torch.compile(forward, dynamic=False, fullgraph=True)

@@ -41,11 +41,12 @@ def to_numpy(case: Case, got: dict) -> dict:
     return {n: from_layout(np.asarray(x, np.float32), case.layout) for n, x in got.items()}
 
 
-def run_jax_vjp(case: Case, inputs: dict, backend: str = "auto") -> dict:
-    """jit(vjp) with the counts traced (passed as jit arguments)."""
+def run_jax_vjp(case: Case, inputs: dict, backend: str = "auto", **kw) -> dict:
+    """jit(vjp) with the counts traced (passed as jit arguments); `kw`: more static keyword
+    arguments of the call (prefix_blocks, prefix_mode)."""
     @jax.jit
     def run(q, k, v, gate, dout, kv_counts, q_counts):
-        out, vjp = jax.vjp(vsa_fn(case, kv_counts, q_counts, backend=backend), q, k, v, gate)
+        out, vjp = jax.vjp(vsa_fn(case, kv_counts, q_counts, backend=backend, **kw), q, k, v, gate)
         return out, vjp(dout)
 
     q, k, v, gate, dout = jax_args(case, inputs)
@@ -75,7 +76,7 @@ def run_jax_grad(case: Case, inputs: dict, backend: str = "auto") -> dict:
     return to_numpy(case, got)
 
 
-def run_torch(case: Case, inputs: dict, backend: str = "auto", device: str = TORCH_DEVICE) -> dict:
+def run_torch(case: Case, inputs: dict, backend: str = "auto", device: str = TORCH_DEVICE, **kw) -> dict:
     dtype = getattr(torch, case.dtype)
 
     def tensor(name):
@@ -84,7 +85,7 @@ def run_torch(case: Case, inputs: dict, backend: str = "auto", device: str = TOR
     q, k, v, gate = (tensor(n).requires_grad_() for n in ("q", "k", "v", "gate"))
     fn = vsa_torch.video_sparse_attn if case.layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
     out = fn(q, k, v, torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.topk,
-             case.block, gate if case.gate else None, backend=backend)
+             case.block, gate if case.gate else None, backend=backend, **kw)
     out.backward(tensor("dout"))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if case.gate:

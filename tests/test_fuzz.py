@@ -192,3 +192,34 @@ def test_near_tie_draws_fall_back_to_the_checked_kernel_selection():
     wrong[0, 0, 0] = row
     with pytest.raises(AssertionError, match="passes over a block"):
         check_top_k(scores, wrong, case.topk, margin=(s[dropped] - s[taken]) / 2)
+
+
+PREFIX_DRAWS = 12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(PREFIX_DRAWS))
+@pytest.mark.parametrize("backend", ["triton", "cute"])
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+def test_fuzz_gpu_prefix(frontend, backend, index, request):
+    """Mixed-modality draws (issue 18): prefix_blocks 0..4 with Sq == Skv, both modes, against
+    the float64 reference (inputs redrawn until the prefix selection is unambiguous)."""
+    import dataclasses
+
+    from test_prefix import draw, prefix_reference
+    if frontend == "jax":
+        require_jax_gpu()
+    rng = np.random.default_rng(_seed(request.node.name))
+    case, _ = draw_case(rng, gpu=True, backend=backend)
+    P, mode = int(rng.integers(0, 5)), str(rng.choice(["exempt", "compete"]))
+    n = max(case.n_q_blocks, P + 1)
+    case = dataclasses.replace(case, n_q_blocks=n, n_kv_blocks=n)
+    if backend == "cute":
+        from test_cute_backend import _require_cute
+        _require_cute(case)
+    inputs = draw(case, P, mode, _seed(request.node.name))
+    if frontend == "torch":
+        got = run_torch(case, inputs, backend=backend, device="cuda", prefix_blocks=P, prefix_mode=mode)
+    else:
+        got = run_jax_vjp(case, inputs, backend, prefix_blocks=P, prefix_mode=mode)
+    assert_close(case, got, prefix_reference(case, inputs, P, mode), large_logit_tolerance(case))

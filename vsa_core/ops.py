@@ -45,7 +45,7 @@ def _sequence_ids(p: AttnProblem, b: dict) -> None:
 def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
     """VSA (p.selection == "topk") or block-sparse attention forward.
 
-    Inputs: q, k, v, kv_counts, and q_counts (+ gate) for VSA, block_map or
+    Inputs: q, k, v, kv_counts, and q_counts (+ gate; + seq_prefix when p.seq_prefix) for VSA, block_map or
     given_idx/given_num (the caller's lists) for the block-sparse variants; packed
     sequences (p.varlen) also cu_seqlens_q/cu_seqlens_k. Given lists are not trusted:
     the forward writes the lists it runs to sel_idx/sel_num (the entries that count by
@@ -61,7 +61,9 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
                                   b["k_pool"], b["v_pool"])
             T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
                              b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
-            T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+            T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"], q_seq=b.get("q_seq"),
+                          cu_seqlens_q=b.get("cu_seqlens_q"), cu_seqlens_k=b.get("cu_seqlens_k"),
+                          seq_prefix=b.get("seq_prefix"))
         elif p.selection == "block_map":
             T.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
         else:  # given lists: the entries that count by the rule (packed: of the query's own sequence)

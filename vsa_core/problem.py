@@ -77,6 +77,18 @@ class AttnProblem:
     n_seqs: int = 0
     # row length of given index lists that the call copies ("indices" selection)
     list_capacity: Optional[int] = None
+    # mixed modality (VSA, Sq == Skv): the first prefix_blocks blocks (packed: of every
+    # sequence) hold non-video tokens; their query rows are dense, and video rows take the
+    # prefix KV blocks by prefix_mode (`vsa_core.reference.prefix_topk_mask`). seq_prefix
+    # (packed only): the counts come per sequence as the device input "seq_prefix" [N] int32
+    # instead. No prefix: prefix_blocks 0, seq_prefix False, prefix_mode "exempt".
+    prefix_blocks: int = 0
+    prefix_mode: str = "exempt"
+    seq_prefix: bool = False
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.prefix_blocks > 0 or self.seq_prefix
 
     @property
     def varlen(self) -> bool:
@@ -98,7 +110,8 @@ class AttnProblem:
     def select_capacity(self) -> int:
         """Row length of the query-owned index lists."""
         if self.topk is not None:
-            return self.topk
+            # a prefix query row is dense: up to every KV block (the counts are device data)
+            return self.n_kv_blocks if self.has_prefix else self.topk
         return self.list_capacity if self.list_capacity is not None else self.n_kv_blocks
 
     def token_shape(self, seq_len: int) -> Tuple[int, ...]:
@@ -238,8 +251,39 @@ def _layout_hint(shape, layout: str, block_elems: int) -> str:
             "video_sparse_attn, or layout='bhsd')")
 
 
+PREFIX_MODES = ("exempt", "compete")
+
+
+def check_prefix_mode(prefix_mode) -> str:
+    if not isinstance(prefix_mode, str) or prefix_mode not in PREFIX_MODES:
+        raise ValueError(f"prefix_mode must be one of {PREFIX_MODES}, got {prefix_mode!r}")
+    return prefix_mode
+
+
+def per_sequence_prefix(prefix_blocks) -> bool:
+    """Packed calls: whether `prefix_blocks` gives one count per sequence (an array or a list)
+    rather than one static int for all (a 0-d array is not an int: it is refused as one)."""
+    return isinstance(prefix_blocks, (list, tuple)) or len(getattr(prefix_blocks, "shape", ())) > 0
+
+
+def _check_prefix_int(prefix_blocks, n_q: int, n_kv: int, what: str) -> int:
+    """A static prefix count: a Python int in [0, blocks of the sequence]; > 0 needs Sq == Skv."""
+    if isinstance(prefix_blocks, (bool, np.bool_)) or not isinstance(prefix_blocks, (int, np.integer)):
+        raise TypeError(f"prefix_blocks must be a Python int, got {prefix_blocks!r}")
+    P = int(prefix_blocks)
+    if P < 0:
+        raise ValueError(f"prefix_blocks must be >= 0, got {P}")
+    if P > 0 and n_q != n_kv:
+        raise ValueError(f"prefix_blocks > 0 needs q and k of the same length (joint self-attention), got "
+                         f"{n_q} query and {n_kv} KV blocks{what}")
+    if P > n_q:
+        raise ValueError(f"prefix_blocks ({P}) must not exceed the number of blocks of the sequence ({n_q}{what})")
+    return P
+
+
 def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts, q_counts=None,
-                       topk=None, gate=None, selection: str = "topk", training: bool = True) -> AttnProblem:
+                       topk=None, gate=None, selection: str = "topk", training: bool = True,
+                       prefix_blocks=0, prefix_mode: str = "exempt") -> AttnProblem:
     """Checks the arguments of a call (anything with .shape and .dtype) and returns its problem."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -282,9 +326,15 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
             if dtype_name(gate.dtype) != dt:
                 raise TypeError(f"compress_attn_weight must have q's dtype ({dt}), got {dtype_name(gate.dtype)}")
             has_gate = True
+    prefix = {}
+    if vsa:
+        check_prefix_mode(prefix_mode)
+        P = _check_prefix_int(prefix_blocks, sq // E, sk // E, "")
+        if P:  # no prefix: the plain problem, whatever the mode
+            prefix = dict(prefix_blocks=P, prefix_mode=prefix_mode)
     return AttnProblem(batch=bq, heads=hq, q_len=sq, kv_len=sk, head_dim=dq, block_elems=E, dtype=dt,
                        layout=layout, topk=topk if vsa else None, has_gate=has_gate,
-                       selection=selection, training=training)
+                       selection=selection, training=training, **prefix)
 
 
 def check_block_map(block_map, problem: AttnProblem) -> None:
@@ -368,10 +418,13 @@ def _check_offsets_shape(name: str, cu) -> int:
 
 def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSize, kv_counts, q_counts=None,
                     topk=None, gate=None, selection: str = "topk", training: bool = True,
-                    list_capacity: Optional[int] = None) -> AttnProblem:
+                    list_capacity: Optional[int] = None, prefix_blocks=0,
+                    prefix_mode: str = "exempt") -> AttnProblem:
     """Checks a packed call (q, gate [total_q, H, D]; k, v [total_k, H, D]; offsets int32
     [N + 1]) by shape and dtype, and returns its problem: BSHD with batch 1 and n_seqs = N.
-    The offsets' values are checked by `check_offsets` where they are known on the host."""
+    The offsets' values are checked by `check_offsets` where they are known on the host.
+    `prefix_blocks`: an int (every sequence) or an integer array [N] (per sequence; its
+    values are checked by `check_prefix_values` where they are known)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(_shape(x)) != 3:
             raise ValueError(f"{name} must be a rank-3 packed tensor [total, H, D], got shape {_shape(x)}")
@@ -385,7 +438,25 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
     p = describe_attention(_Batched(q), _Batched(k), _Batched(v), block_size=block_size, layout="bshd",
                            kv_counts=kv_counts, q_counts=q_counts, topk=topk,
                            gate=None if gate is None else _Batched(gate), selection=selection, training=training)
-    return dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
+    p = dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
+    if selection != "topk":
+        return p
+    # the prefix of a packed call: an int for every sequence, or one count per sequence
+    check_prefix_mode(prefix_mode)
+    if per_sequence_prefix(prefix_blocks):
+        per_seq = prefix_blocks if hasattr(prefix_blocks, "shape") else np.asarray(prefix_blocks)
+        if _shape(per_seq) != (n,):
+            raise ValueError(f"prefix_blocks as an array must have shape ({n},) (one count per sequence), got "
+                             f"{_shape(per_seq)}")
+        try:
+            kind = np.dtype(dtype_name(per_seq.dtype)).kind
+        except TypeError:
+            kind = "?"
+        if kind not in "iu":
+            raise TypeError(f"prefix_blocks as an array must be integers, got dtype {dtype_name(per_seq.dtype)}")
+        return dataclasses.replace(p, prefix_mode=prefix_mode, seq_prefix=True)
+    P = _check_prefix_int(prefix_blocks, p.n_q_blocks, p.n_kv_blocks, " in the packed stream")
+    return dataclasses.replace(p, prefix_blocks=P, prefix_mode=prefix_mode) if P else p
 
 
 def check_offsets(name: str, values, total: int, block_elems: int) -> None:
@@ -443,3 +514,25 @@ def check_varlen_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_ind
         raise ValueError(f"block_indices lists KV block {j} (sequence {kv_seq[j]}) for query block {i} "
                          f"(sequence {q_seq[i]}) of head {h}: a query block may select only blocks of its own "
                          "sequence")
+
+
+def check_prefix_values(prefix_blocks, cu_q, cu_k, block_elems: int) -> None:
+    """Host check of packed prefix counts (an int or one per sequence) against the offsets:
+    sequence i's count in [0, its blocks], and a sequence with a prefix has as many query as
+    KV tokens (joint self-attention). Frontends call it where the values are known; under
+    jit / compile the kernel reads them on the device (a count above the sequence makes it
+    all prefix, below 0 none)."""
+    cu_q, cu_k = np.asarray(cu_q, np.int64), np.asarray(cu_k, np.int64)
+    n = len(cu_q) - 1
+    counts = np.broadcast_to(np.asarray(prefix_blocks, np.int64), (n,))
+    q_blocks, kv_blocks = np.diff(cu_q) // block_elems, np.diff(cu_k) // block_elems
+    for i in range(n):
+        P = int(counts[i])
+        if P < 0:
+            raise ValueError(f"prefix_blocks must be >= 0, got {P} for sequence {i}")
+        if P > 0 and q_blocks[i] != kv_blocks[i]:
+            raise ValueError(f"prefix_blocks > 0 needs a sequence's q and k of the same length (joint "
+                             f"self-attention): sequence {i} has {q_blocks[i]} query and {kv_blocks[i]} KV blocks")
+        if P > q_blocks[i]:
+            raise ValueError(f"prefix_blocks ({P}) must not exceed the number of blocks of sequence {i} "
+                             f"({q_blocks[i]})")

@@ -61,6 +61,36 @@ def topk_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.from_numpy((ranks < topk) & np.isfinite(s))
 
 
+PREFIX_MODES = ("exempt", "compete")
+
+
+def prefix_topk_mask(scores: torch.Tensor, topk: int, prefix_blocks: int, prefix_mode: str = "exempt"
+                     ) -> torch.Tensor:
+    """Selection of mixed-modality VSA (Sq == Skv): the first `prefix_blocks` blocks on the
+    query side and on the key side hold non-video tokens (a text prompt, keyframes, audio).
+
+    - prefix query rows are dense: every finite score (every non-empty KV block);
+    - video query rows, "exempt": every finite prefix column, plus the `topk` highest
+      finite video columns (ranked among the video columns only);
+      "compete": the `topk + prefix_blocks` highest finite columns of all;
+    ranking, ties (to the lower index) and clamping as in `topk_mask`. prefix_blocks 0 is
+    plain VSA in both modes (FastVideo's H3 backend: `num_prefix_tiles`, `exempt`)."""
+    if prefix_mode not in PREFIX_MODES:
+        raise ValueError(f"prefix_mode must be one of {PREFIX_MODES}, got {prefix_mode!r}")
+    n_q, n_kv = scores.shape[-2:]
+    P = int(prefix_blocks)
+    assert 0 <= P <= min(n_q, n_kv), (P, n_q, n_kv)
+    finite = torch.isfinite(scores)
+    prefix_col = torch.arange(n_kv) < P
+    if prefix_mode == "exempt":
+        video = topk_mask(scores.masked_fill(prefix_col, float("-inf")), topk)
+        mask = video | (finite & prefix_col)
+    else:
+        mask = topk_mask(scores, topk + P)
+    dense_row = (torch.arange(n_q) < P)[:, None]
+    return torch.where(dense_row, finite, mask)
+
+
 def index_lists_to_block_map(block_indices, block_counts, n_kv_blocks: int) -> torch.Tensor:
     """Bool [B, H, nQ, nKV] of the blocks a list selects, by the kernels' rule for lists
     that eager mode would reject (under jit / compile): the count is clamped to
@@ -96,7 +126,8 @@ def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int)
 
 def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_elems: int,
                                 gate: Optional[torch.Tensor] = None, round_to=None,
-                                block_map: Optional[torch.Tensor] = None):
+                                block_map: Optional[torch.Tensor] = None, prefix_blocks: int = 0,
+                                prefix_mode: str = "exempt"):
     """VSA forward in float64. Returns (out, block_map used, coarse scores).
 
     Padding: only the valid tokens of each block (the first q_counts[i] / kv_counts[i])
@@ -107,6 +138,8 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     `round_to` (e.g. torch.bfloat16) models the kernels' cast of the block means to
     the input dtype. `block_map` overrides the selection (the tests pass the kernel's
     selection once they have checked it is a valid top-k of these scores).
+    `prefix_blocks` / `prefix_mode`: mixed-modality selection (`prefix_topk_mask`); the
+    coarse branch and the gate do not depend on them.
     """
     kv_counts = torch.as_tensor(np.asarray(kv_counts), dtype=torch.int64)
     q_counts = torch.as_tensor(np.asarray(q_counts), dtype=torch.int64)
@@ -118,7 +151,10 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     probs, _ = _masked_softmax(scores, kv_ok)
     out_coarse = (probs @ vc).repeat_interleave(block_elems, dim=2)
     scores = scores.masked_fill(~kv_ok, float("-inf"))
-    if block_map is None:
+    if block_map is None and prefix_blocks:
+        assert q.shape[2] == k.shape[2], "prefix blocks need Sq == Skv (joint self-attention)"
+        block_map = prefix_topk_mask(scores, min(topk, k.shape[2] // block_elems), prefix_blocks, prefix_mode)
+    elif block_map is None:
         block_map = topk_mask(scores, min(topk, k.shape[2] // block_elems))
     out_fine, _ = block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems)
     out = out_coarse * gate + out_fine if gate is not None else out_coarse + out_fine

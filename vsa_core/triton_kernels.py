@@ -301,9 +301,10 @@ def coarse_attn_bwd_dkdv_kernel(
 # --------------------------------------------------------------------------------------
 @triton.jit
 def topk_select_kernel(
-    SCORES, SEL_IDX, SEL_NUM, SEL_MASK,
-    n_kv, topk, idx_capacity,
-    N_PAD: tl.constexpr,
+    SCORES, SEL_IDX, SEL_NUM, SEL_MASK, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX,
+    n_q, n_kv, topk, idx_capacity, n_prefix, n_seqs,
+    N_PAD: tl.constexpr, PREFIX_MODE: tl.constexpr = 0, VARLEN: tl.constexpr = False,
+    PER_SEQ_PREFIX: tl.constexpr = False, BLOCK_ELEMS: tl.constexpr = 64,
 ):
     """Per score row: the `topk` highest finite scores (ties to the lower index).
 
@@ -319,16 +320,47 @@ def topk_select_kernel(
     lowest index first". -0.0 is made +0.0 first, as the two compare equal. The keys are
     32-bit (64-bit integer compares and adds take two instructions each on a GPU), and a
     row is best reduced by few warps: each counting pass is a reduction over the row.
+
+    Prefix blocks (PREFIX_MODE 1 "exempt", 2 "compete"; `vsa_core.reference.prefix_topk_mask`):
+    the first P blocks of the sequence (n_prefix; packed sequences: of each query's own
+    sequence, from its offsets, P per sequence from SEQ_PREFIX with PER_SEQ_PREFIX) on both
+    sides. Some finite columns are then forced in (a prefix row: all of them; "exempt": the
+    prefix columns) and the threshold pass ranks the others only (their keys; the rest get
+    key 0, below every score), taking topk ("exempt") or topk + P ("compete") of them.
+    P is clamped to [0, max(nQ, nKV)] (no overflow; a larger P selects the same).
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, N_PAD)
     in_range = cols < n_kv
     scores = tl.load(SCORES + row * n_kv + cols, mask=in_range, other=float("-inf"))
-    n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
-    k_eff = tl.minimum(topk, n_finite)
     bits = tl.where(scores == 0.0, 0.0, scores).to(tl.uint32, bitcast=True)
     negative = (bits >> 31) != 0
     key = tl.where(negative, ~bits, bits | 0x80000000)  # unsigned, ordered like the floats
+    if PREFIX_MODE == 0:
+        n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
+        k_eff = tl.minimum(topk, n_finite)
+    else:
+        q_block = (row % n_q).to(tl.int32)
+        if VARLEN:
+            seq = tl.minimum(tl.maximum(tl.load(Q_SEQ + q_block), 0), n_seqs - 1)
+            q0 = tl.load(CU_Q + seq) // BLOCK_ELEMS
+            k0 = tl.load(CU_K + seq) // BLOCK_ELEMS
+            if PER_SEQ_PREFIX:
+                n_prefix = tl.load(SEQ_PREFIX + seq)
+        else:
+            q0 = 0
+            k0 = 0
+        n_prefix = tl.minimum(tl.maximum(n_prefix, 0), tl.maximum(n_q, n_kv))
+        finite = scores > float("-inf")
+        local = cols - k0
+        forced = finite & (q_block - q0 < n_prefix)  # a prefix row: dense
+        if PREFIX_MODE == 1:
+            forced = forced | (finite & (local >= 0) & (local < n_prefix))
+        else:
+            topk = topk + n_prefix
+        ranked = finite & ~forced
+        key = tl.where(ranked, key, 0)
+        k_eff = tl.minimum(topk, tl.sum(ranked.to(tl.int32), axis=0))
     threshold = tl.full([], 0, tl.uint32)  # the smallest key; raised one bit at a time
     step = tl.full([], 0x80000000, tl.uint32)
     for _ in range(0, 32):
@@ -338,10 +370,15 @@ def topk_select_kernel(
     above = key > threshold  # fewer than k_eff of them
     ties = (key == threshold).to(tl.int32)
     need = k_eff - tl.sum(above.to(tl.int32), axis=0)
-    chosen = (above | ((ties > 0) & (tl.cumsum(ties, axis=0) <= need))).to(tl.int32)
+    chosen = above | ((ties > 0) & (tl.cumsum(ties, axis=0) <= need))
+    count = k_eff
+    if PREFIX_MODE != 0:
+        chosen = chosen | forced
+        count = k_eff + tl.sum(forced.to(tl.int32), axis=0)
+    chosen = chosen.to(tl.int32)
     slot = tl.cumsum(chosen, axis=0) - 1
     tl.store(SEL_IDX + row * idx_capacity + slot, cols, mask=chosen > 0)
-    tl.store(SEL_NUM + row, k_eff)
+    tl.store(SEL_NUM + row, count)
     tl.store(SEL_MASK + row * n_kv + cols, chosen.to(tl.int8), mask=in_range)
 
 

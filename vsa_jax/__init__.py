@@ -55,11 +55,12 @@ def _require_arrays(**arrays):
 
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-         backend, layout) -> jax.Array:
+         backend, layout, prefix_blocks, prefix_mode) -> jax.Array:
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                    layout=layout, backend=backend).problem
+                    layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode).problem
+    prefix = (p.prefix_blocks, p.prefix_mode)
     impl = _ops.backend_for(backend, p, q)
     E = block_elements(block_size)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, E)
@@ -69,7 +70,7 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     kinds = (layout, layout, layout, "replicated", "replicated", layout)
 
     def op(q, k, v, kv_counts, q_counts, gate):
-        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, None, None, int(topk), E, layout, impl)
+        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, None, None, int(topk), E, layout, impl, prefix=prefix)
     return _split_call(op, layout, E, ("q", "k", "v", "variable_block_sizes", "q_variable_block_sizes",
                                        "compress_attn_weight"), args, kinds, layout)
 
@@ -85,7 +86,7 @@ def _split_call(op, layout, block_elems, names, args, kinds, out_kinds):
 
 def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes, q_variable_block_sizes,
                       topk: int, block_size=64, compress_attn_weight: Optional[jax.Array] = None, *,
-                      backend: str = "auto") -> jax.Array:
+                      backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt") -> jax.Array:
     """Video Sparse Attention on `[B, H, S, D]` arrays (a drop-in for FastVideo's).
 
     q: `[B, H, Sq, D]`; k, v: `[B, H, Skv, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`),
@@ -116,19 +117,26 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     `variable_block_sizes` / `q_variable_block_sizes` values must lie in [0, E]: concrete
     values raise ValueError otherwise; traced ones are not checked and act as clamped to
     [0, E] (above E a full block, below 0 an empty one).
-    `topk`, `block_size` and `backend` are static (Python values, not traced).
+    `prefix_blocks` (a Python int), `prefix_mode`: mixed modality (joint attention over
+    `[text | ... | video]`, Sq == Skv): the first `prefix_blocks` blocks hold the non-video
+    tokens. Their query blocks attend every non-empty KV block; a video query block attends,
+    with "exempt", every prefix block plus its top-`topk` video blocks, with "compete", its
+    top-(`topk` + `prefix_blocks`) blocks of all. Coarse branch and gate as without a
+    prefix (`vsa_core.reference.prefix_topk_mask`).
+    `topk`, `block_size`, `backend`, `prefix_blocks` and `prefix_mode` are static (Python
+    values, not traced).
     """
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bhsd")
+                backend, "bhsd", prefix_blocks, prefix_mode)
 
 
 def video_sparse_attn_bshd(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes,
                            q_variable_block_sizes, topk: int, block_size=64,
-                           compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto"
-                           ) -> jax.Array:
+                           compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
+                           prefix_blocks: int = 0, prefix_mode: str = "exempt") -> jax.Array:
     """`video_sparse_attn` on `[B, S, H, D]` arrays (no transpose is made)."""
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bshd")
+                backend, "bshd", prefix_blocks, prefix_mode)
 
 
 def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.Array, variable_block_sizes,
@@ -195,8 +203,8 @@ def _packed(x) -> jax.Array:
 
 def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
                              variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
-                             compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto"
-                             ) -> jax.Array:
+                             compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
+                             prefix_blocks=0, prefix_mode: str = "exempt") -> jax.Array:
     """VSA over packed variable-length sequences, one call for all of them.
 
     q, compress_attn_weight: `[total_q, H, D]`; k, v: `[total_k, H, D]`: the sequences one
@@ -209,17 +217,22 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     device and may be traced under jax.jit (N and the totals are static shapes), so one
     compiled step serves every packing of the same totals; their values are checked when
     they are concrete.
+    `prefix_blocks`: an int (every sequence's first blocks, static) or one count per
+    sequence (an integer array [N], which may be traced like the offsets; a sequence with a
+    prefix has as many query as KV blocks); `prefix_mode` as in `video_sparse_attn`.
     """
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                    backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).problem
+                    backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
+    seq_prefix = _ops.as_prefix(prefix_blocks, cu_seqlens_q, cu_seqlens_k, p.block_elems)
     gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
     out = _ops.vsa(_packed(q), _packed(k), _packed(v), kv_counts, q_counts, gate, cu_q, cu_k, int(topk),
-                   p.block_elems, "bshd", impl)
+                   p.block_elems, "bshd", impl, seq_prefix, (p.prefix_blocks, p.prefix_mode))
     return out[0]
 
 

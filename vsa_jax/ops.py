@@ -23,7 +23,8 @@ from jax.experimental.buffer_callback import buffer_callback
 from vsa_core import ops as core_ops
 from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import AttnProblem, check_count_values, check_index_values, check_offsets, check_varlen_selection
+from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
+                              check_varlen_selection, per_sequence_prefix)
 from vsa_core.runtime import DeviceInfo
 
 from . import native as _native
@@ -180,13 +181,30 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
 
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True, cu_q=None,
-             list_capacity=None):
+             list_capacity=None, prefix=(0, "exempt"), seq_prefix=None):
     """The problem inside the custom_vjp (at trace time). The frontend checked the call
     (`vsa_core.api.prepare_*`); here it is rebuilt from the shapes and statics, a cache hit
     (`op_problem`): under vsa_jax.spmd the shapes are a device's shard, not the caller's.
     Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
     return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
-                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity)
+                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity,
+                      prefix_blocks=prefix[0], prefix_mode=prefix[1], seq_prefix=seq_prefix)
+
+
+def as_prefix(prefix_blocks, cu_q, cu_k, block_elems: int):
+    """Packed calls: per-sequence prefix counts as an int32 jax array (None for an int, which
+    stays static). Their values (an int's too) are checked against the offsets when both are
+    concrete; under jit they are read on the device only."""
+    per_seq = per_sequence_prefix(prefix_blocks)
+    if per_seq:
+        dtype = np.dtype(prefix_blocks.dtype if hasattr(prefix_blocks, "dtype") else np.asarray(prefix_blocks).dtype)
+        if dtype.kind not in "iu":
+            raise TypeError(f"prefix_blocks as an array must be integers, got dtype {dtype}")
+    if not per_seq and not prefix_blocks:
+        return None
+    if not any(_is_tracer(x) for x in (prefix_blocks, cu_q, cu_k)):
+        check_prefix_values(np.asarray(prefix_blocks), np.asarray(cu_q), np.asarray(cu_k), block_elems)
+    return jnp.asarray(prefix_blocks, dtype=jnp.int32) if per_seq else None
 
 
 def as_offsets(name: str, cu, total: int, block_elems: int) -> jax.Array:
@@ -211,38 +229,47 @@ def check_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=No
 
 
 # ---- VSA ----------------------------------------------------------------------------------
-# topk, block_elems, layout and the resolved backend module are static (hashable).
-# cu_q / cu_k: the packed sequences' int32 offsets (None when not packed), traced like the counts.
-def vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl):
-    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k = _vary_alike(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k)
-    return _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl)
+# topk, block_elems, layout, the resolved backend module and prefix = (prefix_blocks,
+# prefix_mode) are static (hashable). cu_q / cu_k: the packed sequences' int32 offsets (None
+# when not packed), traced like the counts; seq_prefix: their per-sequence prefix counts
+# (int32 [N], or None).
+def vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl, seq_prefix=None,
+        prefix=(0, "exempt")):
+    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix = _vary_alike(q, k, v, kv_counts, q_counts, gate,
+                                                                            cu_q, cu_k, seq_prefix)
+    return _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl,
+                tuple(prefix))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix):
     """Primal (no gradient asked for): the inference forward, nothing kept for a backward."""
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False, cu_q=cu_q)
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False, cu_q=cu_q,
+                 prefix=prefix, seq_prefix=seq_prefix)
     return _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)["out"]
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)["out"]
 
 
-def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl):
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q)
+def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix):
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
+                 prefix=prefix, seq_prefix=seq_prefix)
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
-               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)
     # the backward reads everything but the top-k scores workspace ([B, H, nQ, nKV] fp32); the
     # sequence ids are recomputed there (two tiny launches) rather than kept
     saved = {n: x for n, x in res.items() if n not in ("scores", "q_seq", "kv_seq")}
-    return res["out"], (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, saved)
+    return res["out"], (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, saved)
 
 
-def _vsa_bwd(topk, block_elems, layout, impl, residuals, dout):
-    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, res = residuals
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q)
+def _vsa_bwd(topk, block_elems, layout, impl, prefix, residuals, dout):
+    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, res = residuals
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
+                 prefix=prefix, seq_prefix=seq_prefix)
     grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts,
                  gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **res)
-    # None: no cotangent for the integer counts and offsets (JAX makes them float0 zeros) nor an absent gate
-    return grads["dq"], grads["dk"], grads["dv"], None, None, grads.get("dgate"), None, None
+    # None: no cotangent for the integer counts, offsets and prefix counts (JAX makes them float0
+    # zeros) nor an absent gate
+    return grads["dq"], grads["dk"], grads["dv"], None, None, grads.get("dgate"), None, None, None
 
 
 _vsa.defvjp(_vsa_fwd, _vsa_bwd)

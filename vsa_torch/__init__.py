@@ -41,12 +41,12 @@ def _require_tensors(**tensors):
 
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-         backend, layout) -> Tensor:
+         backend, layout, prefix_blocks, prefix_mode) -> Tensor:
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
     q_variable_block_sizes = _ops.counts_tensor("q_variable_block_sizes", q_variable_block_sizes)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                    layout=layout, backend=backend).problem
+                    layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode).problem
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     E = p.block_elems
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
@@ -54,12 +54,12 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     gate = compress_attn_weight.contiguous() if compress_attn_weight is not None else None
     # p.topk: clamped to the number of KV blocks (any Python int is accepted)
     return _ops.vsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, q_counts, gate,
-                            p.topk, E, layout, backend)
+                            p.topk, E, layout, backend, prefix_blocks=p.prefix_blocks, prefix_mode=p.prefix_mode)
 
 
 def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes, topk: int,
-                      block_size=64, compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto"
-                      ) -> Tensor:
+                      block_size=64, compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto",
+                      prefix_blocks: int = 0, prefix_mode: str = "exempt") -> Tensor:
     """Video Sparse Attention on `[B, H, S, D]` tensors (a drop-in for FastVideo's).
 
     q: `[B, H, Sq, D]`; k, v: `[B, H, Skv, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`),
@@ -90,17 +90,23 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_v
     `variable_block_sizes` / `q_variable_block_sizes` values must lie in [0, E]: eager calls
     raise ValueError otherwise; under torch.compile they are not checked and act as clamped
     to [0, E] (above E a full block, below 0 an empty one).
+    `prefix_blocks` (a Python int, static), `prefix_mode`: mixed modality (joint attention
+    over `[text | ... | video]`, Sq == Skv): the first `prefix_blocks` blocks hold the
+    non-video tokens. Their query blocks attend every non-empty KV block; a video query
+    block attends, with "exempt", every prefix block plus its top-`topk` video blocks, with
+    "compete", its top-(`topk` + `prefix_blocks`) blocks of all. Coarse branch and gate as
+    without a prefix (`vsa_core.reference.prefix_topk_mask`).
     """
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bhsd")
+                backend, "bhsd", prefix_blocks, prefix_mode)
 
 
 def video_sparse_attn_bshd(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes,
                            topk: int, block_size=64, compress_attn_weight: Optional[Tensor] = None, *,
-                           backend: str = "auto") -> Tensor:
+                           backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt") -> Tensor:
     """`video_sparse_attn` on `[B, S, H, D]` tensors (no transpose is made)."""
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bshd")
+                backend, "bshd", prefix_blocks, prefix_mode)
 
 
 def block_sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_map: Tensor, variable_block_sizes, block_size=64,
@@ -157,7 +163,8 @@ def _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k):
 
 def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
-                             compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto") -> Tensor:
+                             compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto",
+                             prefix_blocks=0, prefix_mode: str = "exempt") -> Tensor:
     """VSA over packed variable-length sequences, one call for all of them.
 
     q, compress_attn_weight: `[total_q, H, D]`; k, v: `[total_k, H, D]`: the sequences one
@@ -168,18 +175,26 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     top-k (at most its number of non-empty KV blocks), its own fine attention, i.e. the
     result of `video_sparse_attn_bshd` on each sequence alone. The offsets are read on the
     device (no host sync in the kernels; eager calls check their values once per tensor).
+    `prefix_blocks`: an int (every sequence's first blocks) or one count per sequence (an
+    integer tensor [N], read on the device like the offsets; a sequence with a prefix has
+    as many query as KV blocks); `prefix_mode` as in `video_sparse_attn`.
     """
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k)
+    if isinstance(prefix_blocks, (list, tuple)):
+        prefix_blocks = torch.as_tensor(prefix_blocks)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                    backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).problem
+                    backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode).problem
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
+    seq_prefix = _ops.as_prefix(prefix_blocks, q, cu_q, cu_k, p.block_elems)
     gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
     out = _ops.vsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, q_counts,
-                           gate, p.topk, p.block_elems, "bshd", backend, cu_q, cu_k)
+                           gate, p.topk, p.block_elems, "bshd", backend, cu_q, cu_k, seq_prefix, p.prefix_blocks,
+                           p.prefix_mode)
     return out[0]
 
 

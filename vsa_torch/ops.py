@@ -17,7 +17,8 @@ from torch import Tensor
 from vsa_core import ops as core_ops
 from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
-from vsa_core.problem import AttnProblem, check_count_values, check_index_values, check_offsets, check_varlen_selection
+from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
+                              check_varlen_selection, per_sequence_prefix)
 from vsa_core.runtime import DeviceInfo
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -29,13 +30,15 @@ def _alloc(specs: dict, like: Tensor) -> dict:
 
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True,
-             cu_q: Optional[Tensor] = None, list_capacity: Optional[int] = None) -> AttnProblem:
+             cu_q: Optional[Tensor] = None, list_capacity: Optional[int] = None, prefix_blocks: int = 0,
+             prefix_mode: str = "exempt", seq_prefix: Optional[Tensor] = None) -> AttnProblem:
     """The problem inside an op. The frontend checked the call and built it once
     (`vsa_core.api.prepare_*`); a custom op takes only tensors and scalars, so here it is
     rebuilt from the shapes and statics: a cache hit (`op_problem`), not a second check.
     Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
     return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
-                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity)
+                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity,
+                      prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix)
 
 
 # Value checks read the values on the host. A device tensor already checked and not
@@ -126,22 +129,28 @@ def _vsa_outputs(p: AttnProblem, q: Tensor) -> dict:
     return out
 
 
+# seq_prefix: packed sequences' per-sequence prefix counts (int32 [N]); prefix_blocks /
+# prefix_mode: the static prefix (see AttnProblem). No defaults: the dispatcher leaves out
+# trailing arguments equal to their defaults, which autograd's input structure then lacks.
 @torch.library.custom_op("vsa::video_sparse_attn_fwd", mutates_args=())
 def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor, gate: Optional[Tensor],
              cu_q: Optional[Tensor], cu_k: Optional[Tensor], topk: int, block_elems: int, layout: str, backend: str,
-             training: bool) -> List[Tensor]:
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q)
+             training: bool, seq_prefix: Optional[Tensor], prefix_blocks: int, prefix_mode: str) -> List[Tensor]:
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q,
+                 prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     out = _vsa_outputs(p, q)
     core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
-                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix,
                                    **{n: t for n, t in out.items() if n in p.forward_buffers()}))
     return [out[n] for n in _VSA_OUTPUTS]
 
 
 @_vsa_fwd.register_fake
-def _(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training):
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q)
+def _(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training, seq_prefix,
+      prefix_blocks, prefix_mode):
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q,
+                 prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix)
     out = _vsa_outputs(p, q)
     return [out[n] for n in _VSA_OUTPUTS]
 
@@ -149,8 +158,10 @@ def _(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout,
 @torch.library.custom_op("vsa::video_sparse_attn_bwd", mutates_args=())
 def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor,
              gate: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor], residuals: List[Tensor],
-             topk: int, block_elems: int, layout: str, backend: str) -> List[Tensor]:
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", cu_q=cu_q)
+             topk: int, block_elems: int, layout: str, backend: str, seq_prefix: Optional[Tensor], prefix_blocks: int,
+             prefix_mode: str) -> List[Tensor]:
+    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", cu_q=cu_q,
+                 prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix)
     impl = resolve_backend(backend, p, DeviceInfo.of(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
@@ -160,23 +171,28 @@ def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q
 
 
 @_vsa_bwd.register_fake
-def _(dout, q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, topk, block_elems, layout, backend):
+def _(dout, q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, topk, block_elems, layout, backend,
+      seq_prefix, prefix_blocks, prefix_mode):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(q) if gate is not None else q.new_empty(0)]
 
 
 def _vsa_setup(ctx, inputs, output):
-    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training = inputs
+    (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training, seq_prefix,
+     prefix_blocks, prefix_mode) = inputs
     saved = dict(zip(_VSA_OUTPUTS, output))
-    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, *(saved[n] for n in _VSA_SAVED))
+    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix,
+                          *(saved[n] for n in _VSA_SAVED))
     ctx.static = (topk, block_elems, layout, backend)
+    ctx.prefix = (prefix_blocks, prefix_mode)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _vsa_backward(ctx, grads):
-    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, *residuals = ctx.saved_tensors
-    dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, *ctx.static)
-    return (dq, dk, dv, None, None, (dgate if gate is not None else None)) + (None,) * 7
+    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, *residuals = ctx.saved_tensors
+    dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, *ctx.static,
+                                 seq_prefix, *ctx.prefix)
+    return (dq, dk, dv, None, None, (dgate if gate is not None else None)) + (None,) * 10
 
 
 torch.library.register_autograd("vsa::video_sparse_attn_fwd", _vsa_backward, setup_context=_vsa_setup)
@@ -288,10 +304,29 @@ def check_devices(like: Tensor, **tensors) -> None:
             raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
 
 
-def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, cu_q=None, cu_k=None
-                ) -> Tensor:
+def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, cu_q=None, cu_k=None,
+                seq_prefix=None, prefix_blocks: int = 0, prefix_mode: str = "exempt") -> Tensor:
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
-    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training)[0]
+    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training,
+                    seq_prefix, prefix_blocks, prefix_mode)[0]
+
+
+def as_prefix(prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: Tensor, block_elems: int) -> Optional[Tensor]:
+    """Packed calls: per-sequence prefix counts as int32 on q's device (None for an int,
+    which stays static). Eagerly their values (an int's too) are checked against the
+    offsets (a host read, once per tensor version); under torch.compile not."""
+    per_seq = per_sequence_prefix(prefix_blocks)
+    counts = torch.as_tensor(prefix_blocks) if per_seq else None
+    if per_seq and (counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool):
+        raise TypeError(f"prefix_blocks as an array must be integers, got dtype {counts.dtype}")
+    if not per_seq and not prefix_blocks:
+        return None
+    if not torch.compiler.is_compiling():
+        tensors = (cu_q, cu_k) + ((counts,) if per_seq else ())
+        _check_once(tensors, ("prefix_blocks", None if per_seq else int(prefix_blocks), block_elems),
+                    lambda: check_prefix_values(counts.cpu().numpy() if per_seq else int(prefix_blocks),
+                                                cu_q.cpu().numpy(), cu_k.cpu().numpy(), block_elems))
+    return counts.to(device=like.device, dtype=torch.int32).contiguous() if per_seq else None
 
 
 def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend, cu_q=None,

@@ -141,7 +141,7 @@ class _UlyssesVSA(torch.autograd.Function):
             qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
             gh = gh[0] if gh else None
             results = _ops._vsa_fwd(qh, kh, vh, kv_counts, q_counts, gh, None, None, topk, block_elems, "bshd", backend,
-                                    training)
+                                    training, None, 0, "exempt")
             outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
             if training:
                 named = dict(zip(_ops._VSA_OUTPUTS, results))
@@ -167,7 +167,7 @@ class _UlyssesVSA(torch.autograd.Function):
             qh, kh, vh, *rest = saved[i * per_chunk:(i + 1) * per_chunk]
             gh, residuals = (rest[0], rest[1:]) if has_gate else (None, rest)
             dq, dk, dv, dgate = _ops._vsa_bwd(douth, qh, kh, vh, kv_counts, q_counts, gh, None, None, residuals, topk,
-                                              block_elems, "bshd", backend)
+                                              block_elems, "bshd", backend, None, 0, "exempt")
             outgoing.append(_Exchange([dq, dk, dv] + ([dgate] if has_gate else []), group, P, c, to_heads=False))
         for c, exchange in zip(chunks, outgoing):
             for dest, recv in zip(grads, exchange.finish()):

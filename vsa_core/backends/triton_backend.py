@@ -231,11 +231,27 @@ def select_warps(n_pad: int) -> int:
     return min(8, max(1, n_pad // 1024))
 
 
-def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None):
+_PREFIX_MODES = {"exempt": 1, "compete": 2}
+
+
+def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None, q_seq=None, cu_seqlens_q=None,
+                cu_seqlens_k=None, seq_prefix=None):
+    """Query-owned lists of the top-k selection; with a prefix (p.has_prefix) the dense prefix
+    rows and the prefix columns too. Packed sequences with a prefix need the query blocks'
+    sequence ids and the offsets (each sequence's prefix starts at its first block), and
+    p.seq_prefix the per-sequence counts."""
     n_pad = _pow2(p.n_kv_blocks)
+    varlen = p.has_prefix and p.varlen
+    if varlen and (q_seq is None or cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError("a packed prefix selection needs q_seq, cu_seqlens_q and cu_seqlens_k")
+    if p.seq_prefix and seq_prefix is None:
+        raise ValueError("this problem takes per-sequence prefix counts: seq_prefix is required")
     kernels_for(scores).topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
-        scores, sel_idx, sel_num, sel_mask, p.n_kv_blocks, p.topk, p.select_capacity,
-        N_PAD=n_pad, num_warps=num_warps or select_warps(n_pad))
+        scores, sel_idx, sel_num, sel_mask, q_seq if varlen else None, cu_seqlens_q if varlen else None,
+        cu_seqlens_k if varlen else None, seq_prefix if p.seq_prefix else None,
+        p.n_q_blocks, p.n_kv_blocks, p.topk, p.select_capacity, p.prefix_blocks, max(p.n_seqs, 1),
+        N_PAD=n_pad, PREFIX_MODE=_PREFIX_MODES[p.prefix_mode] if p.has_prefix else 0, VARLEN=varlen,
+        PER_SEQ_PREFIX=p.seq_prefix, BLOCK_ELEMS=p.block_elems, num_warps=num_warps or select_warps(n_pad))
 
 
 def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
