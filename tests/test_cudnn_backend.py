@@ -21,6 +21,7 @@ from vsa_core.backends import (BackendUnavailableError, auto_table, cudnn_backen
                                triton_backend)
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
+from vsa_torch.ops import device_info
 
 HAS_CUDA = torch.cuda.is_available()
 H200 = DeviceInfo("cuda", 0, (9, 0))
@@ -132,7 +133,7 @@ def _cudnn_reason(case: Case, training: bool = True):
         return "needs an NVIDIA GPU"
     p = _problem(block_elems=case.E, head_dim=case.head_dim, dtype=case.dtype, q_len=case.n_q_blocks * case.E,
                  kv_len=case.n_kv_blocks * case.E, training=training)
-    return cudnn_backend.unavailable_reason(p, DeviceInfo.of(torch.empty(0, device="cuda")))
+    return cudnn_backend.unavailable_reason(p, device_info(torch.empty(0, device="cuda")))
 
 
 def _require_cudnn(case: Case, training: bool = True):
@@ -279,7 +280,7 @@ def test_auto_takes_cudnn_at_64_token_blocks_on_h200():
     case = Case(head_dim=128)
     _require_cudnn(case)
     p = _problem(block_elems=64, head_dim=128)
-    assert resolve_backend("auto", p, DeviceInfo.of(torch.empty(0, device="cuda"))) is cudnn_backend
+    assert resolve_backend("auto", p, device_info(torch.empty(0, device="cuda"))) is cudnn_backend
 
 
 @pytest.mark.gpu

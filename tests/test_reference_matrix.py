@@ -16,6 +16,7 @@ from frontends import TORCH_DEVICE, run_jax_vjp, run_torch, seed_of
 from vsa_core.backends import BackendUnavailableError, resolve_backend
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
+from vsa_torch.ops import device_info
 
 RUNNERS = {"torch": run_torch, "jax": run_jax_vjp}
 
@@ -28,7 +29,7 @@ BACKENDS = [
 
 def _device(frontend: str) -> DeviceInfo:
     if frontend == "torch":
-        return DeviceInfo.of(torch.empty(0, device=TORCH_DEVICE))
+        return device_info(torch.empty(0, device=TORCH_DEVICE))
     from vsa_jax.ops import device_info
     return device_info(jnp.zeros(()))
 

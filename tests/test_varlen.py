@@ -519,14 +519,14 @@ def _skip_unless_backend_runs(backend: str, pack: Pack) -> None:
     BackendUnavailableError means that: any other error is a bug in the test or the code."""
     from vsa_core.backends import BackendUnavailableError, resolve_backend
     from vsa_core.problem import describe_attention
-    from vsa_core.runtime import DeviceInfo
+    from vsa_torch.ops import device_info
     # one whole block of the pack's E, D and dtype, BSHD [1, E, H, D]: what the backends decide on
     one_block = torch.empty(1, pack.E, pack.heads, pack.head_dim, dtype=BF16)
     probe = describe_attention(one_block, one_block, one_block, block_size=pack.block, layout="bshd",
                                kv_counts=np.array([pack.E]), q_counts=np.array([pack.E]), topk=1,
                                gate=one_block if pack.gate else None)
     try:
-        resolve_backend(backend, probe, DeviceInfo.of(torch.empty(1, device="cuda")))
+        resolve_backend(backend, probe, device_info(torch.empty(1, device="cuda")))
     except BackendUnavailableError as e:
         skip_unavailable(backend, str(e))
 

@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import triton_kernels as K
 from ..interpreter import interpreted_kernels
 from ..problem import AttnProblem
-from ..runtime import INTERPRETING
+from ..runtime import INTERPRETING, torch_loaded
 from .base import FineBackward, FineForward
 
 name = "triton"
@@ -108,7 +108,10 @@ class _TunedKernel:
             kernel = getattr(kernels_for(like), self.kernel.fn.__name__)
             m, n, w, s = self.INTERPRETER_CONFIG
         else:
-            if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
+            # Triton's autotuner times the candidates with torch (events, cache flush): a process
+            # without torch (vsa_jax alone) runs the default config
+            if (self.forced is None and self.tuned is not None and torch_loaded()
+                    and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1):
                 with _AUTOTUNER_LOCK:
                     self.tuned[grid](*args, **kwargs)
                 return
