@@ -293,13 +293,12 @@ def map_to_lists(bm: np.ndarray, capacity: int, junk: int = 1000):
 
 def bsa_reference(pack: Pack, x: dict, bm: np.ndarray) -> dict:
     """float64 fine attention of the whole packed stream under the (own-sequence) map."""
-    t = {n: torch.from_numpy(x[n]).to(BF16).double().permute(1, 0, 2)[None].requires_grad_() for n in ("q", "k", "v")}
-    out, lse = R.block_sparse_attn_reference(t["q"], t["k"], t["v"], torch.from_numpy(bm)[None],
-                                             torch.from_numpy(x["kv_counts"]), pack.E)
-    out.backward(torch.from_numpy(x["dout"]).to(BF16).double().permute(1, 0, 2)[None])
-    res = {"out": out.detach()[0].permute(1, 0, 2).numpy()}
-    res.update({f"d{n}": t[n].grad[0].permute(1, 0, 2).numpy() for n in ("q", "k", "v")})
-    return res, lse.detach()[0].numpy()
+    t = {n: R.round_to_dtype(x[n], "bfloat16").transpose(1, 0, 2)[None] for n in ("q", "k", "v", "dout")}
+    out, lse, grads = R.block_sparse_attn_reference(t["q"], t["k"], t["v"], np.asarray(bm)[None], x["kv_counts"],
+                                                    pack.E, dout=t["dout"])
+    res = {"out": out[0].transpose(1, 0, 2)}
+    res.update({n: g[0].transpose(1, 0, 2) for n, g in grads.items()})
+    return res, lse[0]
 
 
 def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True, backend="auto") -> dict:
