@@ -92,6 +92,20 @@ def test_blocked_torch_is_really_blocked():
         _run("import torch\n", "cpu")
 
 
+def test_native_plan_records_and_compiles_without_torch():
+    """The JAX native path's trace-time work, torch blocked: the forward's launch plan recorded
+    on placeholder buffers and each launch compiled to an sm_90 cubin (no GPU needed)."""
+    _run(textwrap.dedent("""
+        from vsa_core import plan as P
+        from vsa_core.problem import AttnProblem
+        p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16",
+                        topk=2, has_gate=True)
+        plan = P.record_plan("forward", p, P.forward_inputs(p))
+        for launch in plan.launches:
+            assert P.compile_launch(launch, plan, 90).cubin[:4] == b"\\x7fELF", launch.kernel_name
+        """), "cpu")
+
+
 @pytest.mark.parametrize("interpret", [False, True], ids=["interpreted-twins", "TRITON_INTERPRET"])
 def test_jax_jit_grad_on_cpu_without_torch(interpret):
     """jit + grad through the Triton kernels under the interpreter, torch blocked: both ways the
