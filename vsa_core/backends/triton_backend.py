@@ -40,7 +40,7 @@ COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
 
 def interpreted(x) -> bool:
     """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1).
-    "meta" tensors (vsa_core.plan records a GPU launch plan with them) are not: the plan
+    "meta" buffers (vsa_core.plan records a GPU launch plan with them) are not: the plan
     needs the compiled kernels and their GPU constexprs."""
     return INTERPRETING or x.device.type == "cpu"
 
