@@ -108,11 +108,14 @@ class _TunedKernel:
             kernel = getattr(kernels_for(like), self.kernel.fn.__name__)
             m, n, w, s = self.INTERPRETER_CONFIG
         else:
-            # Triton's autotuner times the candidates with torch (events, cache flush): a process
-            # without torch (vsa_jax alone) runs the default config
+            # Triton's autotuner times the candidates with torch (events on torch's current
+            # stream, an L2 flush): a process without torch (vsa_jax alone) runs the default
+            # config; under a raw-stream launch (JAX) torch's current stream is made that stream,
+            # so the timed kernels and the events share it
             if (self.forced is None and self.tuned is not None and torch_loaded()
                     and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1):
-                with _AUTOTUNER_LOCK:
+                from ._torch_views import caller_stream  # torch is loaded already
+                with _AUTOTUNER_LOCK, caller_stream():
                     self.tuned[grid](*args, **kwargs)
                 return
             m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
