@@ -116,8 +116,10 @@ def test_jax_jit_grad_on_cpu_without_torch(interpret):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
-def test_jax_jit_grad_on_gpu_without_torch():
-    """The Triton backend on the GPU from a process where torch is blocked: compiled kernels
-    launched on XLA's stream through vsa_core.runtime.raw_cuda_launches."""
-    out = _run("BACKEND = 'triton'\n" + JIT_GRAD, "cuda")
+@pytest.mark.parametrize("launch", ["callback", "native"])
+def test_jax_jit_grad_on_gpu_without_torch(launch):
+    """The Triton backend on the GPU from a process where torch is blocked: through the buffer
+    callback (compiled kernels launched on XLA's stream by vsa_core.runtime.raw_cuda_launches)
+    and natively (the launch plan as XLA custom calls)."""
+    out = _run(f"BACKEND = 'triton'\nimport vsa_jax\nvsa_jax.set_launch({launch!r})\n" + JIT_GRAD, "cuda")
     assert "JIT GRAD OK on gpu" in out
