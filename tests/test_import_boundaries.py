@@ -92,6 +92,47 @@ def test_blocked_torch_is_really_blocked():
         _run("import torch\n", "cpu")
 
 
+NO_JAX = NO_TORCH.replace('name == "torch" or name.startswith("torch.")',
+                         'name.split(".")[0] in ("torch", "jax", "jaxlib")').replace("NoTorch", "NoFramework")
+
+
+def test_core_alone_runs_on_numpy_buffers():
+    """No frontend at all (torch and JAX blocked): the core's forward and backward launch the
+    real kernels (Triton's interpreter) on numpy float16 arrays handed over as DeviceBuffers,
+    equal to the float64 reference."""
+    _run(NO_JAX + textwrap.dedent("""
+        import dataclasses
+        import numpy as np
+        from common import Case, assert_close, make_inputs, reference
+        from vsa_core import ops
+        from vsa_core.api import prepare_vsa
+        from vsa_core.backends import triton_backend
+        from vsa_core.runtime import host_buffer
+
+        case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3, topk=2, dtype="float16")
+        x = make_inputs(case, seed=23)
+        host = {n: x[n].astype(np.float16) for n in ("q", "k", "v", "gate", "dout")}
+        host.update(kv_counts=x["kv_counts"].astype(np.int32), q_counts=x["q_counts"].astype(np.int32))
+        p = prepare_vsa(host["q"], host["k"], host["v"], host["kv_counts"], host["q_counts"], case.topk, case.block,
+                        host["gate"]).problem
+        p = dataclasses.replace(p, training=True)
+
+        def alloc(table):
+            return {n: np.empty(shape, np.float16 if dt == "input" else dt) for n, (shape, dt) in table.items()}
+
+        fwd = alloc(p.forward_buffers())
+        inputs = {n: host[n] for n in ("q", "k", "v", "gate", "kv_counts", "q_counts")}
+        ops.forward(p, triton_backend, {n: host_buffer(a) for n, a in {**inputs, **fwd}.items()})
+        bwd = alloc(p.backward_buffers())
+        saved = {n: a for n, a in fwd.items() if n != "scores"}
+        ops.backward(p, triton_backend, {n: host_buffer(a) for n, a in
+                                         {"dout": host["dout"], **inputs, **saved, **bwd}.items()})
+        got = {"out": fwd["out"], "dq": bwd["dq"], "dk": bwd["dk"], "dv": bwd["dv"], "dgate": bwd["dgate"]}
+        assert_close(case, {n: a.astype(np.float32) for n, a in got.items()}, reference(case, x))
+        assert not any(m.split(".")[0] in ("jax", "jaxlib") for m in sys.modules), "jax was loaded"
+        """), "cpu")
+
+
 def test_native_plan_records_and_compiles_without_torch():
     """The JAX native path's trace-time work, torch blocked: the forward's launch plan recorded
     on placeholder buffers and each launch compiled to an sm_90 cubin (no GPU needed)."""
