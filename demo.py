@@ -75,10 +75,9 @@ def _draw(meta, args, seed: int):
 def _selection_gap(meta, args, arrays) -> float:
     """Smallest gap between the k-th and the (k+1)-th coarse score of a row, as a fraction of
     the row's largest score (float64 scores of the rounded block means)."""
-    dtype = getattr(torch, args.dtype)
-    q, k = (torch.from_numpy(a).to(dtype).double() for a in arrays[:2])
-    counts = torch.from_numpy(meta.variable_block_sizes)
-    s = R.coarse_scores(q, k, counts, counts, meta.block_elems, dtype).numpy()
+    q, k = (R.round_to_dtype(a, args.dtype) for a in arrays[:2])
+    counts = meta.variable_block_sizes
+    s = R.coarse_scores(q, k, counts, counts, meta.block_elems, args.dtype)
     top = min(args.topk, s.shape[-1])
     if top >= s.shape[-1]:
         return np.inf
@@ -132,13 +131,11 @@ def run_jax(meta, args, arrays):
 
 def reference(meta, args, arrays):
     """float64 out and gradients on the inputs rounded to the dtype."""
-    dtype = getattr(torch, args.dtype)
-    leaves = [torch.from_numpy(x).to(dtype).double().requires_grad_() for x in arrays[:4]]
+    q, k, v, gate, dout = (R.round_to_dtype(x, args.dtype) for x in arrays[:5])
     counts = meta.variable_block_sizes
-    out, _, _ = R.video_sparse_attn_reference(*leaves[:3], counts, counts, args.topk, meta.block_elems,
-                                              gate=leaves[3], round_to=dtype)
-    out.backward(torch.from_numpy(arrays[4]).to(dtype).double())
-    return [out.detach()] + [x.grad for x in leaves]
+    out, _, _, grads = R.video_sparse_attn_reference(q, k, v, counts, counts, args.topk, meta.block_elems,
+                                                     gate=gate, round_to=args.dtype, dout=dout)
+    return [torch.from_numpy(x) for x in (out, grads["dq"], grads["dk"], grads["dv"], grads["dgate"])]
 
 
 def check(args) -> bool:

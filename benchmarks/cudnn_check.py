@@ -37,7 +37,7 @@ import peers  # noqa: E402
 import vsa_torch  # noqa: E402
 from vsa_core.backends import cudnn_backend, resolve_backend, triton_backend  # noqa: E402
 from vsa_core.problem import AttnProblem  # noqa: E402
-from vsa_core.runtime import DeviceInfo  # noqa: E402
+from vsa_torch.ops import device_info  # noqa: E402
 
 OUT = os.environ.get("OUT")
 LINES = []
@@ -180,7 +180,7 @@ def time_shape(B=1, H=12, S=39936, D=128, E=64, topk=62) -> dict:
             say(f"  vsa / fine, {b}: fwd {w['fwd_ms'] / f['fwd_ms']:.3f}x, bwd {w['bwd_ms'] / f['bwd_ms']:.3f}x "
                 f"(targets <= 1.10x / 1.05x)")
     p = AttnProblem(batch=B, heads=H, q_len=S, kv_len=S, head_dim=D, block_elems=E, dtype="bfloat16", topk=topk)
-    say(f"  auto picks: {resolve_backend('auto', p, DeviceInfo.of(q)).name}")
+    say(f"  auto picks: {resolve_backend('auto', p, device_info(q)).name}")
     rows["topk"] = time_topk(B, H, n, topk, dev)
     return rows
 
@@ -238,7 +238,7 @@ def time_topk(B, H, n, topk, dev) -> dict:
 def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("needs a GPU")
-    dev = DeviceInfo.of(torch.empty(0, device="cuda"))
+    dev = device_info(torch.empty(0, device="cuda"))
     try:
         import cudnn
         version = cudnn.__version__

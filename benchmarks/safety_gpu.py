@@ -97,7 +97,7 @@ def lists_for(label):
 
 
 def kept(idx, num):
-    block_map = R.index_lists_to_block_map(idx, num, NK).numpy()
+    block_map = R.index_lists_to_block_map(idx, num, NK)
     out = np.zeros_like(idx)
     for row in np.ndindex(*idx.shape[:3]):
         chosen = np.flatnonzero(block_map[row])

@@ -136,10 +136,11 @@ def backend_reason(backend: str, shape, device: str) -> Optional[str]:
     from vsa_core.backends import BACKENDS
     from vsa_core.problem import AttnProblem
     from vsa_core.runtime import DeviceInfo
+    from vsa_torch.ops import device_info
     B, H, S, D, E, topk = shape
     p = AttnProblem(batch=B, heads=H, q_len=S, kv_len=S, head_dim=D, block_elems=E, dtype="bfloat16",
                     layout="bshd", topk=topk, has_gate=True)
-    dev = DeviceInfo.of(torch.empty(0, device=device)) if device == "cuda" else DeviceInfo("cpu")
+    dev = device_info(torch.empty(0, device=device)) if device == "cuda" else DeviceInfo("cpu")
     return BACKENDS[backend].unavailable_reason(p, dev)
 
 

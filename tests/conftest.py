@@ -13,9 +13,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # the repo root, for runs without an install (the GPU machine: PYTHONPATH-free pytest from tests/)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402  (torch does not import triton)
 
-HAS_CUDA = torch.cuda.is_available()
+def _has_cuda() -> bool:
+    """torch's answer where torch is installed (it does not import triton); without torch
+    (a vsa[jax] install), whether the NVIDIA driver exposes a device."""
+    try:
+        import torch
+    except ImportError:
+        return os.path.exists("/dev/nvidia0")
+    return torch.cuda.is_available()
+
+
+HAS_CUDA = _has_cuda()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 

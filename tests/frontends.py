@@ -9,13 +9,18 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 import vsa_jax
-import vsa_torch
 from common import Case, from_layout, to_layout
 
-TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+try:  # torch is optional: the JAX tests also run where only vsa[jax] is installed (CI's second venv)
+    import torch
+
+    import vsa_torch
+    TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+except ImportError:
+    torch = vsa_torch = None
+    TORCH_DEVICE = None
 JAX_GPU = jax.default_backend() == "gpu"
 
 

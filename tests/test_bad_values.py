@@ -75,7 +75,7 @@ def lists_with(bad_cases):
 
 def kept_lists(idx, num):
     """The lists of what the kernels keep: ascending, no repeats, in range."""
-    block_map = R.index_lists_to_block_map(idx, num, NK).numpy()
+    block_map = R.index_lists_to_block_map(idx, num, NK)
     out = np.zeros_like(idx)
     for row in ROWS:
         chosen = np.flatnonzero(block_map[row])
@@ -85,10 +85,10 @@ def kept_lists(idx, num):
 
 def test_rule_of_the_reference():
     idx = np.array([[3, 0, 1, 5, 4, -1, 4, 6]], np.int32)
-    got = R.index_lists_to_block_map(idx, np.array([7]), 6).numpy()[0]
+    got = R.index_lists_to_block_map(idx, np.array([7]), 6)[0]
     assert np.flatnonzero(got).tolist() == [3, 5]  # 0, 1 below 3; 4 below 5; -1 out; 6 past the count
     assert not R.index_lists_to_block_map(idx, np.array([-3]), 6).any()
-    assert R.index_lists_to_block_map(idx, np.array([2**16]), 7).numpy()[0].nonzero()[0].tolist() == [3, 5, 6]
+    assert R.index_lists_to_block_map(idx, np.array([2**16]), 7)[0].nonzero()[0].tolist() == [3, 5, 6]
 
 
 # ---- eager: a ValueError naming the argument, before any kernel ---------------------------
@@ -128,11 +128,10 @@ def test_eager_bad_counts_raise(frontend, name, value):
 
 # ---- compiled / jitted: bounded by the kernels, the documented result ---------------------
 def _reference(inputs, block_map):
-    t = {n: torch.from_numpy(inputs[n]).to(BF16).double().requires_grad_() for n in ("q", "k", "v")}
-    out, _ = R.block_sparse_attn_reference(t["q"], t["k"], t["v"], torch.from_numpy(block_map),
-                                           torch.from_numpy(inputs["kv_counts"]), E)
-    out.backward(torch.from_numpy(inputs["dout"]).to(BF16).double())
-    return {"out": out.detach().numpy(), **{f"d{n}": t[n].grad.numpy() for n in ("q", "k", "v")}}
+    x = {n: R.round_to_dtype(inputs[n], "bfloat16") for n in ("q", "k", "v", "dout")}
+    out, _, grads = R.block_sparse_attn_reference(x["q"], x["k"], x["v"], block_map, inputs["kv_counts"], E,
+                                                  dout=x["dout"])
+    return {"out": out, **grads}
 
 
 def test_torch_compile_bounds_bad_lists():
@@ -303,7 +302,7 @@ def test_fa4_lists_apply_the_rule(E_fa4):
     idx = rng.choice(pool, (B, H, nq, cap)).astype(np.int32)
     num = rng.choice(np.array([-2**31, -1, 0, 2, 4, cap, cap + 1, 2**16]), (B, H, nq)).astype(np.int32)
     counts = np.array([E_fa4 + 9, -2**31, 100, 2**31 - 1, -4], np.int32)
-    block_map = R.index_lists_to_block_map(idx, num, nk).numpy()
+    block_map = R.index_lists_to_block_map(idx, num, nk)
     sub, width = E_fa4 // 128, min(cap, nk) * (E_fa4 // 128)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)  # noqa: E731
     out_idx = torch.full((2, B, H, nq, width), -1, dtype=torch.int32, device=DEVICE)
@@ -348,7 +347,7 @@ def test_clean_lists_apply_the_rule(packed):
         if packed:
             entries = [j for j in entries if 0 <= j < nk and kv_seq[j] == q_seq[row[-1]]]
         lists = np.array([list(entries) or [0]], np.int32)
-        return np.flatnonzero(R.index_lists_to_block_map(lists, np.array([len(entries)]), nk).numpy()[0])
+        return np.flatnonzero(R.index_lists_to_block_map(lists, np.array([len(entries)]), nk)[0])
 
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).to(DEVICE)  # noqa: E731
     out_idx = torch.full((B, H, nq, cap), -7, dtype=torch.int32, device=DEVICE)

@@ -19,6 +19,7 @@ from test_torch_vsa import run_torch
 from vsa_core.backends import BackendUnavailableError, cute_backend, resolve_backend, triton_backend
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
+from vsa_torch.ops import device_info
 
 HAS_CUDA = torch.cuda.is_available()
 H200 = DeviceInfo("cuda", 0, (9, 0))
@@ -227,7 +228,7 @@ def _cute_reason(case: Case):
         return "needs an NVIDIA GPU"
     p = _problem(block_elems=case.E, head_dim=case.head_dim, q_len=case.n_q_blocks * case.E,
                  kv_len=case.n_kv_blocks * case.E)
-    return cute_backend.unavailable_reason(p, DeviceInfo.of(torch.empty(0, device="cuda")))
+    return cute_backend.unavailable_reason(p, device_info(torch.empty(0, device="cuda")))
 
 
 def _require_cute(case: Case):

@@ -71,10 +71,10 @@ def test_reference_rule(mode):
         n = int(rng.integers(1, 9))
         P, topk = int(rng.integers(0, n + 1)), int(rng.integers(1, n + 2))
         s = random_scores(rng, n, n, ties=trial % 2 == 0)
-        got = R.prefix_topk_mask(torch.from_numpy(s)[None, None], topk, P, mode)[0, 0].numpy()
+        got = R.prefix_topk_mask(s[None, None], topk, P, mode)[0, 0]
         np.testing.assert_array_equal(got, rule_by_rows(s, topk, P, mode), err_msg=f"P={P} topk={topk}\n{s}")
         if P == 0:
-            np.testing.assert_array_equal(got, R.topk_mask(torch.from_numpy(s)[None, None], topk)[0, 0].numpy())
+            np.testing.assert_array_equal(got, R.topk_mask(s[None, None], topk)[0, 0])
 
 
 def test_reference_modes_differ_and_prefix_rows_are_dense():
@@ -82,8 +82,8 @@ def test_reference_modes_differ_and_prefix_rows_are_dense():
     "compete" spends the budget on its best blocks; prefix rows take every non-empty block."""
     s = np.array([[0.0, 1.0, 2.0, 3.0, 4.0]] * 3, np.float32)
     s[:, 2] = -np.inf  # an empty video block
-    exempt = R.prefix_topk_mask(torch.from_numpy(s), 1, 2, "exempt").numpy()
-    compete = R.prefix_topk_mask(torch.from_numpy(s), 1, 2, "compete").numpy()
+    exempt = R.prefix_topk_mask(s, 1, 2, "exempt")
+    compete = R.prefix_topk_mask(s, 1, 2, "compete")
     assert exempt[0].tolist() == exempt[1].tolist() == [True, True, False, True, True]
     assert exempt[2].tolist() == [True, True, False, False, True]
     assert compete[2].tolist() == [False, True, False, True, True]
@@ -110,7 +110,7 @@ def test_selection_kernel_matches_reference(mode, ties):
     rng = np.random.default_rng([len(mode), ties])
     for n, P, topk in ((6, 0, 2), (6, 1, 2), (6, 4, 1), (6, 6, 3), (9, 3, 20), (7, 2, 4), (37, 4, 9)):
         s = random_scores(rng, n, n, ties)
-        want = R.prefix_topk_mask(torch.from_numpy(s), min(topk, n), P, mode).numpy()
+        want = R.prefix_topk_mask(s, min(topk, n), P, mode)
         idx, num, mask = run_select(s, topk, P, mode)
         np.testing.assert_array_equal(mask, want.astype(np.int8), err_msg=f"n={n} P={P} topk={topk}")
         np.testing.assert_array_equal(num, want.sum(-1))
@@ -123,10 +123,8 @@ def prefix_margin(inputs: dict, case: Case, P: int, mode: str) -> float:
     """Smallest gap, over the video rows, between the last selected and the first unselected
     ranked score (float64 scores of the rounded block means): near-ties could let a correct
     kernel pick another block than the reference."""
-    round_to = getattr(torch, case.dtype)
-    q, k = (torch.from_numpy(inputs[n]).to(round_to).double() for n in ("q", "k"))
-    s = R.coarse_scores(q, k, torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.E,
-                        round_to).numpy()[..., P:, :]
+    q, k = (R.round_to_dtype(inputs[n], case.dtype) for n in ("q", "k"))
+    s = R.coarse_scores(q, k, inputs["kv_counts"], inputs["q_counts"], case.E, case.dtype)[..., P:, :]
     if mode == "exempt":
         s = s[..., P:]
     ordered = -np.sort(-s, axis=-1)
@@ -146,17 +144,11 @@ def draw(case: Case, P: int, mode: str, seed: int, margin: float = 1e-4) -> dict
 
 
 def prefix_reference(case: Case, x: dict, P: int, mode: str) -> dict:
-    round_to = getattr(torch, case.dtype)
-    t = {n: torch.from_numpy(x[n]).to(round_to).double().requires_grad_() for n in ("q", "k", "v", "gate")}
-    out, _, _ = R.video_sparse_attn_reference(t["q"], t["k"], t["v"], x["kv_counts"], x["q_counts"], case.topk,
-                                              case.E, gate=t["gate"] if case.gate else None, round_to=round_to,
-                                              prefix_blocks=P, prefix_mode=mode)
-    out.backward(torch.from_numpy(x["dout"]).to(round_to).double())
-    res = {"out": out.detach().numpy(), "dq": t["q"].grad.numpy(), "dk": t["k"].grad.numpy(),
-           "dv": t["v"].grad.numpy()}
-    if case.gate:
-        res["dgate"] = t["gate"].grad.numpy()
-    return res
+    t = {n: R.round_to_dtype(x[n], case.dtype) for n in ("q", "k", "v", "gate", "dout")}
+    out, _, _, grads = R.video_sparse_attn_reference(
+        t["q"], t["k"], t["v"], x["kv_counts"], x["q_counts"], case.topk, case.E,
+        gate=t["gate"] if case.gate else None, round_to=case.dtype, dout=t["dout"], prefix_blocks=P, prefix_mode=mode)
+    return {"out": out, **grads}
 
 
 # 6 blocks (block 2 empty, 1 and 5 partial): P up to 4 leaves 2 video blocks. P = 0 is the

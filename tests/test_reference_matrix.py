@@ -9,10 +9,9 @@ head dim, dtype, architecture, a missing package). Test ids read
 
 import jax.numpy as jnp
 import pytest
-import torch
 
 from common import CASES, Case, assert_close, make_inputs, reference, require_jax_gpu, skip_unavailable
-from frontends import TORCH_DEVICE, run_jax_vjp, run_torch, seed_of
+from frontends import TORCH_DEVICE, run_jax_vjp, run_torch, seed_of, torch
 from vsa_core.backends import BackendUnavailableError, resolve_backend
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
@@ -28,7 +27,8 @@ BACKENDS = [
 
 def _device(frontend: str) -> DeviceInfo:
     if frontend == "torch":
-        return DeviceInfo.of(torch.empty(0, device=TORCH_DEVICE))
+        from vsa_torch.ops import device_info as torch_device_info
+        return torch_device_info(torch.empty(0, device=TORCH_DEVICE))
     from vsa_jax.ops import device_info
     return device_info(jnp.zeros(()))
 
@@ -49,6 +49,8 @@ def _unavailable(case: Case, backend: str, frontend: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("frontend", list(RUNNERS))
 def test_matches_float64_reference(frontend, backend, case):
+    if frontend == "torch" and torch is None:
+        pytest.skip("torch is not installed (a vsa[jax] install)")
     if frontend == "jax" and backend != "triton":
         require_jax_gpu()
     skip_unavailable(backend, _unavailable(case, backend, frontend))

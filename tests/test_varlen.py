@@ -300,13 +300,12 @@ def map_to_lists(bm: np.ndarray, capacity: int, junk: int = 1000):
 
 def bsa_reference(pack: Pack, x: dict, bm: np.ndarray) -> dict:
     """float64 fine attention of the whole packed stream under the (own-sequence) map."""
-    t = {n: torch.from_numpy(x[n]).to(BF16).double().permute(1, 0, 2)[None].requires_grad_() for n in ("q", "k", "v")}
-    out, lse = R.block_sparse_attn_reference(t["q"], t["k"], t["v"], torch.from_numpy(bm)[None],
-                                             torch.from_numpy(x["kv_counts"]), pack.E)
-    out.backward(torch.from_numpy(x["dout"]).to(BF16).double().permute(1, 0, 2)[None])
-    res = {"out": out.detach()[0].permute(1, 0, 2).numpy()}
-    res.update({f"d{n}": t[n].grad[0].permute(1, 0, 2).numpy() for n in ("q", "k", "v")})
-    return res, lse.detach()[0].numpy()
+    t = {n: R.round_to_dtype(x[n], "bfloat16").transpose(1, 0, 2)[None] for n in ("q", "k", "v", "dout")}
+    out, lse, grads = R.block_sparse_attn_reference(t["q"], t["k"], t["v"], np.asarray(bm)[None], x["kv_counts"],
+                                                    pack.E, dout=t["dout"])
+    res = {"out": out[0].transpose(1, 0, 2)}
+    res.update({n: g[0].transpose(1, 0, 2) for n, g in grads.items()})
+    return res, lse[0]
 
 
 def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True, backend="auto") -> dict:
@@ -526,14 +525,14 @@ def _skip_unless_backend_runs(backend: str, pack: Pack) -> None:
     BackendUnavailableError means that: any other error is a bug in the test or the code."""
     from vsa_core.backends import BackendUnavailableError, resolve_backend
     from vsa_core.problem import describe_attention
-    from vsa_core.runtime import DeviceInfo
+    from vsa_torch.ops import device_info
     # one whole block of the pack's E, D and dtype, BSHD [1, E, H, D]: what the backends decide on
     one_block = torch.empty(1, pack.E, pack.heads, pack.head_dim, dtype=BF16)
     probe = describe_attention(one_block, one_block, one_block, block_size=pack.block, layout="bshd",
                                kv_counts=np.array([pack.E]), q_counts=np.array([pack.E]), topk=1,
                                gate=one_block if pack.gate else None)
     try:
-        resolve_backend(backend, probe, DeviceInfo.of(torch.empty(1, device="cuda")))
+        resolve_backend(backend, probe, device_info(torch.empty(1, device="cuda")))
     except BackendUnavailableError as e:
         skip_unavailable(backend, str(e))
 

@@ -3,8 +3,10 @@
 This is the single entry point both frontends call. Each function takes the
 problem (from `vsa_core.api.prepare_*` / `op_problem`), the resolved backend, a dict of buffers
 (inputs, outputs and workspaces named as in `AttnProblem.forward_buffers` /
-`backward_buffers`; anything with `__dlpack__`) and the stream to launch on. It
-allocates nothing, never synchronises, and writes every element of every output.
+`backward_buffers`), the stream to launch on and the frontend's `BufferAdapter`
+(`vsa_core.runtime`: how its buffers and stream reach the launchers; the default takes
+torch tensors or `DeviceBuffer`s as they are). It allocates nothing, never synchronises,
+and writes every element of every output.
 """
 
 from __future__ import annotations
@@ -15,11 +17,7 @@ from typing import Mapping, Optional
 from .backends import triton_backend as T
 from .backends.base import FineBackward, FineForward
 from .problem import AttnProblem
-from .runtime import as_tensor, launch_stream
-
-
-def _views(buffers: Mapping):
-    return {name: as_tensor(buf) for name, buf in buffers.items()}
+from .runtime import RAW_BUFFERS, BufferAdapter
 
 
 # (field name, required) of each contract, read once: this runs on every call
@@ -42,7 +40,8 @@ def _sequence_ids(p: AttnProblem, b: dict) -> None:
         T.block_seq_ids(p, b["cu_seqlens_k"], b["kv_seq"], p.n_kv_blocks)
 
 
-def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
+def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None,
+            adapter: BufferAdapter = RAW_BUFFERS) -> None:
     """VSA (p.selection == "topk") or block-sparse attention forward.
 
     Inputs: q, k, v, kv_counts, and q_counts (+ gate; + seq_prefix when p.seq_prefix) for VSA, block_map or
@@ -53,8 +52,8 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
     own sequence only), so every backend, cuDNN's included, reads clean lists, and the
     backward takes those. Outputs: p.forward_buffers().
     """
-    b = _views(buffers)
-    with launch_stream(stream, b["q"].device):
+    b = adapter.views(buffers)
+    with adapter.launch_scope(b["q"], stream):
         _sequence_ids(p, b)
         if p.is_vsa:
             T.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
@@ -72,11 +71,12 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
         backend.sparse_forward(p, _fine_args(FineForward, b))
 
 
-def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None) -> None:
+def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None,
+             adapter: BufferAdapter = RAW_BUFFERS) -> None:
     """Gradients of `forward`. Inputs: the forward's inputs and outputs plus dout.
     Outputs: p.backward_buffers() (dq, dk, dv, dgate with a gate; the rest are workspaces)."""
-    b = _views(buffers)
-    with launch_stream(stream, b["q"].device):
+    b = adapter.views(buffers)
+    with adapter.launch_scope(b["q"], stream):
         if p.is_vsa:
             _sequence_ids(p, b)
             block_mask = b["sel_mask"]

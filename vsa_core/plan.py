@@ -1,7 +1,8 @@
 """A call described as data: the launch plan of one stage (forward or backward) of one problem.
 
 `record_plan` runs the very launchers the eager path runs (`vsa_core.ops.forward` /
-`backward`), but hands them placeholder buffers (torch "meta" tensors, no memory) and
+`backward`), but hands them placeholder buffers (`DeviceBuffer`s on a "meta" device, with
+no memory) and
 captures each Triton launch instead of running it: the kernel, its grid, each argument
 as a named buffer (an input, or an output/workspace of the problem's buffer table), a
 scalar or a constexpr, and num_warps/num_stages. The plan is built once per problem, at
@@ -24,12 +25,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Tuple
 
-import torch
-
 from .problem import AttnProblem
+from .runtime import DeviceBuffer, DeviceInfo, Dtype
 
-_TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8, "bool": torch.bool,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}
+_META = DeviceInfo("meta")  # placeholders: compiled (not interpreted) kernels, nothing launched
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 
 
@@ -107,7 +106,7 @@ class _Recorder:
         for name, value in bound.arguments.items():
             if name in constexpr_names:
                 recorded.append(Arg(name, "constexpr", value))
-            elif isinstance(value, torch.Tensor):
+            elif isinstance(value, DeviceBuffer):
                 if id(value) not in self.names_by_id:
                     raise RuntimeError(f"{kernel.fn.__name__}: argument {name} is not a buffer of the plan")
                 recorded.append(Arg(name, "buffer", self.names_by_id[id(value)]))
@@ -180,9 +179,10 @@ def _capturing(recorder: _Recorder):
                 T.USE_TMA = saved_tma
 
 
-def _placeholder(shape, dtype: str, problem: AttnProblem) -> torch.Tensor:
-    torch_dtype = _TORCH_DTYPES[problem.dtype if dtype == "input" else dtype]
-    return torch.empty(tuple(shape), dtype=torch_dtype, device="meta")
+def _placeholder(shape, dtype: str, problem: AttnProblem) -> DeviceBuffer:
+    """A buffer of this shape and dtype at address 0 (16-byte aligned, as Triton assumes
+    of a pointer it specializes), never read or written."""
+    return DeviceBuffer(0, problem.dtype if dtype == "input" else dtype, shape, _META)
 
 
 def record_plan(stage: str, problem: AttnProblem, inputs: Mapping[str, Tuple[Tuple[int, ...], str]]) -> LaunchPlan:
@@ -324,7 +324,7 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
     for a in launch.args:
         if a.kind == "buffer":
             shape, dtype = shapes[a.value]
-            args.append(MockTensor(_TORCH_DTYPES[plan.problem.dtype if dtype == "input" else dtype]))
+            args.append(MockTensor(Dtype(plan.problem.dtype if dtype == "input" else dtype)))
         else:
             args.append(a.value)
     target = GPUTarget("cuda", capability, 32)

@@ -1,9 +1,12 @@
-"""Float64 reference of the whole operator (coarse branch, selection, fine branch, gate).
+"""Float64 reference of the whole operator (coarse branch, selection, fine branch, gate),
+forward and gradients.
 
-Written with plain torch float64 ops on the CPU so that autograd gives the exact
-gradients the kernels are compared with. Inputs are BHSD; any frontend's arrays are
-converted by the tests. This is the specification in executable form: read it to
-know what the kernels compute.
+Plain numpy in float64 on the host, no framework: inputs are BHSD arrays (anything
+`np.asarray` takes; any frontend's arrays are converted by the caller) and so are the
+results. The gradients are written out (the chain rule of each step below, next to its
+forward), so that both frontends' tests compare against the same exact values without an
+autodiff framework. This is the specification in executable form: read it to know what
+the kernels compute.
 """
 
 from __future__ import annotations
@@ -12,60 +15,97 @@ import math
 from typing import Optional
 
 import numpy as np
-import torch
 
 
-def valid_tokens(counts, block_elems: int) -> torch.Tensor:
+def _f64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def round_to_dtype(x, dtype) -> np.ndarray:
+    """float64 values rounded to `dtype` ("bfloat16", "float16" or "float32"; a framework
+    dtype such as torch.bfloat16 is read by its name), returned as float64. bfloat16
+    rounds to nearest even from float32, as the frameworks' casts do."""
+    name = str(dtype).replace("torch.", "").replace("<class '", "").split(".")[-1].rstrip("'>")
+    x = np.asarray(x, np.float64)
+    if name in ("float32", "float16"):
+        return x.astype(name).astype(np.float64)
+    if name != "bfloat16":
+        raise ValueError(f"round_to_dtype: unsupported dtype {dtype!r}")
+    bits = x.astype(np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32).astype(np.float64)
+
+
+def valid_tokens(counts, block_elems: int) -> np.ndarray:
     """Bool [S]: token j of the tile-ordered sequence is valid (among the first counts[j // E]
     of its block); the rest is padding."""
-    counts = torch.as_tensor(np.asarray(counts), dtype=torch.int64).clamp(0, block_elems)
-    return torch.arange(counts.numel() * block_elems) % block_elems < counts.repeat_interleave(block_elems)
+    counts = np.clip(np.asarray(counts, np.int64), 0, block_elems)
+    return np.arange(counts.size * block_elems) % block_elems < np.repeat(counts, block_elems)
 
 
-def _block_mean(x: torch.Tensor, counts: torch.Tensor, block_elems: int, round_to) -> torch.Tensor:
-    """Mean of each block's valid tokens: the padded tail is not read (nor given a gradient)."""
+def _block_mean(x, counts, block_elems: int, round_to) -> np.ndarray:
+    """Mean of each block's valid tokens (the padded tail is not read), 0 for an empty
+    block; rounded to `round_to` like the kernels' stored means."""
     B, H, S, D = x.shape
-    x = torch.where(valid_tokens(counts, block_elems)[:, None], x, torch.zeros((), dtype=x.dtype))
-    total = x.reshape(B, H, S // block_elems, block_elems, D).sum(dim=3)
-    counts = counts.to(x.dtype)[:, None]
-    mean = torch.where(counts > 0, total / counts.clamp_min(1), torch.zeros_like(total))
-    if round_to is not None:  # the kernels store means in the input dtype; gradient passes straight through
-        mean = mean + (mean.to(round_to).to(mean.dtype) - mean).detach()
-    return mean
+    x = np.where(valid_tokens(counts, block_elems)[:, None], x, 0.0)
+    total = x.reshape(B, H, S // block_elems, block_elems, D).sum(axis=3)
+    counts = counts.astype(np.float64)[:, None]
+    mean = np.where(counts > 0, total / np.maximum(counts, 1), 0.0)
+    return mean if round_to is None else round_to_dtype(mean, round_to)
 
 
-def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor):
+def _block_mean_grad(dmean, counts, block_elems: int) -> np.ndarray:
+    """Gradient of `_block_mean` to each of the block's valid tokens, 0 to the padded ones
+    (the rounding passes the gradient straight through)."""
+    scale = np.where(counts > 0, 1.0 / np.maximum(counts, 1), 0.0)[:, None]
+    return np.where(valid_tokens(counts, block_elems)[:, None], np.repeat(dmean * scale, block_elems, axis=2), 0.0)
+
+
+def _masked_softmax(scores, keep):
     """Softmax over the last axis restricted to `keep`; rows with nothing kept give 0 and lse -inf."""
-    scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - safe[..., None]).masked_fill(~keep, 0.0)
+    scores = np.where(keep, scores, -np.inf)
+    peak = np.max(scores, axis=-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    expo = np.where(keep, np.exp(scores - peak), 0.0)
+    total = expo.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total[..., 0] > 0, np.log(np.where(total > 0, total, 1.0))[..., 0] + peak[..., 0], -np.inf)
+    probs = np.where(total > 0, expo / np.where(total > 0, total, 1.0), 0.0)
     return probs, lse
 
 
-def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None) -> torch.Tensor:
+def _softmax_grad(probs, dprobs):
+    return probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
+
+
+def _t(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None) -> np.ndarray:
     """Scaled block-mean scores [B, H, nQ, nKV], -inf for empty KV blocks."""
+    q, k = _f64(q), _f64(k)
+    kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
     qc = _block_mean(q, q_counts, block_elems, round_to)
     kc = _block_mean(k, kv_counts, block_elems, round_to)
-    s = qc @ kc.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    return s.masked_fill((kv_counts == 0)[None, None, None, :], float("-inf"))
+    s = qc @ _t(kc) / math.sqrt(q.shape[-1])
+    return np.where((kv_counts == 0)[None, None, None, :], -np.inf, s)
 
 
-def topk_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
+def topk_mask(scores, topk: int) -> np.ndarray:
     """Bool [B, H, nQ, nKV]: the topk highest finite scores per row, ties to the lower index."""
-    s = scores.detach().cpu().numpy()
+    s = np.asarray(scores, np.float64)
     n_kv = s.shape[-1]
     cols = np.broadcast_to(np.arange(n_kv), s.shape)
     order = np.lexsort((cols, -s), axis=-1)  # by score descending, then index ascending
     ranks = np.argsort(order, axis=-1)  # inverse permutation: rank of each column
-    return torch.from_numpy((ranks < topk) & np.isfinite(s))
+    return (ranks < topk) & np.isfinite(s)
 
 
 PREFIX_MODES = ("exempt", "compete")
 
 
-def prefix_topk_mask(scores: torch.Tensor, topk: int, prefix_blocks: int, prefix_mode: str = "exempt"
-                     ) -> torch.Tensor:
+def prefix_topk_mask(scores, topk: int, prefix_blocks: int, prefix_mode: str = "exempt") -> np.ndarray:
     """Selection of mixed-modality VSA (Sq == Skv): the first `prefix_blocks` blocks on the
     query side and on the key side hold non-video tokens (a text prompt, keyframes, audio).
 
@@ -77,21 +117,21 @@ def prefix_topk_mask(scores: torch.Tensor, topk: int, prefix_blocks: int, prefix
     plain VSA in both modes (FastVideo's H3 backend: `num_prefix_tiles`, `exempt`)."""
     if prefix_mode not in PREFIX_MODES:
         raise ValueError(f"prefix_mode must be one of {PREFIX_MODES}, got {prefix_mode!r}")
-    n_q, n_kv = scores.shape[-2:]
+    s = np.asarray(scores, np.float64)
+    n_q, n_kv = s.shape[-2:]
     P = int(prefix_blocks)
     assert 0 <= P <= min(n_q, n_kv), (P, n_q, n_kv)
-    finite = torch.isfinite(scores)
-    prefix_col = torch.arange(n_kv) < P
+    finite = np.isfinite(s)
+    prefix_col = np.arange(n_kv) < P
     if prefix_mode == "exempt":
-        video = topk_mask(scores.masked_fill(prefix_col, float("-inf")), topk)
-        mask = video | (finite & prefix_col)
+        mask = topk_mask(np.where(prefix_col, -np.inf, s), topk) | (finite & prefix_col)
     else:
-        mask = topk_mask(scores, topk + P)
-    dense_row = (torch.arange(n_q) < P)[:, None]
-    return torch.where(dense_row, finite, mask)
+        mask = topk_mask(s, topk + P)
+    dense_row = (np.arange(n_q) < P)[:, None]
+    return np.where(dense_row, finite, mask)
 
 
-def index_lists_to_block_map(block_indices, block_counts, n_kv_blocks: int) -> torch.Tensor:
+def index_lists_to_block_map(block_indices, block_counts, n_kv_blocks: int) -> np.ndarray:
     """Bool [B, H, nQ, nKV] of the blocks a list selects, by the kernels' rule for lists
     that eager mode would reject (under jit / compile): the count is clamped to
     [0, capacity], and an entry counts only if it is in [0, nKV) and greater than the
@@ -105,58 +145,92 @@ def index_lists_to_block_map(block_indices, block_counts, n_kv_blocks: int) -> t
             if last < entry < n_kv_blocks:
                 out[row + (entry,)] = True
                 last = entry
-    return torch.from_numpy(out)
+    return out
 
 
-def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int):
-    """Fine branch: each query sees the valid tokens of its block's selected KV blocks.
-
-    Returns (out, lse) with lse the natural-log logsumexp of the scaled scores.
-    """
+def _fine(q, k, v, block_map, kv_counts, block_elems: int):
+    """The fine branch's keep mask, probabilities, output and lse."""
     Sq, Skv = q.shape[2], k.shape[2]
-    in_block = torch.arange(Skv) % block_elems
-    token_valid = in_block < kv_counts.repeat_interleave(block_elems)
-    keep = block_map.repeat_interleave(block_elems, dim=2).repeat_interleave(block_elems, dim=3)
+    in_block = np.arange(Skv) % block_elems
+    token_valid = in_block < np.repeat(kv_counts, block_elems)
+    keep = np.repeat(np.repeat(np.asarray(block_map, bool), block_elems, axis=2), block_elems, axis=3)
     keep = keep & token_valid[None, None, None, :]
     assert keep.shape[2:] == (Sq, Skv)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    probs, lse = _masked_softmax(s, keep)
-    return probs @ v, lse
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    probs, lse = _masked_softmax(q @ _t(k) * scale, keep)
+    return probs, probs @ v, lse
+
+
+def _attention_grads(q, k, v, probs, dout, scale):
+    """dq, dk, dv of out = softmax(q k^T * scale) v, given its probabilities."""
+    dv = _t(probs) @ dout
+    ds = _softmax_grad(probs, dout @ _t(v)) * scale
+    return ds @ k, _t(ds) @ q, dv
+
+
+def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int, dout=None):
+    """Fine branch: each query sees the valid tokens of its block's selected KV blocks.
+
+    Returns (out, lse) with lse the natural-log logsumexp of the scaled scores; given
+    `dout`, (out, lse, {"dq", "dk", "dv"}) with the gradients of out against it.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    kv_counts = np.asarray(kv_counts, np.int64)
+    probs, out, lse = _fine(q, k, v, block_map, kv_counts, block_elems)
+    if dout is None:
+        return out, lse
+    dq, dk, dv = _attention_grads(q, k, v, probs, _f64(dout), 1.0 / math.sqrt(q.shape[-1]))
+    return out, lse, {"dq": dq, "dk": dk, "dv": dv}
 
 
 def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_elems: int,
-                                gate: Optional[torch.Tensor] = None, round_to=None,
-                                block_map: Optional[torch.Tensor] = None, prefix_blocks: int = 0,
+                                gate=None, round_to=None, block_map=None, dout=None, prefix_blocks: int = 0,
                                 prefix_mode: str = "exempt"):
-    """VSA forward in float64. Returns (out, block_map used, coarse scores).
+    """VSA forward in float64. Returns (out, block_map used, coarse scores); given `dout`,
+    also the gradients {"dq", "dk", "dv"(, "dgate")} of out against it.
 
     Padding: only the valid tokens of each block (the first q_counts[i] / kv_counts[i])
-    are read, so the padded tails of q, k, v and the gate cannot change the result or
-    the valid tokens' gradients; the padded output rows are exactly 0, so they have no
-    gradient to give (the padded rows' gradients are 0, and dout there is ignored).
+    are read, so the padded tails of q, k, v and the gate cannot change the result or the
+    valid tokens' gradients; the padded output rows are exactly 0, so dout there is
+    ignored and the padded rows' gradients are 0.
 
-    `round_to` (e.g. torch.bfloat16) models the kernels' cast of the block means to
-    the input dtype. `block_map` overrides the selection (the tests pass the kernel's
-    selection once they have checked it is a valid top-k of these scores).
-    `prefix_blocks` / `prefix_mode`: mixed-modality selection (`prefix_topk_mask`); the
-    coarse branch and the gate do not depend on them.
+    `round_to` (e.g. "bfloat16") models the kernels' cast of the block means to the
+    input dtype (the gradient passes that rounding straight through). `block_map`
+    overrides the selection (the tests pass the kernel's selection once they have checked
+    it is a valid top-k of these scores). `prefix_blocks` / `prefix_mode`: mixed-modality
+    selection (`prefix_topk_mask`); the coarse branch and the gate do not depend on them.
     """
-    kv_counts = torch.as_tensor(np.asarray(kv_counts), dtype=torch.int64)
-    q_counts = torch.as_tensor(np.asarray(q_counts), dtype=torch.int64)
-    qc = _block_mean(q, q_counts, block_elems, round_to)
-    kc = _block_mean(k, kv_counts, block_elems, round_to)
-    vc = _block_mean(v, kv_counts, block_elems, round_to)
-    scores = qc @ kc.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    kv_ok = (kv_counts > 0)[None, None, None, :].expand_as(scores)
-    probs, _ = _masked_softmax(scores, kv_ok)
-    out_coarse = (probs @ vc).repeat_interleave(block_elems, dim=2)
-    scores = scores.masked_fill(~kv_ok, float("-inf"))
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    gate = None if gate is None else _f64(gate)
+    kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
+    E, scale = block_elems, 1.0 / math.sqrt(q.shape[-1])
+    q_valid = valid_tokens(q_counts, E)[:, None]
+    qc = _block_mean(q, q_counts, E, round_to)
+    kc = _block_mean(k, kv_counts, E, round_to)
+    vc = _block_mean(v, kv_counts, E, round_to)
+    scores = qc @ _t(kc) * scale
+    kv_ok = np.broadcast_to((kv_counts > 0)[None, None, None, :], scores.shape)
+    probs_c, _ = _masked_softmax(scores, kv_ok)
+    out_coarse = np.repeat(probs_c @ vc, E, axis=2)
+    scores = np.where(kv_ok, scores, -np.inf)
     if block_map is None and prefix_blocks:
         assert q.shape[2] == k.shape[2], "prefix blocks need Sq == Skv (joint self-attention)"
-        block_map = prefix_topk_mask(scores, min(topk, k.shape[2] // block_elems), prefix_blocks, prefix_mode)
+        block_map = prefix_topk_mask(scores, min(topk, k.shape[2] // E), prefix_blocks, prefix_mode)
     elif block_map is None:
-        block_map = topk_mask(scores, min(topk, k.shape[2] // block_elems))
-    out_fine, _ = block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems)
+        block_map = topk_mask(scores, min(topk, k.shape[2] // E))
+    probs_f, out_fine, _ = _fine(q, k, v, block_map, kv_counts, E)
     out = out_coarse * gate + out_fine if gate is not None else out_coarse + out_fine
-    out = torch.where(valid_tokens(q_counts, block_elems)[:, None], out, torch.zeros((), dtype=out.dtype))
-    return out, block_map, scores.detach()
+    out = np.where(q_valid, out, 0.0)
+    if dout is None:
+        return out, block_map, scores
+    dout = np.where(q_valid, _f64(dout), 0.0)  # padded rows are constant 0: no gradient flows from them
+    dq, dk, dv = _attention_grads(q, k, v, probs_f, dout, scale)  # the fine branch
+    dout_c = dout * gate if gate is not None else dout
+    B, H, Sq, D = q.shape
+    dout_c = dout_c.reshape(B, H, Sq // E, E, D).sum(axis=3)  # out_coarse repeats each block's row
+    dqc, dkc, dvc = _attention_grads(qc, kc, vc, probs_c, dout_c, scale)
+    grads = {"dq": dq + _block_mean_grad(dqc, q_counts, E), "dk": dk + _block_mean_grad(dkc, kv_counts, E),
+             "dv": dv + _block_mean_grad(dvc, kv_counts, E)}
+    if gate is not None:
+        grads["dgate"] = dout * out_coarse
+    return out, block_map, scores, grads

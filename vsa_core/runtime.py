@@ -1,20 +1,23 @@
-"""Device buffers and streams: the one place where the core touches a framework.
+"""Device buffers and streams: how a frontend's arrays and streams reach the launchers.
 
-Triton launches kernels on objects with `data_ptr()` and reads the current CUDA
-stream through torch, so the core views every buffer it is handed (a torch tensor,
-or anything with `__dlpack__`, such as the buffers of a JAX buffer_callback) as a
-torch tensor, zero-copy, and launches under the caller's stream.
+The core imports no framework. A frontend hands `vsa_core.ops` its buffers and stream
+through a `BufferAdapter`: `views` turns each buffer into what the launchers and Triton
+read (an object with `data_ptr()`, `dtype`, `shape` and `device.type`), and
+`launch_scope` makes the launches of one call go to the right device and stream. The
+base adapter here takes buffers that already are such views (torch tensors,
+`DeviceBuffer`s) and launches on a raw `cudaStream_t` through `raw_cuda_launches`;
+`vsa_torch` launches under torch's device and stream contexts instead, `vsa_jax` wraps
+XLA's buffers as `DeviceBuffer`s and launches on XLA's stream.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from dataclasses import dataclass
-from typing import Optional, Tuple
-
-import torch
+from typing import Mapping, Optional, Tuple
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -27,41 +30,228 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRETER_LOCK = threading.RLock()
 
 
-def as_tensor(buf) -> torch.Tensor:
-    """Zero-copy torch view of a device buffer (DLPack)."""
-    if buf is None or isinstance(buf, torch.Tensor):
-        return buf
-    return torch.from_dlpack(buf)
-
-
 @dataclass(frozen=True)
 class DeviceInfo:
-    kind: str  # "cuda" or "cpu"
+    kind: str  # "cuda" or "cpu" ("meta": a launch plan's placeholders, vsa_core.plan)
     index: int = 0
     capability: Optional[Tuple[int, int]] = None
 
-    @staticmethod
-    def of(tensor: torch.Tensor) -> "DeviceInfo":
-        if tensor.device.type == "cuda":
-            idx = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-            return DeviceInfo("cuda", idx, torch.cuda.get_device_capability(idx))
-        return DeviceInfo(tensor.device.type)
+    @property
+    def type(self) -> str:  # read like torch.device.type by the launchers
+        return self.kind
 
 
-def launch_stream(stream: Optional[int], device: torch.device):
-    """Context under which Triton launches go to `device` and to `stream` (a raw
-    cudaStream_t handle; None keeps the framework's current stream, as PyTorch wants;
-    JAX passes XLA's stream).
+class Dtype(str):
+    """A dtype by name ("bfloat16", ...), as Triton reads a pointer's element type
+    (`str(dtype)`), with the `itemsize` its TensorDescriptor checks strides with."""
 
-    Triton launches on torch's *current* device, not the tensors' device, so a call on
-    cuda:1 while cuda:0 is current must switch device first. On the CPU (the Triton
-    interpreter) the context holds the interpreter lock: one call's launches at a time
-    per process.
+    _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "int8": 1,
+                 "uint8": 1, "bool": 1}
+
+    def __new__(cls, name: str):
+        name = str(name).replace("torch.", "")
+        if name not in cls._ITEMSIZE:
+            raise TypeError(f"unsupported buffer dtype {name}")
+        obj = super().__new__(cls, name)
+        obj.itemsize = cls._ITEMSIZE[name]
+        return obj
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.startswith(("float", "bfloat"))
+
+
+class DeviceBuffer:
+    """A contiguous buffer at a raw address: what the launchers and Triton need of an
+    array (`data_ptr()`, `dtype`, `shape`, `stride()`, `device`), with no framework.
+
+    On the CPU it also answers the few tensor methods Triton's interpreter calls on a
+    pointer argument (`untyped_storage`, `cpu`, `new_empty`, `set_`, `storage_offset`,
+    `size`, `copy_`; triton/runtime/interpreter.py, GridExecutor): the interpreter copies
+    each argument's storage to the host, runs on the copy and copies it back; a host
+    buffer is its own host copy, so the kernels read and write it in place. `owner`
+    keeps the memory alive and, where it has `__dlpack__`, lets a backend that needs a
+    framework tensor (cute, cudnn: torch) view it.
     """
-    if device.type != "cuda":
-        return _INTERPRETER_LOCK
-    scope = contextlib.ExitStack()
-    scope.enter_context(torch.cuda.device(device))
-    if stream is not None:
-        scope.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)))
-    return scope
+
+    __slots__ = ("_ptr", "dtype", "shape", "device", "owner")
+
+    def __init__(self, ptr: int, dtype, shape, device: DeviceInfo, owner=None):
+        self._ptr = int(ptr)
+        self.dtype = dtype if isinstance(dtype, Dtype) else Dtype(dtype)
+        self.shape = tuple(int(s) for s in shape)
+        self.device = device
+        self.owner = owner
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def stride(self, dim: Optional[int] = None):
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.append(step)
+            step *= size
+        strides = tuple(reversed(strides))
+        return strides if dim is None else strides[dim]
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer({self.dtype}, {self.shape}, {self.device.kind}:{self.device.index}, {self._ptr:#x})"
+
+    # ---- what a framework tensor view needs (backends that call torch libraries) ----
+    def __dlpack__(self, *args, **kwargs):
+        return self.owner.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.owner.__dlpack_device__()
+
+    # ---- what Triton's interpreter calls (host memory: the buffer is its own host copy) ----
+    def untyped_storage(self) -> "DeviceBuffer":
+        return self
+
+    def cpu(self) -> "DeviceBuffer":
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return self.shape
+
+    def new_empty(self, *shape, device=None, **kwargs) -> "DeviceBuffer":
+        return DeviceBuffer(0, self.dtype, (0,), self.device, None)
+
+    def set_(self, storage: "DeviceBuffer", offset: int, size, stride) -> "DeviceBuffer":
+        self._ptr = storage.data_ptr() + int(offset) * self.dtype.itemsize
+        self.shape = tuple(size)
+        self.owner = storage.owner
+        return self
+
+    def copy_(self, other) -> "DeviceBuffer":
+        if other.data_ptr() != self.data_ptr():
+            raise RuntimeError("DeviceBuffer.copy_: the interpreter computed on another copy of a host buffer")
+        return self
+
+
+def host_buffer(array, dtype=None) -> DeviceBuffer:
+    """A DeviceBuffer over a C-contiguous numpy array (its memory, zero-copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("host_buffer needs a C-contiguous array")
+    return DeviceBuffer(array.ctypes.data, dtype or array.dtype.name, array.shape, DeviceInfo("cpu"), array)
+
+
+# ---- launching on a raw stream without a framework ---------------------------------------
+_current = threading.local()  # (device index, capability, stream) of this thread's raw launches
+_driver_lock = threading.Lock()
+_driver_installed = False
+
+
+def current_raw_launch() -> Optional[Tuple[int, Tuple[int, int], int]]:
+    """(device index, capability, cudaStream_t) while this thread runs `raw_cuda_launches`."""
+    return getattr(_current, "launch", None)
+
+
+def _install_raw_stream_driver() -> None:
+    """Makes Triton's active driver one that reads device and stream from `raw_cuda_launches`.
+
+    Triton's JITFunction launches on `driver.active.get_current_stream(
+    driver.active.get_current_device())` and takes no stream argument (3.6 - 3.9), and its
+    CUDA driver reads both from torch when torch is loaded (3.6: always; without torch, 3.6
+    finds no active driver and 3.9 launches on the device's default stream). No public API
+    passes a stream per launch, so this subclasses Triton's CUDA driver and installs it with
+    the public `triton.runtime.driver.set_active`: inside `raw_cuda_launches` it answers the
+    scope's device, capability and stream; elsewhere (another thread, a torch launch) it
+    defers to Triton's default driver, so torch's behaviour is unchanged. The CUDA context
+    is the one current on the calling thread (XLA's, inside a buffer callback); Triton loads
+    and launches its kernels there.
+    """
+    global _driver_installed
+    with _driver_lock:
+        if _driver_installed:
+            return
+        from triton.backends.nvidia.driver import CudaDriver, CudaLauncher, CudaUtils
+        from triton.runtime import driver as driver_config
+
+        class RawStreamDriver(CudaDriver):
+            def __init__(self):  # not CudaDriver.__init__: Triton 3.6's imports torch
+                self.utils = CudaUtils()
+                self.launcher_cls = CudaLauncher
+
+            @staticmethod
+            def _default():
+                return driver_config.default  # Triton's own driver (created on first use)
+
+            def get_current_device(self):
+                launch = current_raw_launch()
+                return launch[0] if launch is not None else self._default().get_current_device()
+
+            def get_current_stream(self, device=None):
+                launch = current_raw_launch()
+                if launch is not None:
+                    return launch[2]
+                return self._default().get_current_stream(device)
+
+            def get_device_capability(self, device=None):
+                launch = current_raw_launch()
+                return launch[1] if launch is not None else self._default().get_device_capability(device)
+
+            def set_current_device(self, device):
+                launch = current_raw_launch()
+                if launch is None:
+                    return self._default().set_current_device(device)
+                if device != launch[0]:
+                    raise RuntimeError(f"Triton asked for device {device} inside a launch scope on device {launch[0]}")
+
+        driver_config.set_active(RawStreamDriver())
+        _driver_installed = True
+
+
+@contextlib.contextmanager
+def raw_cuda_launches(index: int, capability: Tuple[int, int], stream: int):
+    """Triton launches on this thread go to device `index` (compute capability
+    `capability`) and the raw `cudaStream_t` `stream`, with no framework involved."""
+    _install_raw_stream_driver()
+    saved = current_raw_launch()
+    _current.launch = (int(index), tuple(capability), int(stream))
+    try:
+        yield
+    finally:
+        _current.launch = saved
+
+
+class BufferAdapter:
+    """How a frontend's buffers and stream reach the launchers (see the module doc).
+
+    This base adapter takes buffers that already are launch views (torch tensors,
+    DeviceBuffers): CPU launches take the interpreter lock; CUDA launches with a raw
+    stream go there (`raw_cuda_launches`, the DeviceBuffer's device must carry its
+    capability), without one to Triton's current device and stream."""
+
+    def views(self, buffers: Mapping) -> dict:
+        return dict(buffers)
+
+    def launch_scope(self, like, stream: Optional[int]):
+        device = like.device
+        if device.type == "cpu":
+            return _INTERPRETER_LOCK
+        if device.type == "cuda" and stream is not None:
+            if not isinstance(device, DeviceInfo) or device.capability is None:
+                raise ValueError("a launch on a raw stream needs DeviceBuffers whose device carries its capability")
+            return raw_cuda_launches(device.index, device.capability, stream)
+        return contextlib.nullcontext()
+
+
+RAW_BUFFERS = BufferAdapter()
+
+
+def torch_loaded() -> bool:
+    """Whether torch is imported in this process (the core never imports it itself)."""
+    return sys.modules.get("torch") is not None

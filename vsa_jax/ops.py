@@ -3,9 +3,10 @@
 
 Each callback runs inside the compiled XLA program on XLA's own buffers: the inputs,
 and outputs + workspaces declared from the problem's buffer tables (so XLA allocates
-everything; the callback allocates nothing). The core views the buffers as torch
-tensors through DLPack and launches on XLA's CUDA stream (`ctx.stream`), so the
-kernels are ordered with the surrounding XLA ops without any synchronisation.
+everything; the callback allocates nothing). The core sees the buffers as
+`DeviceBuffer`s (their addresses; no torch) and launches on XLA's CUDA stream
+(`ctx.stream`), so the kernels are ordered with the surrounding XLA ops without any
+synchronisation.
 Inputs are only read; nothing is kept past the callback.
 """
 
@@ -25,12 +26,13 @@ from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
                               check_varlen_selection, per_sequence_prefix)
-from vsa_core.runtime import DeviceInfo
+from vsa_core.runtime import BufferAdapter, DeviceBuffer, DeviceInfo
 
 from . import native as _native
 
 _DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8}
 _DLPACK_CPU = 1  # kDLCPU
+_CPU = DeviceInfo("cpu")
 
 
 def _shape_dtypes(specs: dict, input_dtype) -> dict:
@@ -52,6 +54,10 @@ def device_info(x) -> DeviceInfo:
         device = jax.config.jax_default_device
         if device is None or isinstance(device, str):
             device = jax.devices(device)[0]
+    return device_info_of(device)
+
+
+def device_info_of(device) -> DeviceInfo:
     if device.platform in ("gpu", "cuda"):
         cc = getattr(device, "compute_capability", None)
         capability = tuple(int(c) for c in str(cc).split(".")[:2]) if cc else None
@@ -117,6 +123,36 @@ def check_index_lists(block_indices, block_counts, n_kv_blocks: int) -> None:
 
 
 # ---- the callbacks ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _cuda_device(index: int) -> DeviceInfo:
+    """DeviceInfo (with its capability) of the CUDA device with this ordinal."""
+    for device in jax.local_devices():
+        if device.platform in ("gpu", "cuda") and getattr(device, "local_hardware_id", None) == index:
+            return device_info_of(device)
+    raise RuntimeError(f"no local JAX GPU has CUDA ordinal {index}")
+
+
+def _device_buffer(buf) -> DeviceBuffer:
+    """A buffer_callback buffer as the launchers read it: its address, dtype and shape. Host
+    buffers are read through numpy (zero-copy), device buffers through
+    __cuda_array_interface__."""
+    kind, index = buf.__dlpack_device__()
+    dtype = np.dtype(buf.dtype).name
+    if kind == _DLPACK_CPU:
+        return DeviceBuffer(np.asarray(buf).ctypes.data, dtype, buf.shape, _CPU, owner=buf)
+    return DeviceBuffer(buf.__cuda_array_interface__["data"][0], dtype, buf.shape, _cuda_device(index), owner=buf)
+
+
+class JaxBuffers(BufferAdapter):
+    """XLA's buffers as DeviceBuffers; launches on XLA's stream (`raw_cuda_launches`)."""
+
+    def views(self, buffers) -> dict:
+        return {name: None if buf is None else _device_buffer(buf) for name, buf in buffers.items()}
+
+
+JAX_BUFFERS = JaxBuffers()
+
+
 def _stream(ctx, q) -> Optional[int]:
     """XLA's CUDA stream; None on the CPU, where `ctx.stream` raises."""
     return None if q.__dlpack_device__()[0] == _DLPACK_CPU else ctx.stream
@@ -129,7 +165,7 @@ def _callback(stage: str, p: AttnProblem, impl):
     run = core_ops.forward if stage == "forward" else core_ops.backward
 
     def callback(ctx, outputs: dict, inputs: dict) -> None:
-        run(p, impl, {**inputs, **outputs}, stream=_stream(ctx, inputs["q"]))
+        run(p, impl, {**inputs, **outputs}, stream=_stream(ctx, inputs["q"]), adapter=JAX_BUFFERS)
 
     # vmap_method="sequential": under jax.vmap the callback runs once per mapped element
     # (a scan over the mapped axis) on slices that have exactly the shapes `p` was

@@ -7,6 +7,7 @@ core, and returns them; the core launches on torch's current stream.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import List, Optional, Tuple
 
@@ -19,9 +20,35 @@ from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
                               check_varlen_selection, per_sequence_prefix)
-from vsa_core.runtime import DeviceInfo
+from vsa_core.runtime import BufferAdapter, DeviceInfo
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
+
+
+def device_info(t: Tensor) -> DeviceInfo:
+    if t.device.type == "cuda":
+        idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return DeviceInfo("cuda", idx, torch.cuda.get_device_capability(idx))
+    return DeviceInfo(t.device.type)
+
+
+class TorchBuffers(BufferAdapter):
+    """torch tensors go to the launchers as they are. Triton launches on torch's *current*
+    device and stream, not the tensors' device, so a call on cuda:1 while cuda:0 is current
+    switches device first; a given raw stream becomes torch's current one."""
+
+    def launch_scope(self, like: Tensor, stream: Optional[int]):
+        device = like.device
+        if device.type != "cuda":
+            return super().launch_scope(like, stream)  # the interpreter lock
+        scope = contextlib.ExitStack()
+        scope.enter_context(torch.cuda.device(device))
+        if stream is not None:
+            scope.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)))
+        return scope
+
+
+TORCH_BUFFERS = TorchBuffers()
 
 
 def _alloc(specs: dict, like: Tensor) -> dict:
@@ -138,11 +165,11 @@ def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tenso
              training: bool, seq_prefix: Optional[Tensor], prefix_blocks: int, prefix_mode: str) -> List[Tensor]:
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q,
                  prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix)
-    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    impl = resolve_backend(backend, p, device_info(q))
     out = _vsa_outputs(p, q)
     core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix,
-                                   **{n: t for n, t in out.items() if n in p.forward_buffers()}))
+                                   **{n: t for n, t in out.items() if n in p.forward_buffers()}), adapter=TORCH_BUFFERS)
     return [out[n] for n in _VSA_OUTPUTS]
 
 
@@ -162,11 +189,11 @@ def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q
              prefix_mode: str) -> List[Tensor]:
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", cu_q=cu_q,
                  prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix)
-    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    impl = resolve_backend(backend, p, device_info(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
                                     q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                    **dict(zip(_VSA_SAVED, residuals)), **grads))
+                                    **dict(zip(_VSA_SAVED, residuals)), **grads), adapter=TORCH_BUFFERS)
     return [grads["dq"], grads["dk"], grads["dv"], grads.get("dgate", q.new_empty(0))]
 
 
@@ -213,13 +240,13 @@ def _bsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Opti
     """Returns out, lse and the lists the forward ran: from a block map, or the given lists
     as the kernels' rule reads them (ascending, in range; packed: own sequence only)."""
     p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
-    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    impl = resolve_backend(backend, p, device_info(q))
     out = _alloc(p.forward_buffers(), q)
     bufs = dict(q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 **out)
     if sel_idx is not None:
         bufs.update(given_idx=sel_idx, given_num=sel_num)  # the forward writes the lists it runs to sel_idx
-    core_ops.forward(p, impl, bufs)
+    core_ops.forward(p, impl, bufs, adapter=TORCH_BUFFERS)
     return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
 
 
@@ -235,11 +262,11 @@ def _bsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, b
              sel_idx: Tensor, sel_num: Tensor, out: Tensor, lse: Tensor, cu_q: Optional[Tensor],
              cu_k: Optional[Tensor], block_elems: int, layout: str, backend: str) -> List[Tensor]:
     p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
-    impl = resolve_backend(backend, p, DeviceInfo.of(q))
+    impl = resolve_backend(backend, p, device_info(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
                                     block_map=block_map, sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse,
-                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **grads))
+                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **grads), adapter=TORCH_BUFFERS)
     return [grads["dq"], grads["dk"], grads["dv"]]
 
 

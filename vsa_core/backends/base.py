@@ -24,7 +24,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
 
-Buffer = Any  # a torch tensor view of a caller's buffer (see vsa_core.runtime.as_tensor)
+Buffer = Any  # a launch view of a caller's buffer: a torch tensor or a vsa_core.runtime.DeviceBuffer
 
 
 @dataclass(slots=True)

@@ -43,7 +43,8 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
 - pooling gradients (VSA): cuDNN writes dq/dk/dv of the fine branch; then
   `add_block_grad` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count in place.
 - streams: every cuDNN BSA launch goes to `torch.cuda.current_stream()` of the current
-  device, which `vsa_core.runtime.launch_stream` has made the caller's (XLA's under JAX).
+  device, which is the caller's (under JAX, `_torch_views.caller_stream` makes XLA's stream
+  torch's current one; the backend's arguments are torch views of XLA's buffers).
 
 What it supports (sm_90 only: the architecture this is wired and tested for): forward
 bf16/fp16, head dim 64/128, 64- and 128-token blocks; backward bf16 and head dim 128
@@ -136,6 +137,12 @@ def _block_sizes(p: AttnProblem, kv_counts):
 
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(p: AttnProblem, a: FineForward):
+    from ._torch_views import as_torch, caller_stream  # torch loads with this backend's first call
+    with caller_stream():
+        _sparse_forward(p, as_torch(a))
+
+
+def _sparse_forward(p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     bsa_fwd, _ = _cudnn()
@@ -153,6 +160,12 @@ def sparse_forward(p: AttnProblem, a: FineForward):
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):
+    from ._torch_views import as_torch, caller_stream
+    with caller_stream():
+        _sparse_backward(p, as_torch(a))
+
+
+def _sparse_backward(p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage by cuDNN (from the query-owned lists: it builds its own
     K-to-Q lists), then the pooling gradients. `delta`, `inv_idx`, `inv_num` are not used."""
     q, k, v, out, lse, dout, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.dq, a.dk, a.dv

@@ -45,7 +45,8 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
 - Streams: FA4's kernels are compiled against TVM-FFI's environment stream, and
   each call with torch CUDA tensors sets that to torch's current stream of the
   tensors' device (tvm_ffi function.pxi, DLPack exchange API `current_work_stream`),
-  which is the stream `vsa_core.runtime.launch_stream` made current. Nothing to do.
+  which is the caller's (under JAX, `_torch_views.caller_stream` makes XLA's stream
+  torch's current one). Nothing else to do.
 
 Allocation: unlike the Triton backend, which allocates nothing, this backend
 allocates its FA4 metadata (the full/mask lists and the per-sub-block counts, a few
@@ -64,7 +65,6 @@ import math
 import threading
 from typing import Optional
 
-import torch
 import triton
 
 from .. import triton_kernels as K
@@ -178,6 +178,7 @@ def delta_to_dlse(p: AttnProblem, out, dout, delta) -> None:
 
 
 def _int32(shape, device) -> torch.Tensor:
+    import torch
     return torch.empty(shape, dtype=torch.int32, device=device)
 
 
@@ -191,6 +192,12 @@ def _fa4():
 
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(p: AttnProblem, a: FineForward):
+    from ._torch_views import as_torch, caller_stream  # torch loads with this backend's first call
+    with caller_stream():
+        _sparse_forward(p, as_torch(a))
+
+
+def _sparse_forward(p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     fa_fwd, _, BlockSparse, mask_mod = _fa4()
@@ -214,6 +221,12 @@ def sparse_forward(p: AttnProblem, a: FineForward):
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):
+    from ._torch_views import as_torch, caller_stream
+    with caller_stream():
+        _sparse_backward(p, as_torch(a))
+
+
+def _sparse_backward(p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage by FA4 (KV-owned lists from inv_idx/inv_num), then the
     pooling gradients. `delta` (a workspace) is overwritten with FA4's dlse."""
     q, k, v, out, lse, dout, delta, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.delta, a.dq, a.dk, a.dv

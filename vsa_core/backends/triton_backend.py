@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import triton_kernels as K
 from ..interpreter import interpreted_kernels
 from ..problem import AttnProblem
-from ..runtime import INTERPRETING
+from ..runtime import INTERPRETING, torch_loaded
 from .base import FineBackward, FineForward
 
 name = "triton"
@@ -40,7 +40,7 @@ COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
 
 def interpreted(x) -> bool:
     """True when kernels on x run under the interpreter (CPU tensors, or TRITON_INTERPRET=1).
-    "meta" tensors (vsa_core.plan records a GPU launch plan with them) are not: the plan
+    "meta" buffers (vsa_core.plan records a GPU launch plan with them) are not: the plan
     needs the compiled kernels and their GPU constexprs."""
     return INTERPRETING or x.device.type == "cpu"
 
@@ -108,8 +108,14 @@ class _TunedKernel:
             kernel = getattr(kernels_for(like), self.kernel.fn.__name__)
             m, n, w, s = self.INTERPRETER_CONFIG
         else:
-            if self.forced is None and self.tuned is not None and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1:
-                with _AUTOTUNER_LOCK:
+            # Triton's autotuner times the candidates with torch (events on torch's current
+            # stream, an L2 flush): a process without torch (vsa_jax alone) runs the default
+            # config; under a raw-stream launch (JAX) torch's current stream is made that stream,
+            # so the timed kernels and the events share it
+            if (self.forced is None and self.tuned is not None and torch_loaded()
+                    and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1):
+                from ._torch_views import caller_stream  # torch is loaded already
+                with _AUTOTUNER_LOCK, caller_stream():
                     self.tuned[grid](*args, **kwargs)
                 return
             m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))

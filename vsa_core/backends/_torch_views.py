@@ -1,0 +1,40 @@
+"""For the backends that call torch libraries (cute: flash-attn-4; cudnn: cuDNN frontend's
+torch wrappers): their arguments as torch tensors, launched on the caller's stream.
+
+Imported only when such a backend runs, so torch loads only then. Under vsa_torch the
+buffers already are torch tensors on torch's current stream, and nothing changes. Under
+vsa_jax they are `DeviceBuffer`s over XLA's buffers: viewed as torch tensors through
+DLPack (zero-copy), and the launches go to the raw stream of the caller's
+`raw_cuda_launches` scope, made torch's current stream for the duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from ..runtime import DeviceBuffer, current_raw_launch
+
+
+def as_torch(args):
+    """The FineForward / FineBackward `args` with every DeviceBuffer viewed as a torch tensor
+    (the same object when there is none)."""
+    if not isinstance(args.q, DeviceBuffer):  # one adapter made them all: torch tensors already
+        return args
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    return type(args)(**{n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in fields.items()})
+
+
+def caller_stream():
+    """Inside `raw_cuda_launches` (JAX): torch's current device and stream become the
+    scope's; elsewhere torch's own are the caller's already."""
+    launch = current_raw_launch()
+    if launch is None:
+        return contextlib.nullcontext()
+    index, _, stream = launch
+    scope = contextlib.ExitStack()
+    scope.enter_context(torch.cuda.device(index))
+    scope.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", index))))
+    return scope
