@@ -79,7 +79,7 @@ record() {  # record <log>: suite_record.md: date, device, versions, commit, cou
     echo "- date (UTC): $(date -u '+%Y-%m-%d %H:%M:%S')"
     echo "- device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | paste -sd ';')"
     echo "- commit: $(commit)"
-    echo "- command: VSA_REQUIRE_BACKENDS=$VSA_REQUIRE_BACKENDS python3 -m pytest -q -rfEs -n 8 --dist loadgroup tests"
+    echo "- command: VSA_REQUIRE_BACKENDS=$VSA_REQUIRE_BACKENDS python3 -m pytest -q -rfEs -n 12 --dist loadgroup tests"
     echo "- counts: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$log" | grep -E ' in [0-9.]+s' | tail -1 | tr -d '=' | sed 's/^ *//')"
     echo "- pytest $(grep -E '^### rc=[0-9]+ after python3 -m pytest' "$log" | tail -1 | grep -oE 'rc=[0-9]+') (124: timed out)"
     echo
@@ -107,7 +107,7 @@ case $step in
           # test that would skip for a missing one fails), 64-bit offsets included, and its record
     export VSA_REQUIRE_BACKENDS=cute,cudnn,jax
     versions | tee "$out/versions.txt"
-    t 500 python3 -m pytest -q -rfEs -n 8 --dist loadgroup --durations=15 tests
+    t 540 python3 -m pytest -q -rfEs -n 12 --dist loadgroup --durations=15 tests
     record "$out/$step.log"
     ;;
   checks)  # the coarse-stage precision tests must fail with TF32 coarse dots (they pass with the
