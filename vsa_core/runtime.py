@@ -182,7 +182,11 @@ def _install_raw_stream_driver() -> None:
 
         class RawStreamDriver(CudaDriver):
             def __init__(self):  # not CudaDriver.__init__: Triton 3.6's imports torch
-                self.utils = CudaUtils()
+                # one CudaUtils per process: CudaUtils() is a singleton whose __init__ reloads
+                # the helper module, and with it the PyCUtensorMap type the launchers check TMA
+                # descriptors against ("object must be of type PyCUtensorMap" after a reload)
+                existing = getattr(CudaUtils, "instance", None)
+                self.utils = existing if hasattr(existing, "load_binary") else CudaUtils()
                 self.launcher_cls = CudaLauncher
 
             @staticmethod
@@ -217,12 +221,21 @@ def _install_raw_stream_driver() -> None:
 @contextlib.contextmanager
 def raw_cuda_launches(index: int, capability: Tuple[int, int], stream: int):
     """Triton launches on this thread go to device `index` (compute capability
-    `capability`) and the raw `cudaStream_t` `stream`, with no framework involved."""
-    _install_raw_stream_driver()
+    `capability`) and the raw `cudaStream_t` `stream`.
+
+    Where torch is already loaded, Triton's own driver reads the device and stream from
+    torch, so they are made torch's current ones for the duration (no second driver in a
+    process that also launches from torch); without torch, through `_install_raw_stream_driver`."""
     saved = current_raw_launch()
     _current.launch = (int(index), tuple(capability), int(stream))
     try:
-        yield
+        if torch_loaded():
+            from .backends._torch_views import caller_stream
+            with caller_stream():
+                yield
+        else:
+            _install_raw_stream_driver()
+            yield
     finally:
         _current.launch = saved
 
