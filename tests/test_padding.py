@@ -99,6 +99,22 @@ def test_junk_padding_changes_nothing(frontend, case):
     check_padding_invariance(case, RUNNERS[frontend], "triton", bitwise=True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU record of a known gap (Triton interpreter)")
+@pytest.mark.xfail(strict=True, reason="known gap: the fine kernels load the padded rows of q, k, v and dout and "
+                   "mask the products, so NaN / inf there reach valid rows through 0 * inf; finite junk does not")
+@pytest.mark.parametrize("name", ["q", "v", "dout"])
+def test_non_finite_padding_changes_nothing(name):
+    """Strict xfail: passes (and so fails here) once the kernels mask those loads too."""
+    case = Case(batch=1)
+    inputs = make_inputs(case, seed=seed_of(case))
+    junk = dict(inputs)
+    junk[name] = inputs[name].copy()
+    junk[name][:, :, _padded(inputs, name, case.E)] = np.nan
+    got, clean = run_torch(case, junk, backend="triton"), run_torch(case, inputs, backend="triton")
+    for n, x in got.items():
+        np.testing.assert_array_equal(x, clean[n], err_msg=f"{n} changed with NaN in the padding of {name}")
+
+
 # 128-token blocks and head dim 128 in bf16 run on every backend (cuDNN's backward needs
 # bf16 and head dim 128, FA4 128- or 256-token blocks); then each backend's own block sizes.
 GPU_CASES = [

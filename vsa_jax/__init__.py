@@ -104,8 +104,9 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
-    Padding is never read: whatever the padded rows of q, k, v and the gate hold changes
-    nothing; padded output rows are 0 and padded rows get 0 gradients.
+    Padding cannot change the result: whatever finite values the padded rows of q, k, v and
+    the gate hold, the valid outputs and gradients stay the same; padded output rows are 0
+    and padded rows get 0 gradients (NaN or inf there can still reach valid rows: zero them).
 
     `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
     non-empty block is then selected); empty blocks (count 0) are never selected, so a
