@@ -16,6 +16,8 @@ from typing import Optional
 
 import numpy as np
 
+from .problem import PREFIX_MODES
+
 
 def _f64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
@@ -100,9 +102,6 @@ def topk_mask(scores, topk: int) -> np.ndarray:
     order = np.lexsort((cols, -s), axis=-1)  # by score descending, then index ascending
     ranks = np.argsort(order, axis=-1)  # inverse permutation: rank of each column
     return (ranks < topk) & np.isfinite(s)
-
-
-PREFIX_MODES = ("exempt", "compete")
 
 
 def prefix_topk_mask(scores, topk: int, prefix_blocks: int, prefix_mode: str = "exempt") -> np.ndarray:

@@ -230,7 +230,7 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
-    seq_prefix = _ops.as_prefix(prefix_blocks, cu_seqlens_q, cu_seqlens_k, p.block_elems)
+    seq_prefix = _ops.as_prefix(p, prefix_blocks, cu_seqlens_q, cu_seqlens_k)
     gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
     out = _ops.vsa(_packed(q), _packed(k), _packed(v), kv_counts, q_counts, gate, cu_q, cu_k, int(topk),
                    p.block_elems, "bshd", impl, seq_prefix, (p.prefix_blocks, p.prefix_mode))

@@ -25,7 +25,7 @@ from vsa_core import ops as core_ops
 from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection, per_sequence_prefix)
+                              check_varlen_selection)
 from vsa_core.runtime import BufferAdapter, DeviceBuffer, DeviceInfo
 
 from . import native as _native
@@ -227,20 +227,17 @@ def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, sele
                       prefix_blocks=prefix[0], prefix_mode=prefix[1], seq_prefix=seq_prefix)
 
 
-def as_prefix(prefix_blocks, cu_q, cu_k, block_elems: int):
-    """Packed calls: per-sequence prefix counts as an int32 jax array (None for an int, which
-    stays static). Their values (an int's too) are checked against the offsets when both are
-    concrete; under jit they are read on the device only."""
-    per_seq = per_sequence_prefix(prefix_blocks)
-    if per_seq:
-        dtype = np.dtype(prefix_blocks.dtype if hasattr(prefix_blocks, "dtype") else np.asarray(prefix_blocks).dtype)
-        if dtype.kind not in "iu":
-            raise TypeError(f"prefix_blocks as an array must be integers, got dtype {dtype}")
-    if not per_seq and not prefix_blocks:
+def as_prefix(p: AttnProblem, prefix_blocks, cu_q, cu_k):
+    """Packed calls: per-sequence prefix counts (p.seq_prefix; the problem checked their shape
+    and dtype) as an int32 jax array, None for an int (static in the problem). Their values
+    (an int's too) are checked against the offsets when all are concrete; under jit they are
+    read on the device only."""
+    if not p.has_prefix:
         return None
     if not any(_is_tracer(x) for x in (prefix_blocks, cu_q, cu_k)):
-        check_prefix_values(np.asarray(prefix_blocks), np.asarray(cu_q), np.asarray(cu_k), block_elems)
-    return jnp.asarray(prefix_blocks, dtype=jnp.int32) if per_seq else None
+        check_prefix_values(np.asarray(prefix_blocks) if p.seq_prefix else p.prefix_blocks, np.asarray(cu_q),
+                            np.asarray(cu_k), p.block_elems)
+    return jnp.asarray(prefix_blocks, dtype=jnp.int32) if p.seq_prefix else None
 
 
 def as_offsets(name: str, cu, total: int, block_elems: int) -> jax.Array:

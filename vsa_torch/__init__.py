@@ -191,7 +191,7 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
-    seq_prefix = _ops.as_prefix(prefix_blocks, q, cu_q, cu_k, p.block_elems)
+    seq_prefix = _ops.as_prefix(p, prefix_blocks, q, cu_q, cu_k)
     gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
     out = _ops.vsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, q_counts,
                            gate, p.topk, p.block_elems, "bshd", backend, cu_q, cu_k, seq_prefix, p.prefix_blocks,

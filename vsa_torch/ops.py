@@ -19,7 +19,7 @@ from vsa_core import ops as core_ops
 from vsa_core.api import op_problem
 from vsa_core.backends import resolve_backend
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection, per_sequence_prefix)
+                              check_varlen_selection)
 from vsa_core.runtime import BufferAdapter, DeviceInfo
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -338,22 +338,20 @@ def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, b
                     seq_prefix, prefix_blocks, prefix_mode)[0]
 
 
-def as_prefix(prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: Tensor, block_elems: int) -> Optional[Tensor]:
-    """Packed calls: per-sequence prefix counts as int32 on q's device (None for an int,
-    which stays static). Eagerly their values (an int's too) are checked against the
-    offsets (a host read, once per tensor version); under torch.compile not."""
-    per_seq = per_sequence_prefix(prefix_blocks)
-    counts = torch.as_tensor(prefix_blocks) if per_seq else None
-    if per_seq and (counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool):
-        raise TypeError(f"prefix_blocks as an array must be integers, got dtype {counts.dtype}")
-    if not per_seq and not prefix_blocks:
+def as_prefix(p: AttnProblem, prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: Tensor) -> Optional[Tensor]:
+    """Packed calls: per-sequence prefix counts (p.seq_prefix; the problem checked their shape
+    and dtype) as int32 on q's device, None for an int (static in the problem). Eagerly their
+    values (an int's too) are checked against the offsets (a host read, once per tensor
+    version); under torch.compile not."""
+    if not p.has_prefix:
         return None
+    counts = torch.as_tensor(prefix_blocks) if p.seq_prefix else None
     if not torch.compiler.is_compiling():
-        tensors = (cu_q, cu_k) + ((counts,) if per_seq else ())
-        _check_once(tensors, ("prefix_blocks", None if per_seq else int(prefix_blocks), block_elems),
-                    lambda: check_prefix_values(counts.cpu().numpy() if per_seq else int(prefix_blocks),
-                                                cu_q.cpu().numpy(), cu_k.cpu().numpy(), block_elems))
-    return counts.to(device=like.device, dtype=torch.int32).contiguous() if per_seq else None
+        tensors = (cu_q, cu_k) + ((counts,) if p.seq_prefix else ())
+        _check_once(tensors, ("prefix_blocks", p.prefix_blocks, p.block_elems),
+                    lambda: check_prefix_values(counts.cpu().numpy() if p.seq_prefix else p.prefix_blocks,
+                                                cu_q.cpu().numpy(), cu_k.cpu().numpy(), p.block_elems))
+    return counts.to(device=like.device, dtype=torch.int32).contiguous() if p.seq_prefix else None
 
 
 def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend, cu_q=None,
