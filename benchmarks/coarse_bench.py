@@ -7,7 +7,7 @@ against its fine stage (GPU only).
 
 1. coarse stage (CUDA events, triton.testing.do_bench, median), "before" and "after":
    - forward: block-mean pooling of q, k, v + coarse attention forward + top-k selection;
-   - backward: coarse attention backward (dq_c kernel + dk_c/dv_c kernel);
+   - backward: coarse attention backward (P / dS tiles, then the dq_c, dk_c, dv_c products);
    - the selection alone.
    "before" is the code as of 29bb075 (main, 2026-11-30): 64x64 tiles for every coarse kernel
    (dK/dV at 1 stage for D=128), three pooling launches, and the selection with 64-bit keys at
@@ -44,11 +44,11 @@ SHAPES = {
 }
 DEVICE = "cuda"
 DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
-# the coarse configs of 29bb075, as (BLOCK_M, BLOCK_N, num_warps, num_stages)
-BEFORE_CONFIGS = {
-    64: {"fwd": (64, 64, 4, 3), "dq": (64, 64, 4, 3), "dkdv": (64, 64, 4, 2)},
-    128: {"fwd": (64, 64, 4, 3), "dq": (64, 64, 4, 3), "dkdv": (64, 64, 4, 1)},
-}
+# the coarse forward's config of 29bb075, as (BLOCK_M, BLOCK_N, num_warps, num_stages); that
+# code's backward kernels (a row band or a column band per program) are gone since issue 21:
+# "before" runs today's backward (their times, 1.05-1.10 ms at 480p-64, are in
+# results/2026-12-01-h200/)
+BEFORE_CONFIGS = {D: dict(configs, fwd=(64, 64, 4, 3)) for D, configs in T.COARSE_CONFIGS.items()}
 LINES = []
 
 
@@ -125,7 +125,7 @@ def coarse_forward(p, b):
 
 def backward_stage(p, b):
     T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"], b["lse_coarse"],
-                      b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"])
+                      b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"], b["p_coarse"], b["ds_coarse"])
 
 
 class Version:

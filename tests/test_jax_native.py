@@ -33,8 +33,8 @@ TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 POOL, COARSE_FWD, TOPK, SPARSE_FWD = ("block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", "topk_select_kernel",
                                       "sparse_attn_fwd_kernel")
-BACKWARD_KERNELS = ["compact_mask_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_dq_kernel",
-                    "coarse_attn_bwd_dkdv_kernel", "sparse_attn_bwd_dq_kernel", "sparse_attn_bwd_dkdv_kernel"]
+BACKWARD_KERNELS = ["compact_mask_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
+                    "coarse_attn_bwd_grads_kernel", "sparse_attn_bwd_dq_kernel", "sparse_attn_bwd_dkdv_kernel"]
 
 PROBLEMS = [
     AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16", topk=2,
@@ -81,7 +81,10 @@ def test_forward_plan_contents(p):
 def test_backward_plan_contents(p):
     plan = _plan("backward", p)
     assert [l.kernel_name for l in plan.launches] == BACKWARD_KERNELS
-    lists, pre, cdq, cdkdv, dq, dkdv = plan.launches
+    lists, pre, coarse_ds, coarse_grads, dq, dkdv = plan.launches
+    assert coarse_ds.buffers[-2:] == ("p_coarse", "ds_coarse")
+    assert coarse_grads.buffers == ("q_pool", "k_pool", "dout_coarse", "p_coarse", "ds_coarse", "dq_pool", "dk_pool",
+                                    "dv_pool")
     assert lists.buffers == ("sel_mask", "inv_idx", "inv_num") and lists.grid == (p.n_kv_blocks, p.batch * p.heads, 1)
     assert dq.buffers[:7] == ("q", "k", "v", "dout", "lse", "delta", "dq")
     assert dkdv.buffers[6:8] == ("dk", "dv")

@@ -92,5 +92,6 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
         if p.is_vsa:
             T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
                               b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],
+                              b["p_coarse"], b["ds_coarse"],
                               q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
         backend.sparse_backward(p, _fine_args(FineBackward, b))

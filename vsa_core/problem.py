@@ -180,6 +180,9 @@ class AttnProblem:
                 "dq_pool": ((B, H, nq, D), "float32"),
                 "dk_pool": ((B, H, nk, D), "float32"),
                 "dv_pool": ((B, H, nk, D), "float32"),
+                # the coarse backward's P and dS (fp32 workspaces of `coarse_backward`)
+                "p_coarse": ((B, H, nq, nk), "float32"),
+                "ds_coarse": ((B, H, nq, nk), "float32"),
             })
             if self.has_gate:
                 bufs["dgate"] = (self.token_shape(self.q_len), "input")

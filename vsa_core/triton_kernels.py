@@ -215,85 +215,103 @@ def coarse_attn_fwd_kernel(
 
 
 @triton.jit
-def coarse_attn_bwd_dq_kernel(
-    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DQ_C, Q_SEQ, KV_SEQ,
+def coarse_attn_bwd_ds_kernel(
+    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, P_C, DS_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
-    """dq_c (fp32) of the coarse attention; one program owns BLOCK_M pooled queries."""
+    """The coarse backward's first half, one [BLOCK_M, BLOCK_N] tile of the pooled score
+    matrix per program: P = exp(S - lse) and dS = P * (dO_c V^T - rowsum(dO_c * out_c)), both
+    fp32, to P_C / DS_C ([B, H, n_q, n_kv]). Tiling the whole matrix instead of giving each
+    program a band of rows or columns keeps the grid large at any n_q, n_kv, and S and dP are
+    computed once (not once for dq_c and again for dk_c, dv_c);
+    `coarse_attn_bwd_grads_kernel` then contracts P and dS into the three gradients."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_kv
     row_ptr = (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :]
     q = tl.load(QC + row_ptr, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DOUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
-    o = tl.load(OUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
-    delta = tl.sum(do * o, axis=1)
+    k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
+    delta = tl.sum(tl.load(DOUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
+                   * tl.load(OUT_C + row_ptr, mask=row_ok[:, None], other=0.0), axis=1)
     lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    if VARLEN:
+    valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
+    s = _dot(q, tl.trans(k), UPCAST) * sm_scale
+    if VARLEN:  # a KV block of another sequence: exp(-inf - lse) = 0, as for an empty block
         q_seq = tl.load(Q_SEQ + rows, mask=row_ok, other=-2)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, n_kv, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_kv
-        valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
-        k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * sm_scale
-        if VARLEN:  # a KV block of another sequence: exp(-inf - lse) = 0, as for an empty block
-            s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
-        p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-        dp = _rows_dot_cols(DOUT_C, bh * n_q + rows, row_ok, VC, bh * n_kv + cols, col_ok,
-                            tl.zeros([BLOCK_M, BLOCK_N], tl.float32), HEAD_DIM, DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds, k.to(tl.float32), input_precision=DOT_PRECISION)
-    tl.store(DQ_C + row_ptr, dq * sm_scale, mask=row_ok[:, None])
+        s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
+    p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+    dp = _rows_dot_cols(DOUT_C, bh * n_q + rows, row_ok, VC, bh * n_kv + cols, col_ok,
+                        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), HEAD_DIM, DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    tile = (bh * n_q + rows[:, None]) * n_kv + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    tl.store(P_C + tile, p, mask=ok)
+    tl.store(DS_C + tile, ds, mask=ok)
 
 
 @triton.jit
-def coarse_attn_bwd_dkdv_kernel(
-    QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, DK_C, DV_C, Q_SEQ, KV_SEQ,
+def _contract(A, a_base, out_idx, out_ok, a_stride_out, a_stride_inner, B, b_base, n_inner, d, acc,
+              HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + sum over inner of A[out, inner] * B[inner, d] in fp32, BLOCK_K inner indices at a
+    time. A (P or dS, fp32) is addressed by its (out, inner) strides, so one loop serves dS,
+    dS^T and P^T; B's rows (pooled q, k or dO_c) are HEAD_DIM-contiguous."""
+    for start in range(0, n_inner, BLOCK_K):
+        inner = start + tl.arange(0, BLOCK_K)
+        inner_ok = inner < n_inner
+        a = tl.load(A + a_base + out_idx[:, None] * a_stride_out + inner[None, :] * a_stride_inner,
+                    mask=out_ok[:, None] & inner_ok[None, :], other=0.0)
+        b = tl.load(B + (b_base + inner[:, None]) * HEAD_DIM + d[None, :], mask=inner_ok[:, None], other=0.0)
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def coarse_attn_bwd_grads_kernel(
+    QC, KC, DOUT_C, P_C, DS_C, DQ_C, DK_C, DV_C,
     n_q, n_kv, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """dk_c, dv_c (fp32) of the coarse attention; one program owns BLOCK_N pooled keys."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_kv
-    valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
-    if VARLEN:
-        kv_seq = tl.load(KV_SEQ + cols, mask=col_ok, other=-1)
-    col_ptr = (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
-    k = tl.load(KC + col_ptr, mask=col_ok[:, None], other=0.0)
-    v = tl.load(VC + col_ptr, mask=col_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for start in range(0, n_q, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_q
-        row_ptr = (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :]
-        q = tl.load(QC + row_ptr, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DOUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
-        o = tl.load(OUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
-        delta = tl.sum(do * o, axis=1)
-        lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        st = _dot(k, tl.trans(q), UPCAST) * sm_scale
-        if VARLEN:  # a query block of another sequence: exp(-inf - lse) = 0
-            st = tl.where(kv_seq[:, None] == tl.load(Q_SEQ + rows, mask=row_ok, other=-2)[None, :], st, float("-inf"))
-        pt = tl.where(valid[:, None], tl.exp(st - lse[None, :]), 0.0)
-        dv += tl.dot(pt, do, input_precision=DOT_PRECISION)
-        dpt = tl.dot(v.to(tl.float32), tl.trans(do), input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst, q.to(tl.float32), input_precision=DOT_PRECISION)
-    tl.store(DK_C + col_ptr, dk * sm_scale, mask=col_ok[:, None])
-    tl.store(DV_C + col_ptr, dv, mask=col_ok[:, None])
+    """The coarse backward's second half: dq_c = scale * dS K, dk_c = scale * dS^T Q and
+    dv_c = P^T dO_c (fp32). Program (i, g, bh) writes rows [i * BLOCK_M, +BLOCK_M) and
+    columns [c * BLOCK_D, +BLOCK_D) of gradient g // (HEAD_DIM // BLOCK_D), c the rest: the
+    three products share one launch and each output tile has one owner (no atomics)."""
+    pid = tl.program_id(0)
+    n_col_tiles: tl.constexpr = HEAD_DIM // BLOCK_D
+    which = tl.program_id(1) // n_col_tiles
+    d = (tl.program_id(1) % n_col_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
+    bh = tl.program_id(2).to(tl.int64)
+    out_idx = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    scores = bh * n_q * n_kv
+    if which == 0:
+        ok = out_idx < n_q
+        if pid * BLOCK_M < n_q:
+            acc = _contract(DS_C, scores, out_idx, ok, n_kv, 1, KC, bh * n_kv, n_kv, d, acc,
+                            HEAD_DIM, BLOCK_K, DOT_PRECISION)
+            tl.store(DQ_C + (bh * n_q + out_idx[:, None]) * HEAD_DIM + d[None, :], acc * sm_scale,
+                     mask=ok[:, None])
+    elif which == 1:
+        ok = out_idx < n_kv
+        if pid * BLOCK_M < n_kv:
+            acc = _contract(DS_C, scores, out_idx, ok, 1, n_kv, QC, bh * n_q, n_q, d, acc,
+                            HEAD_DIM, BLOCK_K, DOT_PRECISION)
+            tl.store(DK_C + (bh * n_kv + out_idx[:, None]) * HEAD_DIM + d[None, :], acc * sm_scale,
+                     mask=ok[:, None])
+    else:
+        ok = out_idx < n_kv
+        if pid * BLOCK_M < n_kv:
+            acc = _contract(P_C, scores, out_idx, ok, 1, n_kv, DOUT_C, bh * n_q, n_q, d, acc,
+                            HEAD_DIM, BLOCK_K, DOT_PRECISION)
+            tl.store(DV_C + (bh * n_kv + out_idx[:, None]) * HEAD_DIM + d[None, :], acc, mask=ok[:, None])
 
 
 # --------------------------------------------------------------------------------------

@@ -148,39 +148,35 @@ _sparse_bwd_dkdv = _TunedKernel(
     [(64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)], _KEY + ["n_kv_blocks"],
     {"Q": "BLOCK_M", "DOUT": "BLOCK_M"})
 
-# Coarse kernels: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. BLOCK_M tiles the
-# pooled queries, BLOCK_N the pooled keys; the program owns BLOCK_M queries (fwd, dq) or
-# BLOCK_N keys (dkdv) and loops over the other. Exact fp32 dots ("ieee") run on FMA units,
-# and Triton's FMA dot keeps each thread's operand slices for its whole contraction in
-# registers, so the contraction length and the threads per tile decide the register spills
-# (all these kernels sit at 255 registers). The contractions: P@V and dS@K over BLOCK_N,
-# P^T@dO and dS^T@Q over BLOCK_M, dO@V^T over the head dim (dq: in 16-column chunks, see
-# COARSE_D_CHUNK in triton_kernels). Local-memory loads+stores per FMA, compiled for sm_90
-# with Triton 3.9, D=128 (D=64), before -> now:
-#   fwd   64x64 4 warps 0.44 (0.31)  ->  64x16 8 warps 0.06 (0)
-#   dq    64x64 4 warps 0.53 (0.36)  ->  64x16 8 warps 0.03 (0), with the chunked dO@V^T
-#   dkdv  64x64 4 warps 0.49         ->  16x64 8 warps 0.36 (0.02)
+# Coarse kernels by head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward and of
+# the backward's P / dS tiles, (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages) of its
+# gradient contractions. Exact fp32 dots ("ieee") run on FMA units, and Triton's FMA dot keeps
+# each thread's operand slices for its whole contraction in registers, so every contraction
+# runs in short chunks (16 columns of the head dim for S-like products, BLOCK_K blocks for the
+# gradients): the tile sizes then decide the registers, not the contraction length.
 # BLOCK_M 64 keeps the fwd's Q@K^T scores (what the selection ranks) on wgmma (below 64 rows
 # Triton moved to mma.sync and ptxas to 32 registers and a 5 KB stack).
-# Shared memory (bytes, sm_90), D=128: fwd 28800, dq 61568, dkdv 77888; D=64: 16512, 32896,
-# 41024; all under 101376 (the sm_86/sm_89 limit; benchmarks/coarse_smem.py compiles and checks).
-# Before (29bb075, 64x64 everywhere): D=128 dkdv 99328 bytes at 1 stage; 229888 at 3 stages,
-# at the edge of sm_90's 232448 (issue 8 saw a 128x64 tile fail with 262656).
+# The backward tiles the whole pooled score matrix (and its gradient products) so the grid has
+# enough programs for the chip at one head's 624 x 624 blocks: per-row-band programs gave a
+# grid of ~120 programs of 8 warps there. benchmarks/coarse_smem.py compiles every config for a
+# GPU target and checks its shared memory against the architecture's limit.
 COARSE_CONFIGS = {
-    64: {"fwd": (64, 16, 8, 3), "dq": (64, 16, 8, 3), "dkdv": (16, 64, 8, 2)},
-    128: {"fwd": (64, 16, 8, 3), "dq": (64, 16, 8, 3), "dkdv": (16, 64, 8, 2)},
+    64: {"fwd": (64, 16, 8, 3), "ds": (64, 64, 8, 2), "grads": (64, 16, 64, 8, 2)},
+    128: {"fwd": (64, 16, 8, 3), "ds": (64, 64, 8, 2), "grads": (64, 16, 64, 8, 2)},
 }
-COARSE_INTERPRETER_CONFIG = (16, 16, 4, 1)
+COARSE_INTERPRETER_CONFIG = {"fwd": (16, 16, 4, 1), "ds": (16, 16, 4, 1), "grads": (16, 16, 32, 4, 1)}
 
 
 def _coarse_config(p: AttnProblem, x, stage: str):
     """(kernels module, launch options) of one coarse kernel for tensors like x."""
-    if interpreted(x):
-        block_m, block_n, warps, stages = COARSE_INTERPRETER_CONFIG
-    else:
-        block_m, block_n, warps, stages = COARSE_CONFIGS[p.head_dim][stage]
-    return kernels_for(x), dict(HEAD_DIM=p.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted(x),
-                                DOT_PRECISION=COARSE_DOT_PRECISION, num_warps=warps, num_stages=stages)
+    config = COARSE_INTERPRETER_CONFIG[stage] if interpreted(x) else COARSE_CONFIGS[p.head_dim][stage]
+    *tiles, warps, stages = config
+    names = ("BLOCK_M", "BLOCK_K", "BLOCK_D") if stage == "grads" else ("BLOCK_M", "BLOCK_N")
+    opts = dict(zip(names, tiles), HEAD_DIM=p.head_dim, DOT_PRECISION=COARSE_DOT_PRECISION, num_warps=warps,
+                num_stages=stages)
+    if stage != "grads":
+        opts["UPCAST"] = interpreted(x)
+    return kernels_for(x), opts
 
 
 def _pow2(n: int) -> int:
@@ -199,12 +195,17 @@ def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
 
 
+# Pooling: (token rows per load, num_warps)
+POOL_CONFIG = (64, 4)
+
+
 def block_mean_pool_qkv(p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
     """block_mean_pool of q, k and v in one launch."""
+    rows, warps = POOL_CONFIG
     kernels_for(q).block_mean_pool_qkv_kernel[(p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p))](
         q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
         *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems), num_warps=warps)
 
 
 def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
@@ -218,16 +219,21 @@ def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, ou
 
 
 def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
-                    dq_pool, dk_pool, dv_pool, q_seq=None, kv_seq=None):
+                    dq_pool, dk_pool, dv_pool, p_coarse, ds_coarse, q_seq=None, kv_seq=None):
+    """dq_c, dk_c, dv_c (fp32) of the coarse attention in two launches: P and dS tile by tile
+    into the fp32 workspaces p_coarse / ds_coarse ([B, H, nQ, nKV]), then their products."""
     scale = 1.0 / math.sqrt(p.head_dim)
-    kernels, opts = _coarse_config(p, q_pool, "dq")
-    kernels.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
-        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dq_pool, q_seq, kv_seq,
+    kernels, opts = _coarse_config(p, q_pool, "ds")
+    grid = (triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), triton.cdiv(p.n_kv_blocks, opts["BLOCK_N"]), _bh(p))
+    kernels.coarse_attn_bwd_ds_kernel[grid](
+        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, p_coarse, ds_coarse, q_seq, kv_seq,
         p.n_q_blocks, p.n_kv_blocks, scale, VARLEN=q_seq is not None, **opts)
-    kernels, opts = _coarse_config(p, q_pool, "dkdv")
-    kernels.coarse_attn_bwd_dkdv_kernel[(triton.cdiv(p.n_kv_blocks, opts["BLOCK_N"]), _bh(p))](
-        q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dk_pool, dv_pool, q_seq, kv_seq,
-        p.n_q_blocks, p.n_kv_blocks, scale, VARLEN=q_seq is not None, **opts)
+    kernels, opts = _coarse_config(p, q_pool, "grads")
+    grid = (triton.cdiv(max(p.n_q_blocks, p.n_kv_blocks), opts["BLOCK_M"]), 3 * (p.head_dim // opts["BLOCK_D"]),
+            _bh(p))
+    kernels.coarse_attn_bwd_grads_kernel[grid](
+        q_pool, k_pool, dout_coarse, p_coarse, ds_coarse, dq_pool, dk_pool, dv_pool, p.n_q_blocks, p.n_kv_blocks,
+        scale, **opts)
 
 
 def select_warps(n_pad: int) -> int:
