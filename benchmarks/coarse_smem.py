@@ -40,9 +40,10 @@ SCALARS = {"n_q": "i32", "n_kv": "i32", "sm_scale": "fp32"}
 def compile_report(stage, head_dim, tiles, warps, stages, precision, arch, dtype="bf16"):
     """(shared bytes, registers, spilled bytes) of one coarse kernel config compiled for sm_<arch>."""
     kernel = KERNELS[stage]
-    constexprs = dict(zip(TILE_NAMES[stage], tiles), HEAD_DIM=head_dim, DOT_PRECISION=precision)
+    constexprs = dict(zip(TILE_NAMES[stage], tiles), HEAD_DIM=head_dim, DOT_PRECISION=precision, UPCAST=False,
+                      INPUT_PARTS=1 if dtype == "bf16" else 2)
     if stage != "grads":
-        constexprs.update(UPCAST=False, VARLEN=False)
+        constexprs["VARLEN"] = False
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -84,7 +85,8 @@ def ptxas_usage(ptx: str, arch: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, choices=sorted(SMEM_LIMIT))
-    parser.add_argument("--precision", default=T.COARSE_DOT_PRECISION, choices=["ieee", "tf32", "tf32x3"])
+    parser.add_argument("--precision", default=T.COARSE_DOT_PRECISION, choices=["ieee", "tf32"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--sweep", metavar="STAGE=TILES/WARPS/STAGES,...",
                         help="report these configs instead, e.g. ds=64x64/8/2,grads=64x8x64/4/2 (D=128)")
     args = parser.parse_args()
@@ -93,7 +95,8 @@ def main():
             stage, config = item.split("=")
             tiles, warps, n_stages = config.split("/")
             tiles = [int(t) for t in tiles.split("x")]
-            used, regs, spills = compile_report(stage, 128, tiles, int(warps), int(n_stages), args.precision, args.arch)
+            used, regs, spills = compile_report(stage, 128, tiles, int(warps), int(n_stages), args.precision, args.arch,
+                                                dtype=args.dtype)
             print(f"  D=128 {stage:5s} {config}: {used:7d} bytes, {regs} registers, {spills} spilled bytes", flush=True)
         return
     limit = SMEM_LIMIT[args.arch]
@@ -101,7 +104,8 @@ def main():
     print(f"sm_{args.arch} (limit {limit} bytes), precision {args.precision}, triton {triton.__version__}")
     for head_dim, stages in T.COARSE_CONFIGS.items():
         for stage, (*tiles, warps, n_stages) in stages.items():
-            used, regs, spills = compile_report(stage, head_dim, tiles, warps, n_stages, args.precision, args.arch)
+            used, regs, spills = compile_report(stage, head_dim, tiles, warps, n_stages, args.precision, args.arch,
+                                                dtype=args.dtype)
             ok &= used <= limit
             print(f"  D={head_dim:<4d} {stage:5s} {'x'.join(map(str, tiles))} warps {warps} stages {n_stages}: "
                   f"{used:7d} bytes {'ok' if used <= limit else 'OVER'}, {regs} registers, {spills} spilled bytes",

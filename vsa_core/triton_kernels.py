@@ -141,24 +141,52 @@ def block_mean_pool_qkv_kernel(
 # --------------------------------------------------------------------------------------
 # Coarse attention over block means
 # --------------------------------------------------------------------------------------
-# The contraction over the head dim of the coarse backward (dO_c @ V_c^T) runs in chunks of
-# COARSE_D_CHUNK columns, each chunk's dot continuing the accumulator of the one before: the
-# same fp32 products summed in the same order as one dot over HEAD_DIM, but an exact fp32 dot
-# (FMA units) holds each thread's operand slices for its whole contraction in registers, and
-# 128 columns of them spill (sm_90: 0.5 local-memory accesses per FMA at 64x64).
-COARSE_D_CHUNK = tl.constexpr(16)
+# The coarse dots multiply fp32 operands (P, dS, dO_c) with the pooled q, k, v. Their products
+# must be exact fp32 (the backward's dS = P * (dO_c V^T - rowsum(dO_c * out_c)) cancels when the
+# coarse softmax is sharp, which is what made TF32 dots 5e-2 off in dK at x16 activations).
+# Triton's exact fp32 dot runs on the FMA units, slowly and at high register pressure; instead
+# each operand is written as a sum of bf16 parts (`_bf16_parts`: fp32 needs three, 24 mantissa
+# bits = 3 x 8; fp16 two; bf16 one), the parts are multiplied on the tensor cores (a product of
+# two bf16 values is exact in fp32) and summed in fp32, largest part last, leaving out only the
+# products below 2^-16 of the leading one (fp32 itself rounds at 2^-24).
+@triton.jit
+def _bf16_parts(x):
+    """(hi, mid, lo) bf16 with hi + mid + lo == x for fp32 x (exact up to fp32 underflow)."""
+    x = x.to(tl.float32)
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
-def _rows_dot_cols(A, a_rows, a_ok, B, b_rows, b_ok, acc, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + A[a_rows] @ B[b_rows]^T over the head dim (fp32, exact with "ieee"), loading
-    COARSE_D_CHUNK columns of both at a time; rows outside a_ok / b_ok read as zeros."""
-    for c in tl.static_range(0, HEAD_DIM, COARSE_D_CHUNK):
-        d = c + tl.arange(0, COARSE_D_CHUNK)
-        a = tl.load(A + a_rows[:, None] * HEAD_DIM + d[None, :], mask=a_ok[:, None], other=0.0).to(tl.float32)
-        b = tl.load(B + b_rows[:, None] * HEAD_DIM + d[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-    return acc
+def _part_dot(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST:  # the interpreter multiplies bf16 bit patterns (module doc)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _coarse_dot(a, b, acc, A_PARTS: tl.constexpr, B_PARTS: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """acc + a @ b with exact fp32 products: a and b as A_PARTS / B_PARTS bf16 parts (3 for an
+    fp32 operand, 2 for fp16, 1 for bf16). DOT_PRECISION "tf32" instead runs one TF32 dot (for
+    comparisons only: benchmarks/coarse_bench.py, the precision tests' TF32 detector)."""
+    if DOT_PRECISION == "tf32":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+    a0, a1, a2 = _bf16_parts(a)
+    b0, b1, b2 = _bf16_parts(b)
+    if A_PARTS >= 3:
+        acc = _part_dot(a2, b0, acc, UPCAST)
+    if B_PARTS >= 3:
+        acc = _part_dot(a0, b2, acc, UPCAST)
+    if A_PARTS >= 2 and B_PARTS >= 2:
+        acc = _part_dot(a1, b1, acc, UPCAST)
+    if A_PARTS >= 2:
+        acc = _part_dot(a1, b0, acc, UPCAST)
+    if B_PARTS >= 2:
+        acc = _part_dot(a0, b1, acc, UPCAST)
+    return _part_dot(a0, b0, acc, UPCAST)
 
 
 @triton.jit
@@ -166,13 +194,14 @@ def coarse_attn_fwd_kernel(
     QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, INPUT_PARTS: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """Softmax attention of pooled queries over pooled keys with empty KV blocks masked.
 
     Also writes the scaled scores (-inf for empty KV blocks) for the top-k selection.
     VARLEN (packed sequences): a KV block of another sequence than the query block's
-    (Q_SEQ / KV_SEQ: sequence id per block) is masked like an empty block.
+    (Q_SEQ / KV_SEQ: sequence id per block) is masked like an empty block. INPUT_PARTS: bf16
+    parts of a pooled value (1 for bf16 inputs, 2 for fp16; `_coarse_dot`).
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -205,7 +234,7 @@ def coarse_attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # P stays fp32 here (unlike the fine stage): the coarse backward's rowsum(dO_c * out_c)
         # cancels against dP when the coarse softmax is sharp, and this stage is cheap.
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        acc = _coarse_dot(p, v, acc * alpha[:, None], 3, INPUT_PARTS, UPCAST, DOT_PRECISION)
         m_i = m_new
     has_any = l_i > 0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -219,7 +248,7 @@ def coarse_attn_bwd_ds_kernel(
     QC, KC, VC, KV_COUNTS, OUT_C, LSE_C, DOUT_C, P_C, DS_C, Q_SEQ, KV_SEQ,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, INPUT_PARTS: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """The coarse backward's first half, one [BLOCK_M, BLOCK_N] tile of the pooled score
     matrix per program: P = exp(S - lse) and dS = P * (dO_c V^T - rowsum(dO_c * out_c)), both
@@ -236,10 +265,12 @@ def coarse_attn_bwd_ds_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_kv
     row_ptr = (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :]
+    col_ptr = (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
     q = tl.load(QC + row_ptr, mask=row_ok[:, None], other=0.0)
-    k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
-    delta = tl.sum(tl.load(DOUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
-                   * tl.load(OUT_C + row_ptr, mask=row_ok[:, None], other=0.0), axis=1)
+    k = tl.load(KC + col_ptr, mask=col_ok[:, None], other=0.0)
+    v = tl.load(VC + col_ptr, mask=col_ok[:, None], other=0.0)
+    do = tl.load(DOUT_C + row_ptr, mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do * tl.load(OUT_C + row_ptr, mask=row_ok[:, None], other=0.0), axis=1)
     lse = tl.load(LSE_C + bh * n_q + rows, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
@@ -248,8 +279,8 @@ def coarse_attn_bwd_ds_kernel(
         q_seq = tl.load(Q_SEQ + rows, mask=row_ok, other=-2)
         s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
     p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-    dp = _rows_dot_cols(DOUT_C, bh * n_q + rows, row_ok, VC, bh * n_kv + cols, col_ok,
-                        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), HEAD_DIM, DOT_PRECISION)
+    dp = _coarse_dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), 3, INPUT_PARTS, UPCAST,
+                     DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     tile = (bh * n_q + rows[:, None]) * n_kv + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
@@ -259,17 +290,19 @@ def coarse_attn_bwd_ds_kernel(
 
 @triton.jit
 def _contract(A, a_base, out_idx, out_ok, a_stride_out, a_stride_inner, B, b_base, n_inner, d, acc,
-              HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + sum over inner of A[out, inner] * B[inner, d] in fp32, BLOCK_K inner indices at a
-    time. A (P or dS, fp32) is addressed by its (out, inner) strides, so one loop serves dS,
-    dS^T and P^T; B's rows (pooled q, k or dO_c) are HEAD_DIM-contiguous."""
+              B_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """acc + sum over inner of A[out, inner] * B[inner, d] (exact fp32 products), BLOCK_K inner
+    indices at a time. A (P or dS, fp32) is addressed by its (out, inner) strides, so one loop
+    serves dS, dS^T and P^T; B's rows (pooled q, k or dO_c: B_PARTS bf16 parts) are
+    HEAD_DIM-contiguous."""
     for start in range(0, n_inner, BLOCK_K):
         inner = start + tl.arange(0, BLOCK_K)
         inner_ok = inner < n_inner
         a = tl.load(A + a_base + out_idx[:, None] * a_stride_out + inner[None, :] * a_stride_inner,
                     mask=out_ok[:, None] & inner_ok[None, :], other=0.0)
         b = tl.load(B + (b_base + inner[:, None]) * HEAD_DIM + d[None, :], mask=inner_ok[:, None], other=0.0)
-        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        acc = _coarse_dot(a, b, acc, 3, B_PARTS, UPCAST, DOT_PRECISION)
     return acc
 
 
@@ -278,7 +311,7 @@ def coarse_attn_bwd_grads_kernel(
     QC, KC, DOUT_C, P_C, DS_C, DQ_C, DK_C, DV_C,
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, INPUT_PARTS: tl.constexpr,
 ):
     """The coarse backward's second half: dq_c = scale * dS K, dk_c = scale * dS^T Q and
     dv_c = P^T dO_c (fp32). Program (i, g, bh) writes rows [i * BLOCK_M, +BLOCK_M) and
@@ -296,21 +329,21 @@ def coarse_attn_bwd_grads_kernel(
         ok = out_idx < n_q
         if pid * BLOCK_M < n_q:
             acc = _contract(DS_C, scores, out_idx, ok, n_kv, 1, KC, bh * n_kv, n_kv, d, acc,
-                            HEAD_DIM, BLOCK_K, DOT_PRECISION)
+                            INPUT_PARTS, HEAD_DIM, BLOCK_K, UPCAST, DOT_PRECISION)
             tl.store(DQ_C + (bh * n_q + out_idx[:, None]) * HEAD_DIM + d[None, :], acc * sm_scale,
                      mask=ok[:, None])
     elif which == 1:
         ok = out_idx < n_kv
         if pid * BLOCK_M < n_kv:
             acc = _contract(DS_C, scores, out_idx, ok, 1, n_kv, QC, bh * n_q, n_q, d, acc,
-                            HEAD_DIM, BLOCK_K, DOT_PRECISION)
+                            INPUT_PARTS, HEAD_DIM, BLOCK_K, UPCAST, DOT_PRECISION)
             tl.store(DK_C + (bh * n_kv + out_idx[:, None]) * HEAD_DIM + d[None, :], acc * sm_scale,
                      mask=ok[:, None])
     else:
         ok = out_idx < n_kv
         if pid * BLOCK_M < n_kv:
             acc = _contract(P_C, scores, out_idx, ok, 1, n_kv, DOUT_C, bh * n_q, n_q, d, acc,
-                            HEAD_DIM, BLOCK_K, DOT_PRECISION)
+                            3, HEAD_DIM, BLOCK_K, UPCAST, DOT_PRECISION)
             tl.store(DV_C + (bh * n_kv + out_idx[:, None]) * HEAD_DIM + d[None, :], acc, mask=ok[:, None])
 
 

@@ -29,12 +29,13 @@ AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
 # K/V (forward, dQ) and Q/dO (dK/dV) tiles through tensor descriptors (TMA on Hopper);
 # VSA_TMA=0 falls back to pointer loads. The interpreter runs the descriptor path too.
 USE_TMA = os.environ.get("VSA_TMA", "1") != "0"
-# Precision of the coarse kernels' fp32 dot products (P@V forward; dP, dQ, dK, dV backward).
-# "ieee": true fp32 (FMA). Triton's default on the GPU is "tf32" (10-bit mantissas), which
-# measured 5e-2 relative error in dK at x16 activations: the coarse softmax is sharp there
-# and rowsum(dO_c * out_c) cancels against dP. VSA_COARSE_PRECISION=tf32 brings the old
-# behaviour back for comparisons (benchmarks/coarse_bench.py); the interpreter computes
-# fp32 whatever this says.
+# Precision of the coarse kernels' products with fp32 operands (P@V forward; dP, dQ, dK, dV
+# backward). "ieee": exact fp32 products (bf16 parts on the tensor cores, `_coarse_dot` in
+# triton_kernels). "tf32" cuts the fp32 operands to 10-bit mantissas, which measured 5e-2
+# relative error in dK at x16 activations (the coarse softmax is sharp there and
+# rowsum(dO_c * out_c) cancels against dP): VSA_COARSE_PRECISION=tf32 runs it for comparisons
+# only (benchmarks/coarse_bench.py, the TF32 detector of tests/test_coarse_precision.py); the
+# interpreter computes fp32 whatever this says.
 COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
 
 
@@ -150,21 +151,20 @@ _sparse_bwd_dkdv = _TunedKernel(
 
 # Coarse kernels by head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward and of
 # the backward's P / dS tiles, (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages) of its
-# gradient contractions. Exact fp32 dots ("ieee") run on FMA units, and Triton's FMA dot keeps
-# each thread's operand slices for its whole contraction in registers, so every contraction
-# runs in short chunks (16 columns of the head dim for S-like products, BLOCK_K blocks for the
-# gradients): the tile sizes then decide the registers, not the contraction length.
-# BLOCK_M 64 keeps the fwd's Q@K^T scores (what the selection ranks) on wgmma (below 64 rows
-# Triton moved to mma.sync and ptxas to 32 registers and a 5 KB stack).
+# gradient contractions. BLOCK_M 64 keeps the fwd's Q@K^T scores (what the selection ranks) on
+# wgmma (below 64 rows Triton moved to mma.sync and ptxas to 32 registers and a 5 KB stack).
 # The backward tiles the whole pooled score matrix (and its gradient products) so the grid has
-# enough programs for the chip at one head's 624 x 624 blocks: per-row-band programs gave a
-# grid of ~120 programs of 8 warps there. benchmarks/coarse_smem.py compiles every config for a
-# GPU target and checks its shared memory against the architecture's limit.
+# enough programs for the chip (a row band per program left most SMs idle at one head's
+# 624 x 624 blocks). benchmarks/coarse_sweep.py times the candidates on a GPU;
+# benchmarks/coarse_smem.py compiles every config for a GPU target and checks its shared memory
+# against the architecture's limit.
 COARSE_CONFIGS = {
-    64: {"fwd": (64, 16, 8, 3), "ds": (64, 64, 8, 2), "grads": (64, 16, 64, 8, 2)},
-    128: {"fwd": (64, 16, 8, 3), "ds": (64, 64, 8, 2), "grads": (64, 16, 64, 8, 2)},
+    64: {"fwd": (64, 32, 4, 2), "ds": (64, 32, 4, 2), "grads": (64, 32, 64, 4, 2)},
+    128: {"fwd": (64, 32, 4, 2), "ds": (64, 32, 4, 2), "grads": (64, 32, 64, 4, 2)},
 }
 COARSE_INTERPRETER_CONFIG = {"fwd": (16, 16, 4, 1), "ds": (16, 16, 4, 1), "grads": (16, 16, 32, 4, 1)}
+# bf16 parts of a pooled (input dtype) value in the coarse dots: bf16 is one, fp16 two
+_INPUT_PARTS = {"bfloat16": 1, "float16": 2}
 
 
 def _coarse_config(p: AttnProblem, x, stage: str):
@@ -172,11 +172,9 @@ def _coarse_config(p: AttnProblem, x, stage: str):
     config = COARSE_INTERPRETER_CONFIG[stage] if interpreted(x) else COARSE_CONFIGS[p.head_dim][stage]
     *tiles, warps, stages = config
     names = ("BLOCK_M", "BLOCK_K", "BLOCK_D") if stage == "grads" else ("BLOCK_M", "BLOCK_N")
-    opts = dict(zip(names, tiles), HEAD_DIM=p.head_dim, DOT_PRECISION=COARSE_DOT_PRECISION, num_warps=warps,
-                num_stages=stages)
-    if stage != "grads":
-        opts["UPCAST"] = interpreted(x)
-    return kernels_for(x), opts
+    return kernels_for(x), dict(zip(names, tiles), HEAD_DIM=p.head_dim, DOT_PRECISION=COARSE_DOT_PRECISION,
+                                UPCAST=interpreted(x), INPUT_PARTS=_INPUT_PARTS[p.dtype], num_warps=warps,
+                                num_stages=stages)
 
 
 def _pow2(n: int) -> int:
@@ -195,8 +193,9 @@ def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
 
 
-# Pooling: (token rows per load, num_warps)
-POOL_CONFIG = (64, 4)
+# Pooling: (token rows per load, num_warps). It reads q, k and v once: few warps per block with
+# many blocks in flight reach the memory bandwidth (benchmarks/coarse_sweep.py measures it)
+POOL_CONFIG = (64, 2)
 
 
 def block_mean_pool_qkv(p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
