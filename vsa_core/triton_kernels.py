@@ -527,11 +527,31 @@ def clean_lists_kernel(
 # --------------------------------------------------------------------------------------
 # Block-sparse (fine) attention
 # --------------------------------------------------------------------------------------
+@triton.jit
+def _long_tiles_first(first_blocks, TILES_PER_BLOCK: tl.constexpr):
+    """(tile, bh) of this program in a (tiles, B * H) grid where the tiles of the first
+    `first_blocks` blocks of every head run first: a mixed-modality prefix's dense query rows
+    (and the prefix KV blocks every video row takes) each carry ~nKV / topk times a video
+    tile's work, and one started last would run alone at the end of the grid."""
+    n_tiles = tl.num_programs(0)
+    lin = tl.program_id(1) * n_tiles + tl.program_id(0)
+    n_first = first_blocks * TILES_PER_BLOCK
+    n_long = tl.num_programs(1) * n_first
+    if lin < n_long:
+        tile = lin % n_first
+        bh = lin // n_first
+    else:
+        rest = lin - n_long
+        tile = n_first + rest % (n_tiles - n_first)
+        bh = rest // (n_tiles - n_first)
+    return tile, bh.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["store_fine"])  # one binary for store_fine 0 and 1
 def sparse_attn_fwd_kernel(
     Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, Q_COUNTS, GATE, OUT_C, OUT_FINE,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, store_fine,
+    H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, store_fine, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -548,9 +568,9 @@ def sparse_attn_fwd_kernel(
     With HAS_COARSE (VSA) the padded rows of each query block (past Q_COUNTS) are written
     out 0, out_fine 0 and lse +inf: they read no gate, and their probabilities
     exp(S - lse) in the backward are 0, so they feed no gradient.
+    first_blocks: query blocks of each head scheduled first (`_long_tiles_first`).
     """
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    pid_m, bh = _long_tiles_first(first_blocks, BLOCK_ELEMS // BLOCK_M)
     b = bh // H
     h = bh % H
     q_block = pid_m // (BLOCK_ELEMS // BLOCK_M)
@@ -652,15 +672,15 @@ def sparse_attn_bwd_preprocess_kernel(
 def sparse_attn_bwd_dq_kernel(
     Q, K, V, DOUT, LSE, DELTA, DQ, SEL_IDX, SEL_NUM, KV_COUNTS, Q_COUNTS, DQ_C,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale,
+    H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dQ, owned by query tiles (no atomics). With HAS_COARSE it also adds the pooling
     gradient dq_c[block] / q_count[block] to the block's valid rows, so dQ is written once
-    (padded rows: exactly 0; their lse is +inf, so P is 0 there too)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    (padded rows: exactly 0; their lse is +inf, so P is 0 there too). first_blocks: query
+    blocks of each head scheduled first (`_long_tiles_first`)."""
+    pid_m, bh = _long_tiles_first(first_blocks, BLOCK_ELEMS // BLOCK_M)
     b = bh // H
     h = bh % H
     q_block = pid_m // (BLOCK_ELEMS // BLOCK_M)
@@ -710,15 +730,15 @@ def sparse_attn_bwd_dq_kernel(
 def sparse_attn_bwd_dkdv_kernel(
     Q, K, V, DOUT, LSE, DELTA, DK, DV, INV_IDX, INV_NUM, KV_COUNTS, DK_C, DV_C,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    H, q_len, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale,
+    H, q_len, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dK and dV, owned by KV tiles: each walks the query blocks that selected its block
     (the inverse lists). With HAS_COARSE it adds the pooling gradients dk_c/count and
-    dv_c/count, so blocks that no query selected still get their coarse gradient."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    dv_c/count, so blocks that no query selected still get their coarse gradient.
+    first_blocks: KV blocks of each head scheduled first (`_long_tiles_first`)."""
+    pid_n, bh = _long_tiles_first(first_blocks, BLOCK_ELEMS // BLOCK_N)
     b = bh // H
     h = bh % H
     kv_block = pid_n // (BLOCK_ELEMS // BLOCK_N)

@@ -159,8 +159,8 @@ _sparse_bwd_dkdv = _TunedKernel(
 # benchmarks/coarse_smem.py compiles every config for a GPU target and checks its shared memory
 # against the architecture's limit.
 COARSE_CONFIGS = {
-    64: {"fwd": (64, 32, 4, 2), "ds": (64, 32, 4, 2), "grads": (64, 32, 64, 4, 2)},
-    128: {"fwd": (64, 32, 4, 2), "ds": (64, 32, 4, 2), "grads": (64, 32, 64, 4, 2)},
+    64: {"fwd": (64, 32, 4, 3), "ds": (64, 64, 4, 2), "grads": (64, 32, 64, 4, 3)},
+    128: {"fwd": (64, 32, 4, 3), "ds": (64, 64, 4, 2), "grads": (64, 32, 64, 4, 3)},
 }
 COARSE_INTERPRETER_CONFIG = {"fwd": (16, 16, 4, 1), "ds": (16, 16, 4, 1), "grads": (16, 16, 32, 4, 1)}
 # bf16 parts of a pooled (input dtype) value in the coarse dots: bf16 is one, fp16 two
@@ -304,6 +304,13 @@ def _scales(p: AttnProblem):
     return math.log2(math.e) * scale, scale
 
 
+def _first_blocks(p: AttnProblem) -> int:
+    """Blocks of each head whose tiles the fine kernels run first: a static prefix's (its dense
+    query rows; the prefix KV blocks the video rows take). Packed sequences start theirs at each
+    sequence's first block, in no fixed place: they keep the plain order."""
+    return p.prefix_blocks if p.has_prefix and not p.varlen else 0
+
+
 def sparse_forward(p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
@@ -313,7 +320,7 @@ def sparse_forward(p: AttnProblem, a: FineForward):
         out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
-        int(out_fine is not None),
+        int(out_fine is not None), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
         HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=USE_TMA)
 
@@ -335,7 +342,7 @@ def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, s
         lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
         q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num, kv_counts,
         q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
-        p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p),
+        p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=interpreted(q),
         USE_TMA=USE_TMA)
 
@@ -346,7 +353,7 @@ def sparse_backward_dkdv(p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_
         lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
         _tiles(p, q, p.q_len), k, v, _tiles(p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num, kv_counts,
         dk_pool, dv_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
-        p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p),
+        p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=interpreted(q),
         USE_TMA=USE_TMA)
 
