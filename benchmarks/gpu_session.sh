@@ -2,7 +2,7 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -130,6 +130,13 @@ case $step in
   bench)  # the headline table against the peers
     t 500 python3 benchmarks/bench.py --quick --shapes 480p-64,480p-256,720p-256 --frontends eager,jax \
       --peers cudnn,fa4 --out "$out/bench"
+    ;;
+  stages)  # issue 21's state: where the time goes at 480p-64, the 64-token and prefix rows against cuDNN
+           # BSA and FA4, and our sm_90 64-token forward kernel (checked, then timed)
+    t 120 python3 benchmarks/stage_breakdown.py --shape 480p-64 --backends triton,cudnn --out "$out"
+    t 260 python3 benchmarks/bench.py --quick --shapes 480p-64,480p-64-prefix8 --frontends eager \
+      --backends triton,cudnn --peers cudnn,fa4 --out "$out/bench"
+    [[ -f benchmarks/sm90_fwd64_check.py ]] && t 150 python3 benchmarks/sm90_fwd64_check.py
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
