@@ -214,12 +214,12 @@ def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, ou
     kernels, opts = _coarse_config(p, q_pool, "fwd")
     kernels.coarse_attn_fwd_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq,
-        p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim), VARLEN=q_seq is not None, **opts)
+        p.n_q_blocks, p.n_kv_blocks, p.softmax_scale, VARLEN=q_seq is not None, **opts)
 
 
 def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
                     dq_pool, dk_pool, dv_pool, q_seq=None, kv_seq=None):
-    scale = 1.0 / math.sqrt(p.head_dim)
+    scale = p.softmax_scale
     kernels, opts = _coarse_config(p, q_pool, "dq")
     kernels.coarse_attn_bwd_dq_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, dq_pool, q_seq, kv_seq,
@@ -295,8 +295,8 @@ def clean_lists(p: AttnProblem, given_idx, given_num, sel_idx, sel_num, q_seq=No
 
 # ---- the fine stage: the part a backend provides ---------------------------------------
 def _scales(p: AttnProblem):
-    scale = 1.0 / math.sqrt(p.head_dim)
-    return math.log2(math.e) * scale, scale
+    """(scale * log2(e), scale): the fine kernels' softmax runs on exp2."""
+    return math.log2(math.e) * p.softmax_scale, p.softmax_scale
 
 
 def sparse_forward(p: AttnProblem, a: FineForward):
