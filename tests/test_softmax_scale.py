@@ -219,11 +219,13 @@ def _run_bsa_jax(case: Case, x: dict, bm, lists: bool, backend: str = "triton"):
 
 
 def _check_lse(lse: np.ndarray, want: np.ndarray) -> None:
-    """Natural-log lse of the scaled scores: fp32 dot products of bf16 values and an fp32 exp2 /
-    log2 keep it within 1e-4 of its magnitude (~5 here); a wrong scale moves it by O(1)."""
+    """Natural-log lse of the scaled scores (|lse| up to ~10 here): the kernels' fp32 dot products
+    of bf16 values and fp32 exp2 / log2 put it within 2e-6 of float64 on the CPU; the bound
+    (1e-4 relative and absolute, as the GPU backend tests compare lse) leaves room for the GPU's
+    approximate exp2 / log2 and fails a wrong scale, which moves lse by O(1)."""
     finite = np.isfinite(want)
     assert (np.isfinite(lse) == finite).all() and (lse[~finite] == want[~finite]).all()
-    np.testing.assert_allclose(lse[finite], want[finite], rtol=0, atol=1e-3)
+    np.testing.assert_allclose(lse[finite], want[finite], rtol=1e-4, atol=1e-4)
 
 
 BSA_CASES = [Case(batch=1, n_q_blocks=3, n_kv_blocks=4, softmax_scale=0.3),
