@@ -149,8 +149,8 @@ def test_none_is_inverse_sqrt_d_bitwise():
 
     q = np.zeros((1, 2, 128, 64), np.float32).astype(jnp.bfloat16)
     counts = np.full(2, 64)
-    problems = {prepare_vsa(q, q, q, counts, counts, 1, 64, **kw).problem
-                for kw in ({}, dict(softmax_scale=None), dict(softmax_scale=0.125), dict(softmax_scale=np.float64(0.125)))}
+    ways = ({}, dict(softmax_scale=None), dict(softmax_scale=0.125), dict(softmax_scale=np.float64(0.125)))
+    problems = {prepare_vsa(q, q, q, counts, counts, 1, 64, **kw).problem for kw in ways}
     assert len(problems) == 1 and type(problems.pop().softmax_scale) is float
     p = prepare_block_sparse(q, q, q, counts, 64, block_map=np.ones((1, 2, 2, 2), bool), softmax_scale=1).problem
     assert type(p.softmax_scale) is float and p.softmax_scale == 1.0
@@ -535,8 +535,7 @@ def test_bad_values_from_the_ulysses_helpers():
     finally:
         dist.destroy_process_group()
     with pytest.raises(ValueError) as info:
-        vsa_torch.video_sparse_attn(torch.zeros(1, 1, 128, 64, dtype=BF16), *(torch.zeros(1, 1, 128, 64, dtype=BF16),) * 2,
-                                    c, c, 1, 64, softmax_scale=0)
+        vsa_torch.video_sparse_attn(*(torch.zeros(1, 1, 128, 64, dtype=BF16),) * 3, c, c, 1, 64, softmax_scale=0)
     assert set(messages) == {str(info.value)}
 
 

@@ -264,9 +264,9 @@ def check_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=No
 
 # ---- VSA ----------------------------------------------------------------------------------
 # topk, block_elems, layout, the resolved backend module, prefix = (prefix_blocks,
-# prefix_mode) and softmax_scale (the problem's resolved float) are static (hashable). cu_q / cu_k: the packed sequences' int32 offsets (None
-# when not packed), traced like the counts; seq_prefix: their per-sequence prefix counts
-# (int32 [N], or None).
+# prefix_mode) and softmax_scale (the problem's resolved float) are static (hashable).
+# cu_q / cu_k: the packed sequences' int32 offsets (None when not packed), traced like the
+# counts; seq_prefix: their per-sequence prefix counts (int32 [N], or None).
 def vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl, seq_prefix=None,
         prefix=(0, "exempt"), *, softmax_scale: Optional[float] = None):
     q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix = _vary_alike(q, k, v, kv_counts, q_counts, gate,
