@@ -613,3 +613,27 @@ def test_gpu_cudnn_inference_forward_matches_float64_reference(case):
                                           case.topk, case.block, gate, backend="cudnn",
                                           softmax_scale=case.softmax_scale)
     assert_close(case, {"out": out.float().cpu().numpy()}, {"out": reference(case, x)["out"]})
+
+
+# ---- the JAX native path's launch plan (recorded on the CPU) -------------------------------------------------
+def test_native_plan_carries_the_scale():
+    """Every attention kernel of the recorded plan (replayed with no Python per call) takes the
+    problem's scale: the coarse kernels s, the fine ones s * log2(e) (their softmax runs on exp2)
+    and s; the GPU replay itself is in test_jax_native (GPU_CASES has a scaled case)."""
+    from vsa_core import plan as core_plan
+    from vsa_core.problem import AttnProblem
+    s = 0.3
+    p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16", topk=2,
+                    has_gate=True, softmax_scale=s)
+    seen = {}
+    for stage, inputs in (("forward", core_plan.forward_inputs(p)), ("backward", core_plan.backward_inputs(p))):
+        for launch in core_plan.record_plan(stage, p, inputs).launches:
+            names = {a.name for a in launch.args}
+            for arg in ("sm_scale", "qk_scale_log2"):
+                if arg in names:
+                    seen[launch.kernel_name, arg] = launch.arg(arg).value
+    log2 = s * math.log2(math.e)
+    assert seen == {("coarse_attn_fwd_kernel", "sm_scale"): s, ("sparse_attn_fwd_kernel", "qk_scale_log2"): log2,
+                    ("coarse_attn_bwd_dq_kernel", "sm_scale"): s, ("coarse_attn_bwd_dkdv_kernel", "sm_scale"): s,
+                    ("sparse_attn_bwd_dq_kernel", "qk_scale_log2"): log2, ("sparse_attn_bwd_dq_kernel", "sm_scale"): s,
+                    ("sparse_attn_bwd_dkdv_kernel", "qk_scale_log2"): log2, ("sparse_attn_bwd_dkdv_kernel", "sm_scale"): s}
