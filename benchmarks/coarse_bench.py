@@ -23,7 +23,6 @@ A table goes to stdout and, with $OUT set, to $OUT/coarse_bench.log.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import traceback
@@ -151,7 +150,7 @@ class Version:
 def coarse_errors(p, b):
     """Relative errors of out_c, dq_c, dk_c, dv_c against float64 autograd on the pooled inputs."""
     qc, kc, vc = (b[n].double().requires_grad_() for n in ("q_pool", "k_pool", "v_pool"))
-    s = qc @ kc.transpose(-1, -2) / math.sqrt(p.head_dim)
+    s = qc @ kc.transpose(-1, -2) * p.softmax_scale
     out = torch.softmax(s, dim=-1) @ vc
     out.backward(b["dout_coarse"].double())
     res = {}

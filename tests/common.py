@@ -100,6 +100,7 @@ class Case:
     scale: float = 1.0            # multiplies q and k: 16 makes the logits large
     partial_q: bool = True        # some query blocks hold fewer than E valid tokens
     partial_kv: bool = True       # some KV blocks are partial, one is empty
+    softmax_scale: Optional[float] = None  # the call's softmax_scale (None: the default 1/sqrt(D))
 
     @property
     def E(self) -> int:
@@ -149,7 +150,8 @@ def _reference_scores(inputs: dict, case: Case) -> np.ndarray:
     """float64 coarse scores [B, H, nQ, nKV] of the block means rounded to the case's dtype
     (-inf for empty KV blocks), as the reference ranks them."""
     q, k = (R.round_to_dtype(inputs[n], case.dtype) for n in ("q", "k"))
-    return R.coarse_scores(q, k, inputs["kv_counts"], inputs["q_counts"], case.E, case.dtype)
+    return R.coarse_scores(q, k, inputs["kv_counts"], inputs["q_counts"], case.E, case.dtype,
+                           softmax_scale=case.softmax_scale)
 
 
 def _selection_margin(inputs: dict, case: Case) -> float:
@@ -212,7 +214,8 @@ def kernel_selection(case: Case, inputs: dict, device: str) -> np.ndarray:
     dtype = getattr(torch, case.dtype)
     q, k, v = (torch.from_numpy(to_layout(inputs[n], case.layout)).to(device, dtype) for n in ("q", "k", "v"))
     kv_counts, q_counts = (torch.from_numpy(inputs[n]).to(device, torch.int32) for n in ("kv_counts", "q_counts"))
-    p = prepare_vsa(q, k, v, kv_counts, q_counts, case.topk, case.block, layout=case.layout).problem
+    p = prepare_vsa(q, k, v, kv_counts, q_counts, case.topk, case.block, layout=case.layout,
+                    softmax_scale=case.softmax_scale).problem
     b = {name: torch.empty(shape, device=device, dtype=dtype if kind == "input" else getattr(torch, kind))
          for name, (shape, kind) in p.forward_buffers().items()}
     T.block_mean_pool_qkv(p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
@@ -258,7 +261,8 @@ def reference(case: Case, inputs: dict) -> dict:
     block_map = checked_kernel_selection(case, inputs) if inputs.get("near_ties") else None
     out, _, _, grads = R.video_sparse_attn_reference(
         x["q"], x["k"], x["v"], inputs["kv_counts"], inputs["q_counts"], case.topk, case.E,
-        gate=x["gate"] if case.gate else None, round_to=case.dtype, block_map=block_map, dout=x["dout"])
+        gate=x["gate"] if case.gate else None, round_to=case.dtype, block_map=block_map, dout=x["dout"],
+        softmax_scale=case.softmax_scale)
     return {"out": out, **grads}
 
 

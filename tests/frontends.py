@@ -33,7 +33,8 @@ def vsa_fn(case: Case, kv_counts, q_counts, **kw):
     fn = vsa_jax.video_sparse_attn if case.layout == "bhsd" else vsa_jax.video_sparse_attn_bshd
 
     def f(q, k, v, gate):
-        return fn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate if case.gate else None, **kw)
+        return fn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate if case.gate else None,
+                  softmax_scale=case.softmax_scale, **kw)
     return f
 
 
@@ -90,7 +91,7 @@ def run_torch(case: Case, inputs: dict, backend: str = "auto", device: str = TOR
     q, k, v, gate = (tensor(n).requires_grad_() for n in ("q", "k", "v", "gate"))
     fn = vsa_torch.video_sparse_attn if case.layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
     out = fn(q, k, v, torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.topk,
-             case.block, gate if case.gate else None, backend=backend, **kw)
+             case.block, gate if case.gate else None, backend=backend, softmax_scale=case.softmax_scale, **kw)
     out.backward(tensor("dout"))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if case.gate:

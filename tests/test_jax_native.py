@@ -151,7 +151,7 @@ def _grad_fn(case, inputs, backend="triton"):
 
     def loss(q, k, v, gate, dout):
         out = fn(q, k, v, inputs["kv_counts"], inputs["q_counts"], case.topk, case.block,
-                 gate if case.gate else None, backend=backend)
+                 gate if case.gate else None, backend=backend, softmax_scale=case.softmax_scale)
         return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
     return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
@@ -264,7 +264,8 @@ def test_every_launch_compiles_to_a_cubin_for_sm90():
 
 # ---- GPU: native == callback == torch ---------------------------------------------------------
 GPU_CASES = [Case(), Case(head_dim=128, layout="bshd", gate=False), Case(block=128, n_q_blocks=2, n_kv_blocks=3,
-                                                                        batch=1, dtype="float16")]
+                                                                        batch=1, dtype="float16"),
+             Case(batch=1, scale=4.0, softmax_scale=0.3)]
 
 
 @pytest.fixture
@@ -299,7 +300,7 @@ def _run_torch(case, inputs):
     q, k, v, gate = (tensor(n).requires_grad_() for n in ("q", "k", "v", "gate"))
     fn = vsa_torch.video_sparse_attn if case.layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
     out = fn(q, k, v, torch.from_numpy(inputs["kv_counts"]), torch.from_numpy(inputs["q_counts"]), case.topk,
-             case.block, gate if case.gate else None, backend="triton")
+             case.block, gate if case.gate else None, backend="triton", softmax_scale=case.softmax_scale)
     out.backward(tensor("dout"))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if case.gate:

@@ -62,7 +62,7 @@ def _run_sharded(case: Case, backend: str, device: str, rank: int) -> dict:
     q, k, v, gate = (shard(n).requires_grad_() for n in ("q", "k", "v", "gate"))
     out = ulysses_video_sparse_attn(q, k, v, torch.from_numpy(inputs["kv_counts"]),
                                     torch.from_numpy(inputs["q_counts"]), case.topk, case.block,
-                                    gate if case.gate else None, backend=backend)
+                                    gate if case.gate else None, backend=backend, softmax_scale=case.softmax_scale)
     out.backward(shard("dout"))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad, "dgate": gate.grad}
     return {n: t.detach().float().cpu().numpy() for n, t in got.items() if t is not None}

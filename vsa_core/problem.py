@@ -53,6 +53,28 @@ def block_elements(block_size: BlockSize) -> int:
     return elems
 
 
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale as a Python float: 1/sqrt(head_dim) for None (the kernels take a float
+    argument: an int would be compiled as an integer, 1 even as a constant)."""
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def check_softmax_scale(softmax_scale) -> None:
+    """None, or a positive finite Python float / int (static: not an array, not a bool)."""
+    if softmax_scale is None:
+        return
+    what = f"softmax_scale must be a positive finite Python float (None: 1/sqrt(D)), got {softmax_scale!r}"
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer,
+                                                                                       np.floating)):
+        raise TypeError(what)
+    try:
+        value = float(softmax_scale)
+    except OverflowError:  # an int beyond float range
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(what)
+
+
 @dataclass(frozen=True)
 class AttnProblem:
     """Everything that fixes the kernels' shapes for one call."""
@@ -85,6 +107,13 @@ class AttnProblem:
     prefix_blocks: int = 0
     prefix_mode: str = "exempt"
     seq_prefix: bool = False
+    # the scale of the scores q k^T in both branches (coarse and fine), a Python float; None
+    # at construction becomes 1/sqrt(head_dim), so a call that leaves it out and one that
+    # passes 1/sqrt(head_dim) are the same problem (the same caches, the same compiled calls)
+    softmax_scale: Optional[float] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "softmax_scale", resolve_softmax_scale(self.softmax_scale, self.head_dim))
 
     @property
     def has_prefix(self) -> bool:
@@ -286,7 +315,7 @@ def _check_prefix_int(prefix_blocks, n_q: int, n_kv: int, what: str) -> int:
 
 def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts, q_counts=None,
                        topk=None, gate=None, selection: str = "topk", training: bool = True,
-                       prefix_blocks=0, prefix_mode: str = "exempt") -> AttnProblem:
+                       prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None) -> AttnProblem:
     """Checks the arguments of a call (anything with .shape and .dtype) and returns its problem."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -335,9 +364,10 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
         P = _check_prefix_int(prefix_blocks, sq // E, sk // E, "")
         if P:  # no prefix: the plain problem, whatever the mode
             prefix = dict(prefix_blocks=P, prefix_mode=prefix_mode)
+    check_softmax_scale(softmax_scale)
     return AttnProblem(batch=bq, heads=hq, q_len=sq, kv_len=sk, head_dim=dq, block_elems=E, dtype=dt,
                        layout=layout, topk=topk if vsa else None, has_gate=has_gate,
-                       selection=selection, training=training, **prefix)
+                       selection=selection, training=training, **prefix, softmax_scale=softmax_scale)
 
 
 def check_block_map(block_map, problem: AttnProblem) -> None:
@@ -422,7 +452,7 @@ def _check_offsets_shape(name: str, cu) -> int:
 def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSize, kv_counts, q_counts=None,
                     topk=None, gate=None, selection: str = "topk", training: bool = True,
                     list_capacity: Optional[int] = None, prefix_blocks=0,
-                    prefix_mode: str = "exempt") -> AttnProblem:
+                    prefix_mode: str = "exempt", softmax_scale=None) -> AttnProblem:
     """Checks a packed call (q, gate [total_q, H, D]; k, v [total_k, H, D]; offsets int32
     [N + 1]) by shape and dtype, and returns its problem: BSHD with batch 1 and n_seqs = N.
     The offsets' values are checked by `check_offsets` where they are known on the host.
@@ -440,7 +470,8 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
                          f"(shape {_shape(cu_seqlens_k)})")
     p = describe_attention(_Batched(q), _Batched(k), _Batched(v), block_size=block_size, layout="bshd",
                            kv_counts=kv_counts, q_counts=q_counts, topk=topk,
-                           gate=None if gate is None else _Batched(gate), selection=selection, training=training)
+                           gate=None if gate is None else _Batched(gate), selection=selection, training=training,
+                           softmax_scale=softmax_scale)
     p = dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
     if selection != "topk":
         return p

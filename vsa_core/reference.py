@@ -11,12 +11,11 @@ the kernels compute.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 
-from .problem import PREFIX_MODES
+from .problem import PREFIX_MODES, resolve_softmax_scale
 
 
 def _f64(x) -> np.ndarray:
@@ -84,13 +83,14 @@ def _t(x):
     return np.swapaxes(x, -1, -2)
 
 
-def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None) -> np.ndarray:
-    """Scaled block-mean scores [B, H, nQ, nKV], -inf for empty KV blocks."""
+def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, *, softmax_scale=None) -> np.ndarray:
+    """Block-mean scores times `softmax_scale` (None: 1/sqrt(D)) [B, H, nQ, nKV], -inf for
+    empty KV blocks."""
     q, k = _f64(q), _f64(k)
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
     qc = _block_mean(q, q_counts, block_elems, round_to)
     kc = _block_mean(k, kv_counts, block_elems, round_to)
-    s = qc @ _t(kc) / math.sqrt(q.shape[-1])
+    s = qc @ _t(kc) * resolve_softmax_scale(softmax_scale, q.shape[-1])
     return np.where((kv_counts == 0)[None, None, None, :], -np.inf, s)
 
 
@@ -147,15 +147,14 @@ def index_lists_to_block_map(block_indices, block_counts, n_kv_blocks: int) -> n
     return out
 
 
-def _fine(q, k, v, block_map, kv_counts, block_elems: int):
-    """The fine branch's keep mask, probabilities, output and lse."""
+def _fine(q, k, v, block_map, kv_counts, block_elems: int, scale: float):
+    """The fine branch's probabilities, output and lse."""
     Sq, Skv = q.shape[2], k.shape[2]
     in_block = np.arange(Skv) % block_elems
     token_valid = in_block < np.repeat(kv_counts, block_elems)
     keep = np.repeat(np.repeat(np.asarray(block_map, bool), block_elems, axis=2), block_elems, axis=3)
     keep = keep & token_valid[None, None, None, :]
     assert keep.shape[2:] == (Sq, Skv)
-    scale = 1.0 / math.sqrt(q.shape[-1])
     probs, lse = _masked_softmax(q @ _t(k) * scale, keep)
     return probs, probs @ v, lse
 
@@ -167,24 +166,26 @@ def _attention_grads(q, k, v, probs, dout, scale):
     return ds @ k, _t(ds) @ q, dv
 
 
-def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int, dout=None):
-    """Fine branch: each query sees the valid tokens of its block's selected KV blocks.
+def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int, dout=None, *, softmax_scale=None):
+    """Fine branch: each query sees the valid tokens of its block's selected KV blocks, with
+    the scores q k^T scaled by `softmax_scale` (None: 1/sqrt(D)).
 
     Returns (out, lse) with lse the natural-log logsumexp of the scaled scores; given
     `dout`, (out, lse, {"dq", "dk", "dv"}) with the gradients of out against it.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     kv_counts = np.asarray(kv_counts, np.int64)
-    probs, out, lse = _fine(q, k, v, block_map, kv_counts, block_elems)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    probs, out, lse = _fine(q, k, v, block_map, kv_counts, block_elems, scale)
     if dout is None:
         return out, lse
-    dq, dk, dv = _attention_grads(q, k, v, probs, _f64(dout), 1.0 / math.sqrt(q.shape[-1]))
+    dq, dk, dv = _attention_grads(q, k, v, probs, _f64(dout), scale)
     return out, lse, {"dq": dq, "dk": dk, "dv": dv}
 
 
 def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_elems: int,
                                 gate=None, round_to=None, block_map=None, dout=None, prefix_blocks: int = 0,
-                                prefix_mode: str = "exempt"):
+                                prefix_mode: str = "exempt", *, softmax_scale=None):
     """VSA forward in float64. Returns (out, block_map used, coarse scores); given `dout`,
     also the gradients {"dq", "dk", "dv"(, "dgate")} of out against it.
 
@@ -198,11 +199,13 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     overrides the selection (the tests pass the kernel's selection once they have checked
     it is a valid top-k of these scores). `prefix_blocks` / `prefix_mode`: mixed-modality
     selection (`prefix_topk_mask`); the coarse branch and the gate do not depend on them.
+    `softmax_scale` (None: 1/sqrt(D)) scales the scores of both branches, the coarse one's
+    (which the selection ranks) and the fine one's.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     gate = None if gate is None else _f64(gate)
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
-    E, scale = block_elems, 1.0 / math.sqrt(q.shape[-1])
+    E, scale = block_elems, resolve_softmax_scale(softmax_scale, q.shape[-1])
     q_valid = valid_tokens(q_counts, E)[:, None]
     qc = _block_mean(q, q_counts, E, round_to)
     kc = _block_mean(k, kv_counts, E, round_to)
@@ -217,7 +220,7 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
         block_map = prefix_topk_mask(scores, min(topk, k.shape[2] // E), prefix_blocks, prefix_mode)
     elif block_map is None:
         block_map = topk_mask(scores, min(topk, k.shape[2] // E))
-    probs_f, out_fine, _ = _fine(q, k, v, block_map, kv_counts, E)
+    probs_f, out_fine, _ = _fine(q, k, v, block_map, kv_counts, E, scale)
     out = out_coarse * gate + out_fine if gate is not None else out_coarse + out_fine
     out = np.where(q_valid, out, 0.0)
     if dout is None:

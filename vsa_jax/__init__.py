@@ -55,11 +55,12 @@ def _require_arrays(**arrays):
 
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-         backend, layout, prefix_blocks, prefix_mode) -> jax.Array:
+         backend, layout, prefix_blocks, prefix_mode, softmax_scale) -> jax.Array:
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                    layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode).problem
+                    layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
+                    softmax_scale=softmax_scale).problem
     prefix = (p.prefix_blocks, p.prefix_mode)
     impl = _ops.backend_for(backend, p, q)
     E = block_elements(block_size)
@@ -70,7 +71,8 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     kinds = (layout, layout, layout, "replicated", "replicated", layout)
 
     def op(q, k, v, kv_counts, q_counts, gate):
-        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, None, None, int(topk), E, layout, impl, prefix=prefix)
+        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, None, None, int(topk), E, layout, impl, prefix=prefix,
+                        softmax_scale=p.softmax_scale)
     return _split_call(op, layout, E, ("q", "k", "v", "variable_block_sizes", "q_variable_block_sizes",
                                        "compress_attn_weight"), args, kinds, layout)
 
@@ -86,7 +88,8 @@ def _split_call(op, layout, block_elems, names, args, kinds, out_kinds):
 
 def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes, q_variable_block_sizes,
                       topk: int, block_size=64, compress_attn_weight: Optional[jax.Array] = None, *,
-                      backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt") -> jax.Array:
+                      backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt",
+                      softmax_scale: Optional[float] = None) -> jax.Array:
     """Video Sparse Attention on `[B, H, S, D]` arrays (a drop-in for FastVideo's).
 
     q: `[B, H, Sq, D]`; k, v: `[B, H, Skv, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`),
@@ -124,55 +127,64 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     with "exempt", every prefix block plus its top-`topk` video blocks, with "compete", its
     top-(`topk` + `prefix_blocks`) blocks of all. Coarse branch and gate as without a
     prefix (`vsa_core.reference.prefix_topk_mask`).
-    `topk`, `block_size`, `backend`, `prefix_blocks` and `prefix_mode` are static (Python
-    values, not traced).
+    `softmax_scale` (a positive finite Python float; None: 1/sqrt(D), as in FastVideo,
+    flash-attn and SDPA) multiplies the scores q k^T before the softmax. One scale serves
+    both branches, as in FastVideo: the coarse attention between the block means (and so the
+    scores the top-k ranks) and the fine attention.
+    `topk`, `block_size`, `backend`, `prefix_blocks`, `prefix_mode` and `softmax_scale` are
+    static (Python values, not traced).
     """
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bhsd", prefix_blocks, prefix_mode)
+                backend, "bhsd", prefix_blocks, prefix_mode, softmax_scale)
 
 
 def video_sparse_attn_bshd(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes,
                            q_variable_block_sizes, topk: int, block_size=64,
                            compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
-                           prefix_blocks: int = 0, prefix_mode: str = "exempt") -> jax.Array:
+                           prefix_blocks: int = 0, prefix_mode: str = "exempt",
+                           softmax_scale: Optional[float] = None) -> jax.Array:
     """`video_sparse_attn` on `[B, S, H, D]` arrays (no transpose is made)."""
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bshd", prefix_blocks, prefix_mode)
+                backend, "bshd", prefix_blocks, prefix_mode, softmax_scale)
 
 
 def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.Array, variable_block_sizes,
-                      block_size=64, *, layout: str = "bhsd", backend: str = "auto"
-                      ) -> Tuple[jax.Array, jax.Array]:
+                      block_size=64, *, layout: str = "bhsd", backend: str = "auto",
+                      softmax_scale: Optional[float] = None) -> Tuple[jax.Array, jax.Array]:
     """Attention of each query block to the KV blocks set in `block_map` (bool
-    `[B, H, nQ, nKV]`), restricted to their valid tokens. Returns (out, lse): lse is
-    the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for a query
-    block with nothing selected). Gradients flow through out (lse is not differentiable)."""
+    `[B, H, nQ, nKV]`), restricted to their valid tokens, on the scores q k^T times
+    `softmax_scale` (a positive finite Python float, static; None: 1/sqrt(D)). Returns (out,
+    lse): lse is the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for
+    a query block with nothing selected). Gradients flow through out (lse is not differentiable)."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
-                             backend=backend).problem
+                             backend=backend, softmax_scale=softmax_scale).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _bsa(q, k, v, kv_counts, jnp.asarray(block_map), None, None, p.block_elems, layout, impl)
+    return _bsa(q, k, v, kv_counts, jnp.asarray(block_map), None, None, p.block_elems, layout, impl, p.softmax_scale)
 
 
-def _bsa(q, k, v, kv_counts, block_map, block_indices, block_counts, block_elems, layout, impl):
+def _bsa(q, k, v, kv_counts, block_map, block_indices, block_counts, block_elems, layout, impl, softmax_scale):
     """block-sparse attention with the selection as a map or as lists; split over devices like _vsa."""
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, block_map, block_indices, block_counts)
     kinds = (layout, layout, layout, "replicated", "bh", "bh", "bh")
 
     def op(q, k, v, kv_counts, block_map, sel_idx, sel_num):
-        return _ops.bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl)
+        return _ops.bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl,
+                        softmax_scale=softmax_scale)
     return _split_call(op, layout, block_elems, ("q", "k", "v", "variable_block_sizes", "block_map",
                                                  "block_indices", "block_counts"), args, kinds, (layout, "bh"))
 
 
 def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
                                    block_counts: jax.Array, variable_block_sizes, block_size=64, *,
-                                   layout: str = "bhsd", backend: str = "auto") -> Tuple[jax.Array, jax.Array]:
+                                   layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None
+                                   ) -> Tuple[jax.Array, jax.Array]:
     """`block_sparse_attn` with the selection given as lists: `block_indices`
     `[B, H, nQ, capacity]` int32 holds, for each query block, `block_counts[b, h, i]`
-    strictly ascending KV block indices (entries past the count are ignored).
+    strictly ascending KV block indices (entries past the count are ignored);
+    `softmax_scale` as in `block_sparse_attn`.
 
     Concrete lists (numpy, or jax.Arrays outside jit) are checked and bad values raise
     ValueError naming `block_indices` / `block_counts` (a jax.Array once: it is
@@ -184,12 +196,13 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
-                             block_counts=block_counts, layout=layout, backend=backend).problem
+                             block_counts=block_counts, layout=layout, backend=backend,
+                             softmax_scale=softmax_scale).problem
     _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     return _bsa(q, k, v, kv_counts, None, jnp.asarray(block_indices), jnp.asarray(block_counts), p.block_elems,
-                layout, impl)
+                layout, impl, p.softmax_scale)
 
 
 # ---- packed variable-length sequences ------------------------------------------------------
@@ -205,7 +218,8 @@ def _packed(x) -> jax.Array:
 def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
                              variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
                              compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
-                             prefix_blocks=0, prefix_mode: str = "exempt") -> jax.Array:
+                             prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None
+                             ) -> jax.Array:
     """VSA over packed variable-length sequences, one call for all of them.
 
     q, compress_attn_weight: `[total_q, H, D]`; k, v: `[total_k, H, D]`: the sequences one
@@ -220,12 +234,13 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     they are concrete.
     `prefix_blocks`: an int (every sequence's first blocks, static) or one count per
     sequence (an integer array [N], which may be traced like the offsets; a sequence with a
-    prefix has as many query as KV blocks); `prefix_mode` as in `video_sparse_attn`.
+    prefix has as many query as KV blocks); `prefix_mode` and `softmax_scale` as in
+    `video_sparse_attn`.
     """
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode).problem
+                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
@@ -233,47 +248,51 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     seq_prefix = _ops.as_prefix(p, prefix_blocks, cu_seqlens_q, cu_seqlens_k)
     gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
     out = _ops.vsa(_packed(q), _packed(k), _packed(v), kv_counts, q_counts, gate, cu_q, cu_k, int(topk),
-                   p.block_elems, "bshd", impl, seq_prefix, (p.prefix_blocks, p.prefix_mode))
+                   p.block_elems, "bshd", impl, seq_prefix, (p.prefix_blocks, p.prefix_mode),
+                   softmax_scale=p.softmax_scale)
     return out[0]
 
 
 def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
-                             block_map: jax.Array, variable_block_sizes, block_size=64, *, backend: str = "auto"
-                             ) -> Tuple[jax.Array, jax.Array]:
+                             block_map: jax.Array, variable_block_sizes, block_size=64, *, backend: str = "auto",
+                             softmax_scale: Optional[float] = None) -> Tuple[jax.Array, jax.Array]:
     """Block-sparse attention over packed sequences (the packing of `video_sparse_attn_varlen`)
     with the selection as a bool `[H, nQ, nKV]` map over the packed blocks (nQ = total_q / E,
     nKV = total_k / E). A query block may select only blocks of its own sequence: with
     concrete arguments anything else raises ValueError; under jit such entries are ignored
-    (never attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`)."""
+    (never attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`); `softmax_scale`
+    as in `block_sparse_attn`."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).problem
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             softmax_scale=softmax_scale).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
     out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, _packed(block_map), None, None, p.block_elems,
-                        "bshd", impl, cu_q, cu_k)
+                        "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale)
     return out[0], lse[0]
 
 
 def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
                                           block_indices: jax.Array, block_counts: jax.Array, variable_block_sizes,
-                                          block_size=64, *, backend: str = "auto") -> Tuple[jax.Array, jax.Array]:
+                                          block_size=64, *, backend: str = "auto",
+                                          softmax_scale: Optional[float] = None) -> Tuple[jax.Array, jax.Array]:
     """`block_sparse_attn_varlen` with the selection as lists: `block_indices` int32
     `[H, nQ, capacity]` holds, for each query block of the packed stream, `block_counts[h, i]`
     ascending indices of KV blocks of the packed stream (of its own sequence; entries past
-    the count are ignored)."""
+    the count are ignored); `softmax_scale` as in `block_sparse_attn`."""
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
-                             cu_seqlens_k=cu_seqlens_k).problem
+                             cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
     out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, None, _packed(block_indices),
-                        _packed(block_counts), p.block_elems, "bshd", impl, cu_q, cu_k)
+                        _packed(block_counts), p.block_elems, "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale)
     return out[0], lse[0]
 
 

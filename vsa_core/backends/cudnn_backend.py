@@ -63,7 +63,6 @@ copy; none of it is declared in the buffer tables, which stay backend-independen
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 from ..problem import AttnProblem
@@ -149,7 +148,7 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
     _check_aligned(q=q, k=k, v=v, out=out)
     direct = p.block_elems == 64  # the blk64 forward writes into given out/lse; blk128 allocates its own
     o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], _block_sizes(p, kv_counts), q2k_block_nums=sel_num,
-                   allow_empty_block_nums=True, softmax_scale=1.0 / math.sqrt(p.head_dim), return_lse=True,
+                   allow_empty_block_nums=True, softmax_scale=p.softmax_scale, return_lse=True,
                    out=out if direct else None, lse=lse if direct else None, layout=p.layout, kv_splits=1,
                    sparse_block_size=p.block_elems)
     if not direct:
@@ -180,7 +179,7 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
         if out is None:
             raise ValueError("the cudnn backend's backward needs the forward output `out`")
         o = out
-    bsa_bwd(dout, q, k, v, o, lse, sel_idx, None, _block_sizes(p, kv_counts), sel_num, softmax_scale=1.0 / math.sqrt(p.head_dim),
+    bsa_bwd(dout, q, k, v, o, lse, sel_idx, None, _block_sizes(p, kv_counts), sel_num, softmax_scale=p.softmax_scale,
             dq_tensor=dq, dk_tensor=dk, dv_tensor=dv, sparse_block_size=p.block_elems, layout=p.layout)
     if dq_pool is not None:
         add_block_grad(p, dq, dq_pool, q_counts, p.q_len)

@@ -61,7 +61,6 @@ torch's caching allocator inside the callback, not from XLA).
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from typing import Optional
 
@@ -213,7 +212,7 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
     lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
                         full_block_idx=idx[0], block_size=(p.block_elems, KV_TILE))
     with _FA4_LOCK:
-        fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=1.0 / math.sqrt(p.head_dim),
+        fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=p.softmax_scale,
                mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
                out=_bshd(p, out), lse=lse, return_lse=True)
     if out_coarse is not None:
@@ -252,7 +251,7 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
         dlse = delta
     with _FA4_LOCK:
         fa_bwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), _bshd(p, out), _bshd(p, dout), lse,
-               softmax_scale=1.0 / math.sqrt(p.head_dim), mask_mod=mask_mod, aux_tensors=[sub_counts],
+               softmax_scale=p.softmax_scale, mask_mod=mask_mod, aux_tensors=[sub_counts],
                block_sparse_tensors=lists, dlse=dlse, dq=_bshd(p, dq), dk=_bshd(p, dk), dv=_bshd(p, dv))
     if dq_pool is not None:
         add_block_grad(p, dq, dq_pool, q_counts, p.q_len)

@@ -214,14 +214,14 @@ def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, ou
     kernels, opts = _coarse_config(p, q_pool, "fwd")
     kernels.coarse_attn_fwd_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq,
-        p.n_q_blocks, p.n_kv_blocks, 1.0 / math.sqrt(p.head_dim), VARLEN=q_seq is not None, **opts)
+        p.n_q_blocks, p.n_kv_blocks, p.softmax_scale, VARLEN=q_seq is not None, **opts)
 
 
 def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
                     dq_pool, dk_pool, dv_pool, p_coarse, ds_coarse, q_seq=None, kv_seq=None):
     """dq_c, dk_c, dv_c (fp32) of the coarse attention in two launches: P and dS tile by tile
     into the fp32 workspaces p_coarse / ds_coarse ([B, H, nQ, nKV]), then their products."""
-    scale = 1.0 / math.sqrt(p.head_dim)
+    scale = p.softmax_scale
     kernels, opts = _coarse_config(p, q_pool, "ds")
     grid = (triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), triton.cdiv(p.n_kv_blocks, opts["BLOCK_N"]), _bh(p))
     kernels.coarse_attn_bwd_ds_kernel[grid](
@@ -300,8 +300,8 @@ def clean_lists(p: AttnProblem, given_idx, given_num, sel_idx, sel_num, q_seq=No
 
 # ---- the fine stage: the part a backend provides ---------------------------------------
 def _scales(p: AttnProblem):
-    scale = 1.0 / math.sqrt(p.head_dim)
-    return math.log2(math.e) * scale, scale
+    """(scale * log2(e), scale): the fine kernels' softmax runs on exp2."""
+    return math.log2(math.e) * p.softmax_scale, p.softmax_scale
 
 
 def _first_blocks(p: AttnProblem) -> int:
