@@ -1,0 +1,424 @@
+"""Our own block-sparse attention forward for 64-token blocks on sm_90 (Hopper), in CuTe DSL.
+
+Not registered as a backend yet: `sparse_forward64` is a launcher on torch tensors that the
+lead wires behind `FineStageBackend` after a GPU check (benchmarks/sm90_fwd64_check.py).
+
+What it computes (the contract of `base.FineForward` and of `triton_kernels.sparse_attn_fwd_kernel`):
+each 64-row query block attends to the valid tokens (`kv_counts[n]`, clamped to [0, 64]) of the
+64-token KV blocks in its list `sel_idx[b, h, i, :sel_num[b, h, i]]`. The list rule is the
+Triton kernel's: the count is clamped to [0, capacity], and an entry counts only if it is in
+[0, nKV) and greater than the last counted entry (a skipped entry still loads a clamped,
+in-bounds tile and masks all of it). `lse` is the natural-log logsumexp, -inf (and out 0)
+where a row sees nothing. With the coarse branch (VSA) the epilogue mixes
+out = out_fine + gate * out_coarse[query block] (or + out_coarse without a gate), keeps
+out_fine in fp32 when asked (training), and writes the padded query rows (past `q_counts`)
+as out 0, out_fine 0, lse +inf, so `out` is written once.
+
+Design (version 1, "simple"): one warpgroup (128 threads) per CTA owns one 64-row query
+block. Q comes once by TMA; K and V 64x128 tiles come by TMA, gathered per list entry, into
+rings of `k_stages` / `v_stages` shared-memory slots, each slot with one transaction
+mbarrier. The warpgroup is its own producer: a slot is refilled only after the wgmma that
+read it has retired (wait_group), so no "empty" barriers are needed. Within one iteration
+QK^T of tile j and PV of tile j-1 are in flight together (S is a separate accumulator), so the
+softmax of tile j overlaps the tail of PV j-1; the rest of the latency is hidden by the other
+CTAs on the SM (3 per SM at k_stages=1, v_stages=2: 64 KiB of shared memory each).
+S = Q K^T and O += P V are wgmma m64 with fp32 accumulators; P goes from the S accumulator to
+bf16 registers (the wgmma A operand from registers) without a shuffle: for m64 tiles the
+accumulator's per-thread (col pair, row, col group) order is the A fragment's (k pair, row,
+k half, k block) order. Online softmax in base 2 with one FFMA per element
+(exp2(s * c - m * c), c = scale * log2 e). O is normalised in registers and stored straight
+to global memory (any strides), lse from the row-owning threads.
+
+Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
+contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
+of 8 elements and base addresses 16-byte aligned (TMA).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass._mlir.dialects import math as _mlir_math
+
+try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
+    from cutlass.tensor_utils import LayoutEnum
+    from cutlass.memory import SmemAllocator
+except ModuleNotFoundError:  # pragma: no cover
+    from cutlass.utils import LayoutEnum, SmemAllocator
+
+BLOCK = 64          # tokens per query block and per KV block
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+# ---- register-tensor views -------------------------------------------------------------------
+def _rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """(row, col) view of an m64 wgmma accumulator fragment ((2, 2, V), M, N): the fragment's
+    modes are (col pair, row half, col group); rows are (row half, M), cols ((pair, group), N)."""
+    l = t.layout
+    s, d = l.shape, l.stride
+    mn = cute.make_layout(((s[0][1], s[1]), ((s[0][0], s[0][2]), s[2])),
+                          stride=((d[0][1], d[1]), ((d[0][0], d[0][2]), d[2])))
+    return cute.make_tensor(t.iterator, mn)
+
+
+class BlockSparseFwd64Sm90:
+    """One compiled configuration of the forward. Compile-time parameters: element type,
+    head dim, ring depths, and the coarse-branch epilogue (has_coarse, has_gate, store_fine)."""
+
+    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
+                 has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
+                 ctas_per_sm: Optional[int] = None):
+        assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
+        assert head_dim in (64, 128), "head dim 64 or 128"
+        assert k_stages >= 1 and v_stages >= 1
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.k_stages = k_stages
+        self.v_stages = v_stages
+        self.has_coarse = has_coarse
+        self.has_gate = has_gate and has_coarse
+        self.store_fine = store_fine and has_coarse
+        tile_bytes = BLOCK * head_dim * 2
+        self.smem_bytes = tile_bytes * (1 + k_stages + v_stages) + 64
+        # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
+        self.ctas_per_sm = ctas_per_sm or max(1, min(3, (227 * 1024) // self.smem_bytes))
+        self.threads = 128
+
+    # ---- host side (traced once per compile) ----------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mSelIdx: cute.Tensor, mSelNum: cute.Tensor, mKVCounts: cute.Tensor,
+                 mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
+                 softmax_scale: cutlass.Float32, stream):
+        """q, k, v, out, gate, out_fine: [B, H, S, D]; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap],
+        sel_num [B, H, nQ], kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32.
+        Without the coarse branch q_counts / gate / out_coarse / out_fine are placeholders (never read)."""
+        D = self.head_dim
+        # (S, D, H, B) views for Q, K, O (D contiguous: K-major operands) and (D, S, H, B) for V
+        # (the PV wgmma's B operand is V^T, N = D contiguous: MN-major); head dim static.
+        def tok_major(t):
+            return cute.make_tensor(t.iterator, cute.make_layout(
+                (t.shape[2], D, t.shape[1], t.shape[0]), stride=(t.stride[2], 1, t.stride[1], t.stride[0])))
+
+        def dim_major(t):
+            return cute.make_tensor(t.iterator, cute.make_layout(
+                (D, t.shape[2], t.shape[1], t.shape[0]), stride=(1, t.stride[2], t.stride[1], t.stride[0])))
+
+        gQ4, gK4, gV4, gO4 = tok_major(mQ), tok_major(mK), dim_major(mV), tok_major(mO)
+
+        k_major = LayoutEnum.from_tensor(gK4)
+        v_major = LayoutEnum.from_tensor(gV4)
+        dt = self.dtype
+        qk_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(k_major, dt, D), dt)
+        v_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(v_major, dt, D), dt)
+        sQ_layout = cute.tile_to_shape(qk_atom, (BLOCK, D), order=(0, 1))
+        sK_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, self.k_stages), order=(0, 1, 2))
+        sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, self.v_stages), order=(1, 0, 2))
+        self.tile_bytes = cute.size_in_bytes(dt, sQ_layout)
+
+        @cute.struct
+        class Storage:
+            q_bar: cute.struct.MemRange[cutlass.Int64, 1]
+            k_bar: cute.struct.MemRange[cutlass.Int64, self.k_stages]
+            v_bar: cute.struct.MemRange[cutlass.Int64, self.v_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        self.storage = Storage
+
+        mma_qk = hopper_helpers.make_trivial_tiled_mma(
+            dt, dt, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), cutlass.Float32,
+            (1, 1, 1), tiler_mn=(BLOCK, BLOCK))
+        mma_pv = hopper_helpers.make_trivial_tiled_mma(
+            dt, dt, k_major.sm90_mma_major_mode(), v_major.sm90_mma_major_mode(), cutlass.Float32,
+            (1, 1, 1), tiler_mn=(BLOCK, D), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gQ4, sQ_layout, (BLOCK, D))
+        tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, gK4, cute.slice_(sK_layout, (None, None, 0)), (BLOCK, D))
+        tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, gV4, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK))
+
+        n_q_blocks = mSelIdx.shape[2]
+        grid = (n_q_blocks, mQ.shape[1], mQ.shape[0])
+        self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
+                    mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
+                    softmax_scale * LOG2_E).launch(
+            grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)  # all of L1 as shared memory
+
+    # ---- device side ------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor, gO4: cute.Tensor, mLSE: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               mSelIdx: cute.Tensor, mSelNum: cute.Tensor, mKVCounts: cute.Tensor,
+               mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               c: cutlass.Float32):
+        KS, VS = self.k_stages, self.v_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        qb, h, b = cute.arch.block_idx()
+        n_kv = mKVCounts.shape[0]
+        cap = mSelIdx.shape[3]
+
+        st = SmemAllocator().allocate(self.storage)
+        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
+        q_bar = pipeline.MbarrierArray(st.q_bar.data_ptr(), num_stages=1, agent=tma_load)
+        k_bar = pipeline.MbarrierArray(st.k_bar.data_ptr(), num_stages=KS, agent=tma_load)
+        v_bar = pipeline.MbarrierArray(st.v_bar.data_ptr(), num_stages=VS, agent=tma_load)
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # global tiles: Q block (64, D); K tiles (64, D, nKV); V tiles (D, 64, nKV)
+        gQ = cute.local_tile(tQ[None, None, h, b], (BLOCK, self.head_dim), (qb, 0))
+        gK = cute.local_tile(tK[None, None, h, b], (BLOCK, self.head_dim), (None, 0))
+        gV = cute.local_tile(tV[None, None, h, b], (self.head_dim, BLOCK), (0, None))
+        one = cute.make_layout(1)
+        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        sel = mSelIdx[b, h, qb, None]
+        n = cutlass.min(cutlass.max(mSelNum[b, h, qb], 0), cap)
+
+        # fragments
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
+        rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
+        assert cute.size(rP) == cute.size(accS)
+        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
+        S = _rows_cols(accS)
+        O = _rows_cols(accO)
+        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
+        cS_rc = _rows_cols(cS)
+        n_rows = cute.size(S, mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        alpha = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        alpha.fill(1.0)
+        accO.fill(0.0)
+
+        # rings and list entries: tile j lives in K slot j % KS, V slot j % VS; its mbarrier phase is (j // stages) % 2
+        cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        if n > 0:
+            if warp == 0:
+                q_bar.arrive_and_expect_tx(0, self.tile_bytes)
+                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_bar.get_barrier(0))
+                for j in cutlass.range_constexpr(KS):
+                    if j < n:
+                        self._load_tile(tma_k, tKg, tKs, k_bar, sel, j, j, n_kv)
+                for j in cutlass.range_constexpr(VS):
+                    if j < n:
+                        self._load_tile(tma_v, tVg, tVs, v_bar, sel, j, j, n_kv)
+            q_bar.wait(0, 0)
+
+            last = cutlass.Int32(-1)
+            mma_pv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            for j in cutlass.range(n, unroll=1):
+                # S = Q K_j^T
+                k_bar.wait(j % KS, (j // KS) % 2)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+                    mma_qk.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, j % KS], accS)
+                cute.nvgpu.warpgroup.commit_group()
+                # O = alpha * O + P_{j-1} V_{j-1}, in flight with QK_j
+                if j > 0:
+                    self._rescale(O, alpha)
+                    v_bar.wait((j - 1) % VS, ((j - 1) // VS) % 2)
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(mma_pv, accO, rP, rV[None, None, None, (j - 1) % VS], accO)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                # QK_j retired: its K slot takes tile j + KS
+                if warp == 0 and j + KS < n:
+                    self._load_tile(tma_k, tKg, tKs, k_bar, sel, j + KS, (j + KS) % KS, n_kv)
+                # list rule and the tile's valid keys
+                entry = sel[j]
+                keep = (entry > last) & (entry < n_kv)
+                valid = cutlass.Int32(0)
+                if keep:
+                    last = entry
+                    valid = cutlass.min(cutlass.max(mKVCounts[entry], 0), BLOCK)
+                if valid < BLOCK:
+                    for ci in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                        if cS_rc[0, ci][1] >= valid:
+                            for ri in cutlass.range_constexpr(n_rows):
+                                S[ri, ci] = -cutlass.Float32.inf
+                self._online_softmax(S, row_max, row_sum, alpha, c)
+                if j > 0:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    # PV_{j-1} retired: its V slot takes tile j - 1 + VS
+                    if warp == 0 and j - 1 + VS < n:
+                        self._load_tile(tma_v, tVg, tVs, v_bar, sel, j - 1 + VS, (j - 1) % VS, n_kv)
+                rP_as_S.store(accS.load().to(self.dtype))
+            # drain: the last tile's PV
+            self._rescale(O, alpha)
+            v_bar.wait((n - 1) % VS, ((n - 1) // VS) % 2)
+            cute.nvgpu.warpgroup.fence()
+            cute.gemm(mma_pv, accO, rP, rV[None, None, None, (n - 1) % VS], accO)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+
+        # epilogue: normalise, lse (natural log; -inf where nothing was seen)
+        lse = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        for ri in cutlass.range_constexpr(n_rows):
+            total = cute.arch.warp_reduction_sum(row_sum[ri], threads_in_group=4)
+            inv = cutlass.Float32(0.0)
+            lse[ri] = -cutlass.Float32.inf
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+                lse[ri] = row_max[ri] * (c * LN_2) + _mlir_math.log(total)
+            alpha[ri] = inv
+        self._rescale(O, alpha)
+
+        cO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK, self.head_dim)))
+        cO_rc = _rows_cols(cO)
+        row0 = qb * BLOCK
+        mO = gO4[None, None, h, b]
+        if cutlass.const_expr(not self.has_coarse):
+            gO = cute.local_tile(mO, (BLOCK, self.head_dim), (qb, 0))
+            tOg = thr_pv.partition_C(gO)
+            rO = cute.make_rmem_tensor_like(accO, self.dtype)
+            rO.store(accO.load().to(self.dtype))
+            cute.autovec_copy(rO, tOg)
+            if tidx % 4 == 0:
+                for ri in cutlass.range_constexpr(n_rows):
+                    mLSE[b, h, row0 + cS_rc[ri, 0][0]] = lse[ri]
+        else:
+            # VSA: rows past the block's q count are outputs of nothing (out 0, out_fine 0, lse +inf)
+            q_valid = cutlass.min(cutlass.max(mQCounts[qb], 0), BLOCK)
+            for ri in cutlass.range_constexpr(n_rows):
+                r = cO_rc[ri, 0][0]
+                row_ok = r < q_valid
+                if tidx % 4 == 0:
+                    mLSE[b, h, row0 + r] = lse[ri] if row_ok else cutlass.Float32.inf
+                for ci in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    d = cO_rc[ri, ci][1]
+                    fine = O[ri, ci] if row_ok else cutlass.Float32(0.0)
+                    if cutlass.const_expr(self.store_fine):
+                        mOutFine[b, h, row0 + r, d] = fine
+                    mix = cutlass.Float32(0.0)
+                    if row_ok:
+                        mix = mOutC[b, h, qb, d]
+                        if cutlass.const_expr(self.has_gate):
+                            mix = mix * mGate[b, h, row0 + r, d].to(cutlass.Float32)
+                    mO[row0 + r, d] = (fine + mix).to(self.dtype)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    @cute.jit
+    def _load_tile(self, atom, tXg, tXs, bar, sel, j, slot, n_kv):
+        """TMA of list entry j's tile (entry clamped into [0, nKV): always in bounds) into `slot`."""
+        blk = cutlass.min(cutlass.max(sel[j], 0), n_kv - 1)
+        bar.arrive_and_expect_tx(slot, self.tile_bytes)
+        cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
+
+    @cute.jit
+    def _rescale(self, O: cute.Tensor, factor: cute.Tensor):
+        for ri in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            for ci in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[ri, ci] = O[ri, ci] * factor[ri]
+
+    @cute.jit
+    def _online_softmax(self, S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor,
+                        c: cutlass.Float32):
+        """S (raw logits) becomes P = exp2(S c - m c) with m the running row max; alpha gets
+        exp2((m_old - m) c) for O, row_sum (this thread's part) is rescaled and accumulated.
+        A row with only -inf so far keeps m = -inf and uses 0 in its place (P = 0, alpha = 0)."""
+        n_cols = cute.size(S, mode=[1])
+        for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            m = S[ri, 0]
+            for ci in cutlass.range_constexpr(1, n_cols):
+                m = cute.arch.fmax(m, S[ri, ci])
+            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            m_new = cute.arch.fmax(row_max[ri], m)
+            m_safe = m_new
+            if m_new == -cutlass.Float32.inf:
+                m_safe = cutlass.Float32(0.0)
+            a = cute.math.exp2((row_max[ri] - m_safe) * c, fastmath=True)
+            alpha[ri] = a
+            row_max[ri] = m_new
+            neg = -(m_safe * c)
+            s = cutlass.Float32(0.0)
+            for ci in cutlass.range_constexpr(n_cols):
+                p = cute.math.exp2(cute.math.fma(S[ri, ci], c, neg), fastmath=True)
+                S[ri, ci] = p
+                s = s + p
+            row_sum[ri] = row_sum[ri] * a + s
+
+
+# ---- host launcher ------------------------------------------------------------------------------
+_COMPILED = {}
+
+
+def _dtype(t):
+    import torch
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
+
+
+def _cute_tensor(t, align=16):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
+                     q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2):
+    """Runs the forward on torch CUDA tensors (q, k, v, out, gate, out_fine [B, H, S, D] views: BHSD or a
+    BSHD tensor transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap], sel_num [B, H, nQ],
+    kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32), on torch's current stream."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    B, H, Sq, D = q.shape
+    if Sq % BLOCK or k.shape[2] % BLOCK:
+        raise ValueError(f"sm90_fwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {k.shape[2]})")
+    if k.shape[2] // BLOCK != kv_counts.shape[0]:
+        raise ValueError(f"kv_counts has {kv_counts.shape[0]} entries for {k.shape[2] // BLOCK} KV blocks")
+    if sel_idx.shape[:3] != (B, H, Sq // BLOCK) or sel_num.shape != (B, H, Sq // BLOCK):
+        raise ValueError("sel_idx must be [B, H, nQ, capacity] and sel_num [B, H, nQ]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"sm90_fwd64 needs {name} with a contiguous head dim, strides in multiples of 8 "
+                             "elements and a 16-byte aligned start (TMA)")
+    has_coarse = out_coarse is not None
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    placeholder = sel_num  # never read when its feature is off
+    args = [q, k, v, out, lse, sel_idx.contiguous(), sel_num.contiguous(), kv_counts.contiguous(),
+            q_counts if has_coarse else placeholder, gate if gate is not None else q,
+            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse]
+    key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None)
+    cargs = [_cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        kernel = BlockSparseFwd64Sm90(_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
+                                      has_gate=gate is not None, store_fine=out_fine is not None)
+        fn = cute.compile(kernel, *cargs, cutlass.Float32(scale), stream)
+        _COMPILED[key] = fn
+    fn(*cargs, cutlass.Float32(scale), stream)
