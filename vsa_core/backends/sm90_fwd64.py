@@ -132,6 +132,7 @@ class BlockSparseFwd64Sm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
         self.storage = Storage
+        self.smem_bytes = Storage.size_in_bytes()  # the real figure, once traced
 
         mma_qk = hopper_helpers.make_trivial_tiled_mma(
             dt, dt, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), cutlass.Float32,
@@ -236,47 +237,33 @@ class BlockSparseFwd64Sm90:
                         self._load_tile(tma_v, tVg, tVs, v_bar, sel, j, j, n_kv)
             q_bar.wait(0, 0)
 
-            last = cutlass.Int32(-1)
+            # tile 0 (peeled: inside the loop every branch on j would hide from ptxas that PV_{j-1}
+            # has retired at the back edge, and it would serialise the wgmmas)
             mma_pv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            for j in cutlass.range(n, unroll=1):
-                # S = Q K_j^T
-                k_bar.wait(j % KS, (j // KS) % 2)
+            self._qk(mma_qk, accS, rQ, rK, k_bar, 0)
+            cute.nvgpu.warpgroup.wait_group(0)
+            if warp == 0 and KS < n:
+                self._load_tile(tma_k, tKg, tKs, k_bar, sel, KS, 0, n_kv)
+            last = self._softmax_tile(S, cS_rc, sel, 0, cutlass.Int32(-1), mKVCounts, n_kv, row_max, row_sum,
+                                      alpha, c)
+            rP_as_S.store(accS.load().to(self.dtype))
+            for j in cutlass.range(1, n, unroll=1):
+                # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
+                self._qk(mma_qk, accS, rQ, rK, k_bar, j)
+                self._rescale(O, alpha)
+                v_bar.wait((j - 1) % VS, ((j - 1) // VS) % 2)
                 cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-                    mma_qk.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, j % KS], accS)
+                cute.gemm(mma_pv, accO, rP, rV[None, None, None, (j - 1) % VS], accO)
                 cute.nvgpu.warpgroup.commit_group()
-                # O = alpha * O + P_{j-1} V_{j-1}, in flight with QK_j
-                if j > 0:
-                    self._rescale(O, alpha)
-                    v_bar.wait((j - 1) % VS, ((j - 1) // VS) % 2)
-                    cute.nvgpu.warpgroup.fence()
-                    cute.gemm(mma_pv, accO, rP, rV[None, None, None, (j - 1) % VS], accO)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
+                cute.nvgpu.warpgroup.wait_group(1)
                 # QK_j retired: its K slot takes tile j + KS
                 if warp == 0 and j + KS < n:
                     self._load_tile(tma_k, tKg, tKs, k_bar, sel, j + KS, (j + KS) % KS, n_kv)
-                # list rule and the tile's valid keys
-                entry = sel[j]
-                keep = (entry > last) & (entry < n_kv)
-                valid = cutlass.Int32(0)
-                if keep:
-                    last = entry
-                    valid = cutlass.min(cutlass.max(mKVCounts[entry], 0), BLOCK)
-                if valid < BLOCK:
-                    for ci in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                        if cS_rc[0, ci][1] >= valid:
-                            for ri in cutlass.range_constexpr(n_rows):
-                                S[ri, ci] = -cutlass.Float32.inf
-                self._online_softmax(S, row_max, row_sum, alpha, c)
-                if j > 0:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    # PV_{j-1} retired: its V slot takes tile j - 1 + VS
-                    if warp == 0 and j - 1 + VS < n:
-                        self._load_tile(tma_v, tVg, tVs, v_bar, sel, j - 1 + VS, (j - 1) % VS, n_kv)
+                last = self._softmax_tile(S, cS_rc, sel, j, last, mKVCounts, n_kv, row_max, row_sum, alpha, c)
+                cute.nvgpu.warpgroup.wait_group(0)
+                # PV_{j-1} retired: its V slot takes tile j - 1 + VS, and P's registers are free
+                if warp == 0 and j - 1 + VS < n:
+                    self._load_tile(tma_v, tVg, tVs, v_bar, sel, j - 1 + VS, (j - 1) % VS, n_kv)
                 rP_as_S.store(accS.load().to(self.dtype))
             # drain: the last tile's PV
             self._rescale(O, alpha)
@@ -338,6 +325,34 @@ class BlockSparseFwd64Sm90:
         blk = cutlass.min(cutlass.max(sel[j], 0), n_kv - 1)
         bar.arrive_and_expect_tx(slot, self.tile_bytes)
         cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
+
+    @cute.jit
+    def _qk(self, mma_qk, accS, rQ, rK, k_bar, j):
+        """Issues S = Q K_j^T (K slot j % k_stages) once its tile has landed; committed, not waited."""
+        k_bar.wait(j % self.k_stages, (j // self.k_stages) % 2)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+            mma_qk.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, j % self.k_stages], accS)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _softmax_tile(self, S, cS_rc, sel, j, last, mKVCounts, n_kv, row_max, row_sum, alpha, c):
+        """List rule for entry j (counted only if in [0, nKV) and above the last counted entry), the
+        tile's padded keys (past kv_counts) masked to -inf, then the online softmax. Returns the
+        last counted entry."""
+        entry = sel[j]
+        valid = cutlass.Int32(0)
+        if (entry > last) & (entry < n_kv):
+            last = entry
+            valid = cutlass.min(cutlass.max(mKVCounts[entry], 0), BLOCK)
+        if valid < BLOCK:
+            for ci in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                if cS_rc[0, ci][1] >= valid:
+                    for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        S[ri, ci] = -cutlass.Float32.inf
+        self._online_softmax(S, row_max, row_sum, alpha, c)
+        return last
 
     @cute.jit
     def _rescale(self, O: cute.Tensor, factor: cute.Tensor):
