@@ -231,10 +231,15 @@ class BlockSparseFwd64Sm90:
                 cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_bar.get_barrier(0))
                 for j in cutlass.range_constexpr(KS):
                     if j < n:
-                        self._load_tile(tma_k, tKg, tKs, k_bar, sel, j, j, n_kv)
+                        self._load_tile(tma_k, tKg, tKs, k_bar, self._block(sel, j, n_kv), j)
                 for j in cutlass.range_constexpr(VS):
                     if j < n:
-                        self._load_tile(tma_v, tVg, tVs, v_bar, sel, j, j, n_kv)
+                        self._load_tile(tma_v, tVg, tVs, v_bar, self._block(sel, j, n_kv), j)
+            # List entries are read one tile ahead (loads issued before the waits they would
+            # otherwise sit behind): `entry` / `count` are tile j's, for its mask.
+            entry = sel[0]
+            count = mKVCounts[self._clamp(entry, n_kv)]
+            k_next = self._block(sel, cutlass.min(KS, n - 1), n_kv)
             q_bar.wait(0, 0)
 
             # tile 0 (peeled: inside the loop every branch on j would hide from ptxas that PV_{j-1}
@@ -243,11 +248,14 @@ class BlockSparseFwd64Sm90:
             self._qk(mma_qk, accS, rQ, rK, k_bar, 0)
             cute.nvgpu.warpgroup.wait_group(0)
             if warp == 0 and KS < n:
-                self._load_tile(tma_k, tKg, tKs, k_bar, sel, KS, 0, n_kv)
-            last = self._softmax_tile(S, cS_rc, sel, 0, cutlass.Int32(-1), mKVCounts, n_kv, row_max, row_sum,
-                                      alpha, c)
+                self._load_tile(tma_k, tKg, tKs, k_bar, k_next, 0)
+            last = self._softmax_tile(S, cS_rc, entry, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
             rP_as_S.store(accS.load().to(self.dtype))
             for j in cutlass.range(1, n, unroll=1):
+                entry = sel[j]
+                count = mKVCounts[self._clamp(entry, n_kv)]
+                k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
+                v_next = self._block(sel, cutlass.min(j - 1 + VS, n - 1), n_kv)
                 # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
                 self._qk(mma_qk, accS, rQ, rK, k_bar, j)
                 self._rescale(O, alpha)
@@ -258,12 +266,12 @@ class BlockSparseFwd64Sm90:
                 cute.nvgpu.warpgroup.wait_group(1)
                 # QK_j retired: its K slot takes tile j + KS
                 if warp == 0 and j + KS < n:
-                    self._load_tile(tma_k, tKg, tKs, k_bar, sel, j + KS, (j + KS) % KS, n_kv)
-                last = self._softmax_tile(S, cS_rc, sel, j, last, mKVCounts, n_kv, row_max, row_sum, alpha, c)
+                    self._load_tile(tma_k, tKg, tKs, k_bar, k_next, (j + KS) % KS)
+                last = self._softmax_tile(S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c)
                 cute.nvgpu.warpgroup.wait_group(0)
                 # PV_{j-1} retired: its V slot takes tile j - 1 + VS, and P's registers are free
                 if warp == 0 and j - 1 + VS < n:
-                    self._load_tile(tma_v, tVg, tVs, v_bar, sel, j - 1 + VS, (j - 1) % VS, n_kv)
+                    self._load_tile(tma_v, tVg, tVs, v_bar, v_next, (j - 1) % VS)
                 rP_as_S.store(accS.load().to(self.dtype))
             # drain: the last tile's PV
             self._rescale(O, alpha)
@@ -320,9 +328,17 @@ class BlockSparseFwd64Sm90:
 
     # ---- helpers ----------------------------------------------------------------------------------
     @cute.jit
-    def _load_tile(self, atom, tXg, tXs, bar, sel, j, slot, n_kv):
-        """TMA of list entry j's tile (entry clamped into [0, nKV): always in bounds) into `slot`."""
-        blk = cutlass.min(cutlass.max(sel[j], 0), n_kv - 1)
+    def _clamp(self, entry, n_kv):
+        """An entry clamped into [0, nKV): always safe to address (a skipped entry's tile is masked)."""
+        return cutlass.min(cutlass.max(entry, 0), n_kv - 1)
+
+    @cute.jit
+    def _block(self, sel, j, n_kv):
+        return self._clamp(sel[j], n_kv)
+
+    @cute.jit
+    def _load_tile(self, atom, tXg, tXs, bar, blk, slot):
+        """TMA of KV block `blk`'s tile into `slot`, completing on that slot's mbarrier."""
         bar.arrive_and_expect_tx(slot, self.tile_bytes)
         cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
 
@@ -337,15 +353,14 @@ class BlockSparseFwd64Sm90:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _softmax_tile(self, S, cS_rc, sel, j, last, mKVCounts, n_kv, row_max, row_sum, alpha, c):
-        """List rule for entry j (counted only if in [0, nKV) and above the last counted entry), the
-        tile's padded keys (past kv_counts) masked to -inf, then the online softmax. Returns the
-        last counted entry."""
-        entry = sel[j]
+    def _softmax_tile(self, S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c):
+        """List rule for the tile's entry (counted only if in [0, nKV) and above the last counted
+        entry), its padded keys (past its block's count) masked to -inf, then the online softmax.
+        Returns the last counted entry."""
         valid = cutlass.Int32(0)
         if (entry > last) & (entry < n_kv):
             last = entry
-            valid = cutlass.min(cutlass.max(mKVCounts[entry], 0), BLOCK)
+            valid = cutlass.min(cutlass.max(count, 0), BLOCK)
         if valid < BLOCK:
             for ci in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 if cS_rc[0, ci][1] >= valid:
