@@ -1,6 +1,6 @@
 """Checks and times our sm_90 64-token-block forward (vsa_core/backends/sm90_fwd64.py) on one H200.
 
-    PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py [--no-timing]     # logs and JSON to $OUT when set
+    PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py [--no-timing] [--only=k1v2,ws2]   # logs, JSON to $OUT
 
 Needs the CuTe stack (nvidia-cutlass-dsl 4.8.1; nvidia-cudnn-frontend 1.32 for the cuDNN rows:
 ../shared/device/pack-cute.sh). Every variant and every row runs in its own try/except, so one
@@ -48,6 +48,9 @@ DEV = "cuda"
 VARIANTS = {  # name: launcher keywords
     "k1v2": dict(k_stages=1, v_stages=2),
     "k2v2": dict(k_stages=2, v_stages=2),
+    "ws2": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True),
+    "ws2pp": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True),
+    "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
 }
 
 
@@ -177,14 +180,19 @@ CASES = [
     ("vsa gate + out_fine", dict(coarse=True, q_counts=[64, 17, 1, 40]), {}),
     ("vsa no gate, inference", dict(coarse=True), dict(gate=False, store_fine=False)),
     ("vsa bshd", dict(coarse=True, layout="bshd"), {}),
+    ("B1H1 nq1 (one query block)", dict(B=1, H=1, nq=1, nkv=3, cap=3, counts=[[[3]]]), {}),
 ]
+# cases that need their own compile (dtype, head dim, epilogue): the other variants skip them
+MAIN_ONLY = ("head dim 64", "fp16", "vsa no gate, inference")
 
 
 def check_small() -> list:
     results = []
     say("== correctness vs float64 reference (rel-L2 of out / out_fine < 1e-2; lse max abs < 1e-3, 5e-3 at x16)")
-    for variant in VARIANTS:
+    for vi, variant in enumerate(VARIANTS):
         for i, (label, mk, rk) in enumerate(CASES):
+            if vi > 0 and label in MAIN_ONLY:
+                continue
             name = f"{variant:5s} {label}"
             try:
                 case = make_case(1000 + i, **mk)
@@ -246,7 +254,8 @@ def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
             lambda: out.clone())
     qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # BSHD storage
     out_t = torch.empty_like(qt)
-    row("ours sm90_fwd64 k1v2 bshd", lambda: fwd64()(qt, kt, vt, out_t, lse, idx, num, counts, **VARIANTS["k1v2"]))
+    first = next(iter(VARIANTS))
+    row(f"ours sm90_fwd64 {first} bshd", lambda: fwd64()(qt, kt, vt, out_t, lse, idx, num, counts, **VARIANTS[first]))
     try:
         from cudnn import BSA
         res = {}
@@ -295,6 +304,11 @@ def main(argv) -> int:
     except Exception as e:
         say(f"cutlass does not import: {type(e).__name__}: {e}")
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=torch.cuda.get_device_name())
+    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
+    if only:  # e.g. --only=k1v2,ws2
+        for name in list(VARIANTS):
+            if name not in only.split(","):
+                del VARIANTS[name]
     result["correctness"] = check_small()
     ok = all(r.get("ok") for r in result["correctness"])
     if "--no-timing" not in argv:

@@ -47,6 +47,11 @@ VARIANTS = {
     "simple-k1v2-d64": dict(k_stages=1, v_stages=2, head_dim=64),
     "simple-k1v2-fp16": dict(k_stages=1, v_stages=2, dtype=cutlass.Float16),
     "simple-k1v2-vsa": dict(k_stages=1, v_stages=2, has_coarse=True, has_gate=True, store_fine=True),
+    "ws-c2-k2v2": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True),
+    "ws-c2-k2v2-pingpong": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True),
+    "ws-c3-k1v2": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
+    "ws-c2-k2v2-vsa": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, has_coarse=True,
+                           has_gate=True, store_fine=True),
 }
 
 

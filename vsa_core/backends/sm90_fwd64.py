@@ -68,15 +68,31 @@ def _rows_cols(t: cute.Tensor) -> cute.Tensor:
 
 
 class BlockSparseFwd64Sm90:
-    """One compiled configuration of the forward. Compile-time parameters: element type,
-    head dim, ring depths, and the coarse-branch epilogue (has_coarse, has_gate, store_fine)."""
+    """One compiled configuration of the forward. Compile-time parameters: element type, head dim,
+    ring depths, the coarse-branch epilogue (has_coarse, has_gate, store_fine), and the CTA shape:
+
+    - `consumers=1, warp_specialized=False` ("simple"): one warpgroup per CTA, its warp 0 issues
+      the TMA loads itself between its wgmmas.
+    - `warp_specialized=True` (FA3-style): warpgroup 0 is the producer (warp c issues every TMA load
+      of consumer c, gated by "empty" mbarriers the consumers arrive on once the wgmma that read a
+      slot has retired; setmaxnreg hands its registers to the consumers), warpgroups 1..consumers
+      are consumers, each owning one 64-row query block (query blocks
+      blockIdx.x * consumers + c) and walking its own list with its own K/V rings. With
+      `pingpong` (2 consumers) named barriers make the two consumers take turns issuing their
+      GEMMs, so one's softmax runs under the other's wgmmas; the turns run for the first
+      min(n0, n1) tiles (both know both counts), then each runs free, so unequal lists cannot
+      deadlock.
+    """
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
+                 consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  ctas_per_sm: Optional[int] = None):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert k_stages >= 1 and v_stages >= 1
+        assert warp_specialized or consumers == 1, "several consumers need the producer warpgroup"
+        assert not pingpong or (warp_specialized and consumers == 2), "ping-pong is for 2 consumers"
         self.dtype = dtype
         self.head_dim = head_dim
         self.k_stages = k_stages
@@ -84,11 +100,17 @@ class BlockSparseFwd64Sm90:
         self.has_coarse = has_coarse
         self.has_gate = has_gate and has_coarse
         self.store_fine = store_fine and has_coarse
+        self.consumers = consumers
+        self.ws = warp_specialized
+        self.pingpong = pingpong
         tile_bytes = BLOCK * head_dim * 2
-        self.smem_bytes = tile_bytes * (1 + k_stages + v_stages) + 64
+        self.smem_bytes = tile_bytes * (1 + k_stages + v_stages) * consumers + 1024
         # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
         self.ctas_per_sm = ctas_per_sm or max(1, min(3, (227 * 1024) // self.smem_bytes))
-        self.threads = 128
+        self.threads = 128 * (consumers + (1 if warp_specialized else 0))
+        # setmaxnreg budgets (multiples of 8, 64K registers per SM at one CTA per SM)
+        self.producer_regs = 24 if consumers >= 3 else 40
+        self.consumer_regs = min(240, (65536 // 128 - self.producer_regs) // consumers // 8 * 8)
 
     # ---- host side (traced once per compile) ----------------------------------------------------
     @cute.jit
@@ -100,6 +122,7 @@ class BlockSparseFwd64Sm90:
         sel_num [B, H, nQ], kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32.
         Without the coarse branch q_counts / gate / out_coarse / out_fine are placeholders (never read)."""
         D = self.head_dim
+        NC = self.consumers
         # (S, D, H, B) views for Q, K, O (D contiguous: K-major operands) and (D, S, H, B) for V
         # (the PV wgmma's B operand is V^T, N = D contiguous: MN-major); head dim static.
         def tok_major(t):
@@ -117,16 +140,19 @@ class BlockSparseFwd64Sm90:
         dt = self.dtype
         qk_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(k_major, dt, D), dt)
         v_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(v_major, dt, D), dt)
-        sQ_layout = cute.tile_to_shape(qk_atom, (BLOCK, D), order=(0, 1))
-        sK_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, self.k_stages), order=(0, 1, 2))
-        sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, self.v_stages), order=(1, 0, 2))
-        self.tile_bytes = cute.size_in_bytes(dt, sQ_layout)
+        # slots: consumer c's Q is slot c, its K / V ring slots are c * stages + s
+        sQ_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NC), order=(0, 1, 2))
+        sK_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NC * self.k_stages), order=(0, 1, 2))
+        sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, NC * self.v_stages), order=(1, 0, 2))
+        self.tile_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
 
         @cute.struct
         class Storage:
-            q_bar: cute.struct.MemRange[cutlass.Int64, 1]
-            k_bar: cute.struct.MemRange[cutlass.Int64, self.k_stages]
-            v_bar: cute.struct.MemRange[cutlass.Int64, self.v_stages]
+            q_full: cute.struct.MemRange[cutlass.Int64, NC]
+            k_full: cute.struct.MemRange[cutlass.Int64, NC * self.k_stages]
+            v_full: cute.struct.MemRange[cutlass.Int64, NC * self.v_stages]
+            k_empty: cute.struct.MemRange[cutlass.Int64, NC * self.k_stages]
+            v_empty: cute.struct.MemRange[cutlass.Int64, NC * self.v_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -142,14 +168,15 @@ class BlockSparseFwd64Sm90:
             (1, 1, 1), tiler_mn=(BLOCK, D), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gQ4, sQ_layout, (BLOCK, D))
+        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, gQ4, cute.slice_(sQ_layout, (None, None, 0)), (BLOCK, D))
         tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, gK4, cute.slice_(sK_layout, (None, None, 0)), (BLOCK, D))
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, gV4, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK))
 
         n_q_blocks = mSelIdx.shape[2]
-        grid = (n_q_blocks, mQ.shape[1], mQ.shape[0])
+        grid = ((n_q_blocks + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
         self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
                     mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
                     softmax_scale * LOG2_E).launch(
@@ -165,18 +192,23 @@ class BlockSparseFwd64Sm90:
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                c: cutlass.Float32):
-        KS, VS = self.k_stages, self.v_stages
+        NC, KS, VS = self.consumers, self.k_stages, self.v_stages
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        qb, h, b = cute.arch.block_idx()
-        n_kv = mKVCounts.shape[0]
-        cap = mSelIdx.shape[3]
+        wg = warp // 4
+        bx, h, b = cute.arch.block_idx()
 
         st = SmemAllocator().allocate(self.storage)
         tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
-        q_bar = pipeline.MbarrierArray(st.q_bar.data_ptr(), num_stages=1, agent=tma_load)
-        k_bar = pipeline.MbarrierArray(st.k_bar.data_ptr(), num_stages=KS, agent=tma_load)
-        v_bar = pipeline.MbarrierArray(st.v_bar.data_ptr(), num_stages=VS, agent=tma_load)
+        bars = dict(
+            q_full=pipeline.MbarrierArray(st.q_full.data_ptr(), num_stages=NC, agent=tma_load),
+            k_full=pipeline.MbarrierArray(st.k_full.data_ptr(), num_stages=NC * KS, agent=tma_load),
+            v_full=pipeline.MbarrierArray(st.v_full.data_ptr(), num_stages=NC * VS, agent=tma_load))
+        if cutlass.const_expr(self.ws):
+            # one arrival per consumer warp (each after its own wait_group)
+            release = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(pipeline.Agent.Thread, 4))
+            bars["k_empty"] = pipeline.MbarrierArray(st.k_empty.data_ptr(), num_stages=NC * KS, agent=release)
+            bars["v_empty"] = pipeline.MbarrierArray(st.v_empty.data_ptr(), num_stages=NC * VS, agent=release)
         if warp == 0:
             with cute.arch.elect_one():
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
@@ -186,20 +218,101 @@ class BlockSparseFwd64Sm90:
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-
-        # global tiles: Q block (64, D); K tiles (64, D, nKV); V tiles (D, 64, nKV)
-        gQ = cute.local_tile(tQ[None, None, h, b], (BLOCK, self.head_dim), (qb, 0))
+        # global tiles: K tiles (64, D, nKV); V tiles (D, 64, nKV)
         gK = cute.local_tile(tK[None, None, h, b], (BLOCK, self.head_dim), (None, 0))
         gV = cute.local_tile(tV[None, None, h, b], (self.head_dim, BLOCK), (0, None))
         one = cute.make_layout(1)
-        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tKs=tKs, tKg=tKg, tVs=tVs, tVg=tVg)
+        lists = dict(idx=mSelIdx, num=mSelNum, kv_counts=mKVCounts, h=h, b=b)
 
-        sel = mSelIdx[b, h, qb, None]
-        n = cutlass.min(cutlass.max(mSelNum[b, h, qb], 0), cap)
+        cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        if cutlass.const_expr(not self.ws):
+            self._consumer(0, bx, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
+                           mQCounts, mGate, mOutC, mOutFine, c)
+        else:
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp < NC:
+                    self._producer(warp, bx * NC + warp, tma, bars, lists)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                ci = wg - 1
+                self._consumer(ci, bx * NC + ci, tidx % 128, warp % 4, tma, bars, lists, sQ, sK, sV,
+                               mma_qk, mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
 
-        # fragments
+    @cute.jit
+    def _count(self, lists, qb):
+        """Query block qb's list length clamped to [0, capacity]; 0 for a block past the end."""
+        n = cutlass.Int32(0)
+        if qb < lists["idx"].shape[2]:
+            n = cutlass.min(cutlass.max(lists["num"][lists["b"], lists["h"], qb], 0), lists["idx"].shape[3])
+        return n
+
+    @cute.jit
+    def _producer(self, ci, qb, tma, bars, lists):
+        """Warp ci of the producer warpgroup: every TMA load of consumer ci, in the order it uses
+        them (Q, K_0, then K_j before V_{j-1}); a refill waits for the slot's release."""
+        KS, VS = self.k_stages, self.v_stages
+        n_kv = lists["kv_counts"].shape[0]
+        n = self._count(lists, qb)
+        if n > 0:
+            sel = lists["idx"][lists["b"], lists["h"], qb, None]
+            self._load_q(ci, qb, tma, bars, lists)
+            for j in cutlass.range(n + 1, unroll=1):
+                if j < n:
+                    if j >= KS:
+                        bars["k_empty"].wait(ci * KS + j % KS, (j // KS + 1) % 2)
+                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], self._block(sel, j, n_kv),
+                                    ci * KS + j % KS)
+                if j >= 1:
+                    t = j - 1
+                    if t >= VS:
+                        bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
+                    self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], self._block(sel, t, n_kv),
+                                    ci * VS + t % VS)
+
+    @cute.jit
+    def _load_q(self, ci, qb, tma, bars, lists):
+        gQ = cute.local_tile(tma["tQ"][None, None, lists["h"], lists["b"]], (BLOCK, self.head_dim), (qb, 0))
+        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma["q"], 0, cute.make_layout(1),
+                                                    cute.group_modes(tma["sQ"], 0, 2), cute.group_modes(gQ, 0, 2))
+        bars["q_full"].arrive_and_expect_tx(ci, self.tile_bytes)
+        cute.copy(tma["q"], tQg, tQs[None, ci], tma_bar_ptr=bars["q_full"].get_barrier(ci))
+
+    @cute.jit
+    def _release(self, bar, slot):
+        """This warp's arrival on an "empty" mbarrier: its wgmmas reading the slot have retired."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(bar.get_barrier(slot))
+
+    @cute.jit
+    def _turn_wait(self, ci):
+        cute.arch.barrier(barrier_id=1 + ci, number_of_threads=256)
+
+    @cute.jit
+    def _turn_pass(self, ci):
+        cute.arch.barrier_arrive(barrier_id=2 - ci, number_of_threads=256)
+
+    @cute.jit
+    def _consumer(self, ci, qb, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
+                  mQCounts, mGate, mOutC, mOutFine, c):
+        """One warpgroup's query block qb: the online-softmax main loop over its list, then the
+        epilogue. `tidx` / `warp` are the thread's and warp's index within the warpgroup. Without
+        the producer (simple) its warp 0 issues the loads."""
+        NC, KS, VS = self.consumers, self.k_stages, self.v_stages
+        k_full, v_full = bars["k_full"], bars["v_full"]
+        b, h = lists["b"], lists["h"]
+        n_kv = lists["kv_counts"].shape[0]
+        mKVCounts = lists["kv_counts"]
+        n = self._count(lists, qb)
+        sel = lists["idx"][b, h, cutlass.min(qb, lists["idx"].shape[2] - 1), None]
+        ks0, vs0 = ci * KS, ci * VS  # this consumer's ring slots
+        turns = cutlass.Int32(0)  # ping-pong: GEMM steps taken in turns (both consumers' common length)
+        if cutlass.const_expr(self.pingpong):
+            turns = cutlass.min(n, self._count(lists, qb - ci + (1 - ci)))
+
         thr_qk = mma_qk.get_slice(tidx)
         thr_pv = mma_pv.get_slice(tidx)
         rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
@@ -223,32 +336,43 @@ class BlockSparseFwd64Sm90:
         alpha.fill(1.0)
         accO.fill(0.0)
 
-        # rings and list entries: tile j lives in K slot j % KS, V slot j % VS; its mbarrier phase is (j // stages) % 2
-        cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        # rings: tile j lives in K slot j % KS, V slot j % VS; its mbarrier phase is (j // stages) % 2
         if n > 0:
-            if warp == 0:
-                q_bar.arrive_and_expect_tx(0, self.tile_bytes)
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_bar.get_barrier(0))
-                for j in cutlass.range_constexpr(KS):
-                    if j < n:
-                        self._load_tile(tma_k, tKg, tKs, k_bar, self._block(sel, j, n_kv), j)
-                for j in cutlass.range_constexpr(VS):
-                    if j < n:
-                        self._load_tile(tma_v, tVg, tVs, v_bar, self._block(sel, j, n_kv), j)
+            if cutlass.const_expr(not self.ws):
+                if warp == 0:
+                    self._load_q(ci, qb, tma, bars, lists)
+                    for j in cutlass.range_constexpr(KS):
+                        if j < n:
+                            self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, self._block(sel, j, n_kv), j)
+                    for j in cutlass.range_constexpr(VS):
+                        if j < n:
+                            self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, self._block(sel, j, n_kv), j)
+            if cutlass.const_expr(self.pingpong):
+                if ci == 1 and turns > 0:
+                    self._turn_pass(ci)  # consumer 0 takes the first turn
             # List entries are read one tile ahead (loads issued before the waits they would
             # otherwise sit behind): `entry` / `count` are tile j's, for its mask.
             entry = sel[0]
             count = mKVCounts[self._clamp(entry, n_kv)]
             k_next = self._block(sel, cutlass.min(KS, n - 1), n_kv)
-            q_bar.wait(0, 0)
+            bars["q_full"].wait(ci, 0)
 
             # tile 0 (peeled: inside the loop every branch on j would hide from ptxas that PV_{j-1}
             # has retired at the back edge, and it would serialise the wgmmas)
             mma_pv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            self._qk(mma_qk, accS, rQ, rK, k_bar, 0)
+            if cutlass.const_expr(self.pingpong):
+                if turns > 0:
+                    self._turn_wait(ci)
+            self._qk(mma_qk, accS, rQ[None, None, None, ci], rK, k_full, 0, ks0)
+            if cutlass.const_expr(self.pingpong):
+                if turns > 0 and not (ci == 1 and turns == 1):
+                    self._turn_pass(ci)
             cute.nvgpu.warpgroup.wait_group(0)
-            if warp == 0 and KS < n:
-                self._load_tile(tma_k, tKg, tKs, k_bar, k_next, 0)
+            if cutlass.const_expr(self.ws):
+                self._release(bars["k_empty"], ks0)
+            else:
+                if warp == 0 and KS < n:
+                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, 0)
             last = self._softmax_tile(S, cS_rc, entry, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
             rP_as_S.store(accS.load().to(self.dtype))
             for j in cutlass.range(1, n, unroll=1):
@@ -256,32 +380,52 @@ class BlockSparseFwd64Sm90:
                 count = mKVCounts[self._clamp(entry, n_kv)]
                 k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
                 v_next = self._block(sel, cutlass.min(j - 1 + VS, n - 1), n_kv)
+                if cutlass.const_expr(self.pingpong):
+                    if j < turns:
+                        self._turn_wait(ci)
                 # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
-                self._qk(mma_qk, accS, rQ, rK, k_bar, j)
+                self._qk(mma_qk, accS, rQ[None, None, None, ci], rK, k_full, j, ks0)
                 self._rescale(O, alpha)
-                v_bar.wait((j - 1) % VS, ((j - 1) // VS) % 2)
+                v_full.wait(vs0 + (j - 1) % VS, ((j - 1) // VS) % 2)
                 cute.nvgpu.warpgroup.fence()
-                cute.gemm(mma_pv, accO, rP, rV[None, None, None, (j - 1) % VS], accO)
+                cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (j - 1) % VS], accO)
                 cute.nvgpu.warpgroup.commit_group()
+                if cutlass.const_expr(self.pingpong):
+                    if j < turns and not (ci == 1 and j == turns - 1):
+                        self._turn_pass(ci)
                 cute.nvgpu.warpgroup.wait_group(1)
                 # QK_j retired: its K slot takes tile j + KS
-                if warp == 0 and j + KS < n:
-                    self._load_tile(tma_k, tKg, tKs, k_bar, k_next, (j + KS) % KS)
+                if cutlass.const_expr(self.ws):
+                    self._release(bars["k_empty"], ks0 + j % KS)
+                else:
+                    if warp == 0 and j + KS < n:
+                        self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, (j + KS) % KS)
                 last = self._softmax_tile(S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c)
                 cute.nvgpu.warpgroup.wait_group(0)
                 # PV_{j-1} retired: its V slot takes tile j - 1 + VS, and P's registers are free
-                if warp == 0 and j - 1 + VS < n:
-                    self._load_tile(tma_v, tVg, tVs, v_bar, v_next, (j - 1) % VS)
+                if cutlass.const_expr(self.ws):
+                    self._release(bars["v_empty"], vs0 + (j - 1) % VS)
+                else:
+                    if warp == 0 and j - 1 + VS < n:
+                        self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, v_next, (j - 1) % VS)
                 rP_as_S.store(accS.load().to(self.dtype))
             # drain: the last tile's PV
             self._rescale(O, alpha)
-            v_bar.wait((n - 1) % VS, ((n - 1) // VS) % 2)
+            v_full.wait(vs0 + (n - 1) % VS, ((n - 1) // VS) % 2)
             cute.nvgpu.warpgroup.fence()
-            cute.gemm(mma_pv, accO, rP, rV[None, None, None, (n - 1) % VS], accO)
+            cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (n - 1) % VS], accO)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
 
-        # epilogue: normalise, lse (natural log; -inf where nothing was seen)
+        if qb < lists["idx"].shape[2]:
+            self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
+                           mQCounts, mGate, mOutC, mOutFine, c)
+
+    @cute.jit
+    def _epilogue(self, qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
+                  mQCounts, mGate, mOutC, mOutFine, c):
+        """Normalise, lse (natural log; -inf where nothing was seen), and the stores."""
+        n_rows = cute.size(O, mode=[0])
         lse = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         for ri in cutlass.range_constexpr(n_rows):
             total = cute.arch.warp_reduction_sum(row_sum[ri], threads_in_group=4)
@@ -343,13 +487,14 @@ class BlockSparseFwd64Sm90:
         cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
 
     @cute.jit
-    def _qk(self, mma_qk, accS, rQ, rK, k_bar, j):
-        """Issues S = Q K_j^T (K slot j % k_stages) once its tile has landed; committed, not waited."""
-        k_bar.wait(j % self.k_stages, (j // self.k_stages) % 2)
+    def _qk(self, mma_qk, accS, rQ, rK, k_bar, j, slot0):
+        """Issues S = Q K_j^T (K slot slot0 + j % k_stages) once its tile has landed; committed, not waited."""
+        slot = slot0 + j % self.k_stages
+        k_bar.wait(slot, (j // self.k_stages) % 2)
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
             mma_qk.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, j % self.k_stages], accS)
+            cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, slot], accS)
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
@@ -418,7 +563,8 @@ def _cute_tensor(t, align=16):
 
 
 def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
-                     q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2):
+                     q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
+                     consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False):
     """Runs the forward on torch CUDA tensors (q, k, v, out, gate, out_fine [B, H, S, D] views: BHSD or a
     BSHD tensor transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap], sel_num [B, H, nQ],
     kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32), on torch's current stream."""
@@ -442,13 +588,15 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_
     args = [q, k, v, out, lse, sel_idx.contiguous(), sel_num.contiguous(), kv_counts.contiguous(),
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse]
-    key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None)
+    key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
+           warp_specialized, pingpong)
     cargs = [_cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = BlockSparseFwd64Sm90(_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
-                                      has_gate=gate is not None, store_fine=out_fine is not None)
+                                      has_gate=gate is not None, store_fine=out_fine is not None,
+                                      consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong)
         fn = cute.compile(kernel, *cargs, cutlass.Float32(scale), stream)
         _COMPILED[key] = fn
     fn(*cargs, cutlass.Float32(scale), stream)
