@@ -260,18 +260,22 @@ class BlockSparseFwd64Sm90:
         if n > 0:
             sel = lists["idx"][lists["b"], lists["h"], qb, None]
             self._load_q(ci, qb, tma, bars, lists)
+            # tile j's block is read one iteration ahead (before the empty waits); V_{j-1} reuses K_{j-1}'s
+            k_blk = self._block(sel, 0, n_kv)
+            v_blk = k_blk
             for j in cutlass.range(n + 1, unroll=1):
+                k_after = self._block(sel, cutlass.min(j + 1, n - 1), n_kv)
                 if j < n:
                     if j >= KS:
                         bars["k_empty"].wait(ci * KS + j % KS, (j // KS + 1) % 2)
-                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], self._block(sel, j, n_kv),
-                                    ci * KS + j % KS)
+                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + j % KS)
                 if j >= 1:
                     t = j - 1
                     if t >= VS:
                         bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
-                    self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], self._block(sel, t, n_kv),
-                                    ci * VS + t % VS)
+                    self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
+                v_blk = k_blk
+                k_blk = k_after
 
     @cute.jit
     def _load_q(self, ci, qb, tma, bars, lists):
