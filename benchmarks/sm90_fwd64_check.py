@@ -51,6 +51,9 @@ VARIANTS = {  # name: launcher keywords
     "ws2": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True),
     "ws2pp": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True),
     "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
+    "k2v2q": dict(k_stages=2, v_stages=2, q_in_regs=True),
+    "ws2q": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, q_in_regs=True),
+    "ws2ppq": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True, q_in_regs=True),
 }
 
 
@@ -193,7 +196,7 @@ def check_small() -> list:
         for i, (label, mk, rk) in enumerate(CASES):
             if vi > 0 and label in MAIN_ONLY:
                 continue
-            name = f"{variant:5s} {label}"
+            name = f"{variant:6s} {label}"
             try:
                 case = make_case(1000 + i, **mk)
                 got = run_ours(case, variant, **rk)

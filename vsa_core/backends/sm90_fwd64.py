@@ -87,7 +87,7 @@ class BlockSparseFwd64Sm90:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                 ctas_per_sm: Optional[int] = None):
+                 q_in_regs: bool = False, ctas_per_sm: Optional[int] = None):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert k_stages >= 1 and v_stages >= 1
@@ -103,6 +103,9 @@ class BlockSparseFwd64Sm90:
         self.consumers = consumers
         self.ws = warp_specialized
         self.pingpong = pingpong
+        # Q copied once from shared memory into registers (32 per thread at D128) and QK^T as a
+        # register-A wgmma: halves QK's shared-memory reads (only K), for variants with registers to spare
+        self.q_in_regs = q_in_regs
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (1 + k_stages + v_stages) * consumers + 1024
         # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
@@ -162,7 +165,8 @@ class BlockSparseFwd64Sm90:
 
         mma_qk = hopper_helpers.make_trivial_tiled_mma(
             dt, dt, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), cutlass.Float32,
-            (1, 1, 1), tiler_mn=(BLOCK, BLOCK))
+            (1, 1, 1), tiler_mn=(BLOCK, BLOCK),
+            a_source=cute.nvgpu.warpgroup.OperandSource.RMEM if self.q_in_regs else cute.nvgpu.warpgroup.OperandSource.SMEM)
         mma_pv = hopper_helpers.make_trivial_tiled_mma(
             dt, dt, k_major.sm90_mma_major_mode(), v_major.sm90_mma_major_mode(), cutlass.Float32,
             (1, 1, 1), tiler_mn=(BLOCK, D), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
@@ -319,7 +323,11 @@ class BlockSparseFwd64Sm90:
 
         thr_qk = mma_qk.get_slice(tidx)
         thr_pv = mma_pv.get_slice(tidx)
-        rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        if cutlass.const_expr(self.q_in_regs):
+            tSsQ = thr_qk.partition_A(sQ[None, None, ci])
+            rQ = cute.make_rmem_tensor(tSsQ.shape, self.dtype)
+        else:
+            rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))[None, None, None, ci]
         rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
         rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
         accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
@@ -360,6 +368,8 @@ class BlockSparseFwd64Sm90:
             count = mKVCounts[self._clamp(entry, n_kv)]
             k_next = self._block(sel, cutlass.min(KS, n - 1), n_kv)
             bars["q_full"].wait(ci, 0)
+            if cutlass.const_expr(self.q_in_regs):
+                cute.autovec_copy(tSsQ, rQ)
 
             # tile 0 (peeled: inside the loop every branch on j would hide from ptxas that PV_{j-1}
             # has retired at the back edge, and it would serialise the wgmmas)
@@ -367,7 +377,7 @@ class BlockSparseFwd64Sm90:
             if cutlass.const_expr(self.pingpong):
                 if turns > 0:
                     self._turn_wait(ci)
-            self._qk(mma_qk, accS, rQ[None, None, None, ci], rK, k_full, 0, ks0)
+            self._qk(mma_qk, accS, rQ, rK, k_full, 0, ks0)
             if cutlass.const_expr(self.pingpong):
                 if turns > 0 and not (ci == 1 and turns == 1):
                     self._turn_pass(ci)
@@ -388,7 +398,7 @@ class BlockSparseFwd64Sm90:
                     if j < turns:
                         self._turn_wait(ci)
                 # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
-                self._qk(mma_qk, accS, rQ[None, None, None, ci], rK, k_full, j, ks0)
+                self._qk(mma_qk, accS, rQ, rK, k_full, j, ks0)
                 self._rescale(O, alpha)
                 v_full.wait(vs0 + (j - 1) % VS, ((j - 1) // VS) % 2)
                 cute.nvgpu.warpgroup.fence()
@@ -568,7 +578,8 @@ def _cute_tensor(t, align=16):
 
 def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
                      q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
-                     consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False):
+                     consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
+                     q_in_regs: bool = False):
     """Runs the forward on torch CUDA tensors (q, k, v, out, gate, out_fine [B, H, S, D] views: BHSD or a
     BSHD tensor transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap], sel_num [B, H, nQ],
     kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32), on torch's current stream."""
@@ -593,14 +604,15 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong)
+           warp_specialized, pingpong, q_in_regs)
     cargs = [_cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = BlockSparseFwd64Sm90(_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
                                       has_gate=gate is not None, store_fine=out_fine is not None,
-                                      consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong)
+                                      consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
+                                      q_in_regs=q_in_regs)
         fn = cute.compile(kernel, *cargs, cutlass.Float32(scale), stream)
         _COMPILED[key] = fn
     fn(*cargs, cutlass.Float32(scale), stream)
