@@ -613,6 +613,7 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
                                       q_in_regs=q_in_regs)
-        fn = cute.compile(kernel, *cargs, cutlass.Float32(scale), stream)
+        fn = cute.compile(kernel, *cargs, cutlass.Float32(scale),
+                          cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
     fn(*cargs, cutlass.Float32(scale), stream)
