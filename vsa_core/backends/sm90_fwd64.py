@@ -14,20 +14,33 @@ out = out_fine + gate * out_coarse[query block] (or + out_coarse without a gate)
 out_fine in fp32 when asked (training), and writes the padded query rows (past `q_counts`)
 as out 0, out_fine 0, lse +inf, so `out` is written once.
 
-Design (version 1, "simple"): one warpgroup (128 threads) per CTA owns one 64-row query
-block. Q comes once by TMA; K and V 64x128 tiles come by TMA, gathered per list entry, into
+Design, "simple" (consumers=1): one warpgroup (128 threads) per CTA owns one 64-row query
+block. Q comes once by TMA; K and V 64xD tiles come by TMA, gathered per list entry, into
 rings of `k_stages` / `v_stages` shared-memory slots, each slot with one transaction
-mbarrier. The warpgroup is its own producer: a slot is refilled only after the wgmma that
-read it has retired (wait_group), so no "empty" barriers are needed. Within one iteration
-QK^T of tile j and PV of tile j-1 are in flight together (S is a separate accumulator), so the
-softmax of tile j overlaps the tail of PV j-1; the rest of the latency is hidden by the other
-CTAs on the SM (3 per SM at k_stages=1, v_stages=2: 64 KiB of shared memory each).
+mbarrier. The warpgroup is its own producer: its warp 0 refills a slot once the wgmma that
+read it has retired (its own wait_group; cuDNN's blk64 kernel relies on the same), so no
+"empty" barriers are needed. Within one iteration QK^T of tile j and PV of tile j-1 are in
+flight together (S is a separate accumulator), so the softmax of tile j overlaps the tail of
+PV j-1; the rest of the latency is hidden by the other CTAs on the SM (3 per SM at
+k_stages=1, v_stages=2: 65 KiB of shared memory, 158 registers). Tile 0 is peeled out of the
+loop: with branches on j inside it ptxas could not see that PV j-1 retires every iteration
+and serialised the wgmmas (its C7514 warning). List entries and block counts are read one
+tile ahead, before the mbarrier waits they would otherwise sit behind.
 S = Q K^T and O += P V are wgmma m64 with fp32 accumulators; P goes from the S accumulator to
 bf16 registers (the wgmma A operand from registers) without a shuffle: for m64 tiles the
 accumulator's per-thread (col pair, row, col group) order is the A fragment's (k pair, row,
 k half, k block) order. Online softmax in base 2 with one FFMA per element
 (exp2(s * c - m * c), c = scale * log2 e). O is normalised in registers and stored straight
 to global memory (any strides), lse from the row-owning threads.
+
+"warp_specialized" (FA3-style; the class docstring has the details): a producer warpgroup
+(setmaxnreg down) whose warp c issues all of consumer c's loads behind "empty" mbarriers
+(4 arrivals: one per consumer warp after its wait_group), and 2-3 consumer warpgroups
+(setmaxnreg up) running the same main loop, each on its own query block and list; `pingpong`
+alternates two consumers' GEMM issue by named barriers. `q_in_regs` keeps Q in registers
+(QK^T as a register-A wgmma, only K read from shared memory). Which one is fastest is for
+the GPU to say (benchmarks/sm90_fwd64_check.py); registers, spills and shared memory per
+variant: benchmarks/sm90_fwd64_compile.py (all compile for sm_90a with 0 spills).
 
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
