@@ -1,6 +1,6 @@
 """Checks and times our sm_90 64-token-block forward (vsa_core/backends/sm90_fwd64.py) on one H200.
 
-    PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py [--no-timing] [--only=k1v2,ws2]   # logs, JSON to $OUT
+    PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py [--no-timing] [--only=k1v2,ws3L]   # logs, JSON to $OUT
 
 Needs the CuTe stack (nvidia-cutlass-dsl 4.8.1; nvidia-cudnn-frontend 1.32 for the cuDNN rows:
 ../shared/device/pack-cute.sh). Every variant and every row runs in its own try/except, so one
@@ -45,15 +45,15 @@ OUT = os.environ.get("OUT")
 LINES = []
 E = 64
 DEV = "cuda"
-VARIANTS = {  # name: launcher keywords
+VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_rescale, q = q_in_regs)
     "k1v2": dict(k_stages=1, v_stages=2),
-    "k2v2": dict(k_stages=2, v_stages=2),
-    "ws2": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True),
-    "ws2pp": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True),
+    "k1v2L": dict(k_stages=1, v_stages=2, lazy_rescale=True),
+    "k2v2qL": dict(k_stages=2, v_stages=2, q_in_regs=True, lazy_rescale=True),
+    "ws2ppL": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True, lazy_rescale=True),
+    "ws2ppqL": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True, q_in_regs=True,
+                    lazy_rescale=True),
     "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
-    "k2v2q": dict(k_stages=2, v_stages=2, q_in_regs=True),
-    "ws2q": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, q_in_regs=True),
-    "ws2ppq": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True, q_in_regs=True),
+    "ws3L": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True),
 }
 
 
@@ -196,7 +196,7 @@ def check_small() -> list:
         for i, (label, mk, rk) in enumerate(CASES):
             if vi > 0 and label in MAIN_ONLY:
                 continue
-            name = f"{variant:6s} {label}"
+            name = f"{variant:7s} {label}"
             try:
                 case = make_case(1000 + i, **mk)
                 got = run_ours(case, variant, **rk)
@@ -308,7 +308,7 @@ def main(argv) -> int:
         say(f"cutlass does not import: {type(e).__name__}: {e}")
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=torch.cuda.get_device_name())
     only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
-    if only:  # e.g. --only=k1v2,ws2
+    if only:  # e.g. --only=k1v2,ws3L
         for name in list(VARIANTS):
             if name not in only.split(","):
                 del VARIANTS[name]

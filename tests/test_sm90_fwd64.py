@@ -20,7 +20,9 @@ from vsa_core import reference as R
 E = 64
 VARIANTS = {
     "simple": dict(k_stages=1, v_stages=2),
-    "ws2-pingpong": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True),
+    "simple-lazy": dict(k_stages=1, v_stages=2, lazy_rescale=True),
+    "ws2-pingpong-lazy": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True,
+                              lazy_rescale=True),
     "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
 }
 

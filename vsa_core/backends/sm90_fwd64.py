@@ -67,6 +67,7 @@ except ModuleNotFoundError:  # pragma: no cover
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
+LAZY_RESCALE_LOG2 = 8.0  # lazy_rescale: P stays <= 2^8
 
 
 # ---- register-tensor views -------------------------------------------------------------------
@@ -100,7 +101,7 @@ class BlockSparseFwd64Sm90:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                 q_in_regs: bool = False, ctas_per_sm: Optional[int] = None):
+                 q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert k_stages >= 1 and v_stages >= 1
@@ -119,6 +120,8 @@ class BlockSparseFwd64Sm90:
         # Q copied once from shared memory into registers (32 per thread at D128) and QK^T as a
         # register-A wgmma: halves QK's shared-memory reads (only K), for variants with registers to spare
         self.q_in_regs = q_in_regs
+        # the running max moves only by more than LAZY_RESCALE_LOG2 (FA4's trick): O is rescaled rarely
+        self.lazy_rescale = lazy_rescale
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (1 + k_stages + v_stages) * consumers + 1024
         # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
@@ -412,7 +415,7 @@ class BlockSparseFwd64Sm90:
                         self._turn_wait(ci)
                 # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
                 self._qk(mma_qk, accS, rQ, rK, k_full, j, ks0)
-                self._rescale(O, alpha)
+                self._rescale_o(O, alpha)
                 v_full.wait(vs0 + (j - 1) % VS, ((j - 1) // VS) % 2)
                 cute.nvgpu.warpgroup.fence()
                 cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (j - 1) % VS], accO)
@@ -437,7 +440,7 @@ class BlockSparseFwd64Sm90:
                         self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, v_next, (j - 1) % VS)
                 rP_as_S.store(accS.load().to(self.dtype))
             # drain: the last tile's PV
-            self._rescale(O, alpha)
+            self._rescale_o(O, alpha)
             v_full.wait(vs0 + (n - 1) % VS, ((n - 1) // VS) % 2)
             cute.nvgpu.warpgroup.fence()
             cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (n - 1) % VS], accO)
@@ -548,31 +551,60 @@ class BlockSparseFwd64Sm90:
                 O[ri, ci] = O[ri, ci] * factor[ri]
 
     @cute.jit
+    def _rescale_o(self, O: cute.Tensor, alpha: cute.Tensor):
+        """O *= alpha per row; with lazy_rescale skipped (a warp-uniform branch) when no row of the
+        warp moved its max."""
+        if cutlass.const_expr(self.lazy_rescale):
+            moved = cutlass.Boolean(False)
+            for ri in cutlass.range_constexpr(cute.size(O, mode=[0])):
+                moved = moved | (alpha[ri] != 1.0)
+            if cute.arch.vote_any_sync(moved):
+                self._rescale(O, alpha)
+        else:
+            self._rescale(O, alpha)
+
+    @cute.jit
     def _online_softmax(self, S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor,
                         c: cutlass.Float32):
         """S (raw logits) becomes P = exp2(S c - m c) with m the running row max; alpha gets
         exp2((m_old - m) c) for O, row_sum (this thread's part) is rescaled and accumulated.
-        A row with only -inf so far keeps m = -inf and uses 0 in its place (P = 0, alpha = 0)."""
+        A row with only -inf so far keeps m = -inf and uses 0 in its place (P = 0, alpha = 0).
+        With lazy_rescale m moves only when the tile's max exceeds it by more than
+        LAZY_RESCALE_LOG2 (base 2): P <= 2^LAZY_RESCALE_LOG2 then, exact in fp32 sums and with bf16's
+        relative precision, and most tiles leave alpha = 1 (no O rescale, see _rescale_o)."""
         n_cols = cute.size(S, mode=[1])
         for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            m = S[ri, 0]
-            for ci in cutlass.range_constexpr(1, n_cols):
-                m = cute.arch.fmax(m, S[ri, ci])
+            m = _tree([S[ri, ci] for ci in range(n_cols)], cute.arch.fmax)
             m = cute.arch.warp_reduction_max(m, threads_in_group=4)
             m_new = cute.arch.fmax(row_max[ri], m)
-            m_safe = m_new
-            if m_new == -cutlass.Float32.inf:
-                m_safe = cutlass.Float32(0.0)
-            a = cute.math.exp2((row_max[ri] - m_safe) * c, fastmath=True)
+            a = cutlass.Float32(1.0)
+            if cutlass.const_expr(self.lazy_rescale):
+                # NaN (both -inf) compares false: the row keeps m = -inf
+                if (m_new - row_max[ri]) * c > LAZY_RESCALE_LOG2:
+                    a = cute.math.exp2((row_max[ri] - m_new) * c, fastmath=True)
+                    row_max[ri] = m_new
+            else:
+                m_safe = m_new
+                if m_new == -cutlass.Float32.inf:
+                    m_safe = cutlass.Float32(0.0)
+                a = cute.math.exp2((row_max[ri] - m_safe) * c, fastmath=True)
+                row_max[ri] = m_new
             alpha[ri] = a
-            row_max[ri] = m_new
-            neg = -(m_safe * c)
-            s = cutlass.Float32(0.0)
+            m_used = row_max[ri]
+            if m_used == -cutlass.Float32.inf:
+                m_used = cutlass.Float32(0.0)
+            neg = -(m_used * c)
             for ci in cutlass.range_constexpr(n_cols):
-                p = cute.math.exp2(cute.math.fma(S[ri, ci], c, neg), fastmath=True)
-                S[ri, ci] = p
-                s = s + p
-            row_sum[ri] = row_sum[ri] * a + s
+                S[ri, ci] = cute.math.exp2(cute.math.fma(S[ri, ci], c, neg), fastmath=True)
+            row_sum[ri] = row_sum[ri] * a + _tree([S[ri, ci] for ci in range(n_cols)], lambda x, y: x + y)
+
+
+def _tree(vals, op):
+    """Pairwise reduction at trace time: depth log2(n), not an n-long dependent chain."""
+    if len(vals) == 1:
+        return vals[0]
+    half = len(vals) // 2
+    return op(_tree(vals[:half], op), _tree(vals[half:], op))
 
 
 # ---- host launcher ------------------------------------------------------------------------------
@@ -592,7 +624,7 @@ def _cute_tensor(t, align=16):
 def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
                      q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                      consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                     q_in_regs: bool = False):
+                     q_in_regs: bool = False, lazy_rescale: bool = False):
     """Runs the forward on torch CUDA tensors (q, k, v, out, gate, out_fine [B, H, S, D] views: BHSD or a
     BSHD tensor transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap], sel_num [B, H, nQ],
     kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32), on torch's current stream."""
@@ -617,7 +649,7 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs)
+           warp_specialized, pingpong, q_in_regs, lazy_rescale)
     cargs = [_cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fn = _COMPILED.get(key)
@@ -625,7 +657,7 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_
         kernel = BlockSparseFwd64Sm90(_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
-                                      q_in_regs=q_in_regs)
+                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale)
         fn = cute.compile(kernel, *cargs, cutlass.Float32(scale),
                           cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
