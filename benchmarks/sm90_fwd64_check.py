@@ -60,6 +60,10 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
 def say(msg: str = "") -> None:
     print(msg, flush=True)
     LINES.append(msg)
+    if OUT:  # written as it goes: a run killed by a hang or a fault keeps its log
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, "sm90_fwd64_check.log"), "a") as f:
+            f.write(msg + "\n")
 
 
 def fwd64():
@@ -252,12 +256,25 @@ def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
 
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=dev)
+
+    def prepared(kw):
+        """The launch prepared once (compiled on the first call): the kernel without the per-call
+        conversion of the tensors."""
+        held = {}
+
+        def call():
+            if "launch" not in held:
+                from vsa_core.backends.sm90_fwd64 import prepare_forward64
+                held["launch"] = prepare_forward64(q, k, v, out, lse, idx, num, counts, **kw)
+            held["launch"]()
+        return call
+
     for variant, kw in VARIANTS.items():
-        row(f"ours sm90_fwd64 {variant}", lambda kw=kw: fwd64()(q, k, v, out, lse, idx, num, counts, **kw),
-            lambda: out.clone())
+        row(f"ours sm90_fwd64 {variant}", prepared(kw), lambda: out.clone())
+    first = next(iter(VARIANTS))
+    row(f"ours sm90_fwd64 {first} per call", lambda: fwd64()(q, k, v, out, lse, idx, num, counts, **VARIANTS[first]))
     qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # BSHD storage
     out_t = torch.empty_like(qt)
-    first = next(iter(VARIANTS))
     row(f"ours sm90_fwd64 {first} bshd", lambda: fwd64()(qt, kt, vt, out_t, lse, idx, num, counts, **VARIANTS[first]))
     try:
         from cudnn import BSA
@@ -324,8 +341,6 @@ def main(argv) -> int:
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "sm90_fwd64_check.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
-        with open(os.path.join(OUT, "sm90_fwd64_check.log"), "w") as f:
-            f.write("\n".join(LINES) + "\n")
     return 0 if ok else 1
 
 

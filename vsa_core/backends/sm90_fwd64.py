@@ -621,29 +621,66 @@ def _cute_tensor(t, align=16):
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
-                     q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
-                     consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                     q_in_regs: bool = False, lazy_rescale: bool = False):
-    """Runs the forward on torch CUDA tensors (q, k, v, out, gate, out_fine [B, H, S, D] views: BHSD or a
-    BSHD tensor transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap], sel_num [B, H, nQ],
-    kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32), on torch's current stream."""
+def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
+    """Runs the forward once on torch CUDA tensors, on torch's current stream (`prepare_forward64`
+    has the arguments)."""
+    prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options)()
+
+
+def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
+                      q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
+                      consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
+                      q_in_regs: bool = False, lazy_rescale: bool = False):
+    """Checks the arguments, compiles on first use of a configuration, and returns a callable that
+    launches the forward on torch's current stream at the time of this call (the tensors' CuTe
+    views are built once here: timing the callable leaves the per-call host conversion out).
+
+    q, k, v, out, gate (bf16 / fp16) and out_fine (fp32): [B, H, S, D] views, BHSD or a BSHD tensor
+    transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
+    q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32. The coarse branch (VSA) is on when
+    out_coarse is given (q_counts then required; gate optional; out_fine optional, training)."""
     import cuda.bindings.driver as cuda
     import torch
 
     B, H, Sq, D = q.shape
-    if Sq % BLOCK or k.shape[2] % BLOCK:
-        raise ValueError(f"sm90_fwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {k.shape[2]})")
-    if k.shape[2] // BLOCK != kv_counts.shape[0]:
-        raise ValueError(f"kv_counts has {kv_counts.shape[0]} entries for {k.shape[2] // BLOCK} KV blocks")
-    if sel_idx.shape[:3] != (B, H, Sq // BLOCK) or sel_num.shape != (B, H, Sq // BLOCK):
-        raise ValueError("sel_idx must be [B, H, nQ, capacity] and sel_num [B, H, nQ]")
+    Skv = k.shape[2]
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
+        raise ValueError(f"sm90_fwd64 needs q, k, v, out of one dtype, bf16 or fp16 (got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}, {out.dtype})")
+    if D not in (64, 128) or k.shape != (B, H, Skv, D) or v.shape != k.shape or out.shape != q.shape:
+        raise ValueError(f"sm90_fwd64 needs q/out [B, H, Sq, D] and k/v [B, H, Skv, D] with D 64 or 128 "
+                         f"(got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)})")
+    if Sq % BLOCK or Skv % BLOCK:
+        raise ValueError(f"sm90_fwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
+    nq, nkv = Sq // BLOCK, Skv // BLOCK
+    expect = dict(lse=((B, H, Sq), torch.float32), sel_idx=((B, H, nq, sel_idx.shape[-1]), torch.int32),
+                  sel_num=((B, H, nq), torch.int32), kv_counts=((nkv,), torch.int32))
+    given = dict(lse=lse, sel_idx=sel_idx, sel_num=sel_num, kv_counts=kv_counts)
+    if out_coarse is not None:
+        if q_counts is None:
+            raise ValueError("sm90_fwd64: the coarse branch (out_coarse given) needs q_counts")
+        expect.update(out_coarse=((B, H, nq, D), torch.float32), q_counts=((nq,), torch.int32))
+        given.update(out_coarse=out_coarse, q_counts=q_counts)
+        if gate is not None:
+            expect["gate"] = ((B, H, Sq, D), q.dtype)
+            given["gate"] = gate
+        if out_fine is not None:
+            expect["out_fine"] = ((B, H, Sq, D), torch.float32)
+            given["out_fine"] = out_fine
+    elif gate is not None or out_fine is not None or q_counts is not None:
+        raise ValueError("sm90_fwd64: gate, out_fine and q_counts belong to the coarse branch (give out_coarse)")
+    for name, (shape, dtype) in expect.items():
+        t = given[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"sm90_fwd64 needs {name} {list(shape)} {dtype} (got {list(t.shape)} {t.dtype})")
+        if t.stride(-1) != 1:
+            raise ValueError(f"sm90_fwd64 needs {name} with a contiguous last dimension")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
             raise ValueError(f"sm90_fwd64 needs {name} with a contiguous head dim, strides in multiples of 8 "
                              "elements and a 16-byte aligned start (TMA)")
     has_coarse = out_coarse is not None
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
     placeholder = sel_num  # never read when its feature is off
     args = [q, k, v, out, lse, sel_idx.contiguous(), sel_num.contiguous(), kv_counts.contiguous(),
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
@@ -658,7 +695,11 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
                                       q_in_regs=q_in_regs, lazy_rescale=lazy_rescale)
-        fn = cute.compile(kernel, *cargs, cutlass.Float32(scale),
-                          cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
+        fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
-    fn(*cargs, cutlass.Float32(scale), stream)
+
+    def launch():
+        fn(*cargs, scale, stream)
+
+    launch.keep_alive = args  # the contiguous copies the views point into
+    return launch
