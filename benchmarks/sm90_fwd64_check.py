@@ -1,0 +1,348 @@
+"""Checks and times our sm_90 64-token-block forward (vsa_core/backends/sm90_fwd64.py) on one H200.
+
+    PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py [--no-timing] [--only=k1v2,ws3L]   # logs, JSON to $OUT
+
+Needs the CuTe stack (nvidia-cutlass-dsl 4.8.1; nvidia-cudnn-frontend 1.32 for the cuDNN rows:
+../shared/device/pack-cute.sh). Every variant and every row runs in its own try/except, so one
+failure does not hide the others.
+
+1. correctness at small shapes against the float64 reference (vsa_core/reference.py) with fresh
+   random inputs: partial and empty KV blocks, empty query rows (count 0), nQ != nKV both ways,
+   B2 H2, BHSD and BSHD, a long list (ring wrap-around), lists the list rule must clean
+   (repeats, out of order, out of range, count past capacity), x16 logits, and the VSA epilogue
+   (out = out_fine + gate * out_coarse, fp32 out_fine, padded query rows 0 / lse +inf).
+   Outputs are poisoned with NaN first, so a row the kernel does not write fails.
+   Bounds: out is bf16 (fp16) and P is rounded to bf16 before PV, each a relative rounding of
+   2^-8 (2^-11) per element that averages down over a row: rel-L2 of out < 1e-2. lse is fp32
+   throughout (exact fp32 dot products of the same bf16 inputs, ex2.approx, the FFMA's rounding of
+   m * c): abs error ~1e-5, bound 1e-3 (5e-3 at x16 logits, whose |s| reach ~100).
+2. timing at B1 H12 S39936 D128 top-62 (random lists of exactly 62 ascending blocks per row, all
+   blocks full, bf16): our variants, cuDNN frontend BSA called directly, and vsa's triton and cudnn
+   backends through vsa_torch.block_sparse_attn_from_indices; triton.testing.do_bench (median).
+   TFLOPS = 4 * B * H * D * Sq * topk * 64 / t. Printed as a table, last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path[:0] = [REPO, HERE]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from vsa_core import reference as R  # noqa: E402
+
+OUT = os.environ.get("OUT")
+LINES = []
+E = 64
+DEV = "cuda"
+VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_rescale, q = q_in_regs)
+    "k1v2": dict(k_stages=1, v_stages=2),
+    "k1v2L": dict(k_stages=1, v_stages=2, lazy_rescale=True),
+    "k2v2qL": dict(k_stages=2, v_stages=2, q_in_regs=True, lazy_rescale=True),
+    "ws2ppL": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True, lazy_rescale=True),
+    "ws2ppqL": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True, q_in_regs=True,
+                    lazy_rescale=True),
+    "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
+    "ws3L": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True),
+}
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+    LINES.append(msg)
+    if OUT:  # written as it goes: a run killed by a hang or a fault keeps its log
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, "sm90_fwd64_check.log"), "a") as f:
+            f.write(msg + "\n")
+
+
+def fwd64():
+    from vsa_core.backends import sm90_fwd64
+    return sm90_fwd64.sparse_forward64
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+def make_case(seed, B=2, H=2, nq=4, nkv=4, cap=4, D=128, dtype=torch.bfloat16, layout="bhsd", scale=1.0,
+              kv_counts=None, counts=None, lists=None, coarse=False, q_counts=None):
+    g = torch.Generator().manual_seed(seed)
+    dev = DEV
+    Sq, Skv = nq * E, nkv * E
+
+    def tok(S):
+        x = (torch.randn(B, H, S, D, generator=g) * math.sqrt(scale)).to(dtype)
+        if layout == "bshd":  # stored [B, S, H, D]; the kernel gets the [B, H, S, D] view
+            return x.transpose(1, 2).contiguous().to(dev).transpose(1, 2)
+        return x.to(dev)
+
+    q, k, v = tok(Sq), tok(Skv), tok(Skv)
+    if kv_counts is None:
+        kv_counts = torch.randint(0, E + 1, (nkv,), generator=g)
+        kv_counts[0] = E
+    kv_counts = torch.as_tensor(kv_counts, dtype=torch.int32)
+    if lists is None:
+        idx = torch.stack([torch.randperm(nkv, generator=g)[:cap].sort().values if cap <= nkv else
+                           torch.cat([torch.arange(nkv), torch.full((cap - nkv,), nkv - 1)])
+                           for _ in range(B * H * nq)]).reshape(B, H, nq, cap)
+        if counts is None:
+            counts = torch.randint(0, min(cap, nkv) + 1, (B, H, nq), generator=g)
+            counts.view(-1)[0] = 0  # an empty row
+            counts.view(-1)[-1] = min(cap, nkv)
+    else:
+        idx = torch.as_tensor(lists)
+    idx = idx.to(torch.int32)
+    counts = torch.as_tensor(counts, dtype=torch.int32)
+    case = dict(q=q, k=k, v=v, sel_idx=idx.to(dev), sel_num=counts.to(dev), kv_counts=kv_counts.to(dev))
+    if coarse:
+        if q_counts is None:
+            q_counts = torch.randint(1, E + 1, (nq,), generator=g)
+        case["q_counts"] = torch.as_tensor(q_counts, dtype=torch.int32).to(dev)
+        case["gate"] = tok(Sq)
+        case["out_coarse"] = torch.randn(B, H, nq, D, generator=g).to(dev)
+    return case
+
+
+def reference(case, gate=True):
+    q, k, v = (case[n].float().cpu().numpy() for n in ("q", "k", "v"))
+    nkv = k.shape[2] // E
+    bmap = R.index_lists_to_block_map(case["sel_idx"].cpu().numpy(), case["sel_num"].cpu().numpy(), nkv)
+    out, lse = R.block_sparse_attn_reference(q, k, v, bmap, case["kv_counts"].cpu().numpy(), E)
+    if "out_coarse" not in case:
+        return dict(out=out, lse=lse)
+    qc = np.clip(case["q_counts"].cpu().numpy(), 0, E)
+    valid = (np.arange(q.shape[2]) % E) < np.repeat(qc, E)  # [Sq]
+    fine = np.where(valid[None, None, :, None], out, 0.0)
+    coarse = np.repeat(case["out_coarse"].double().cpu().numpy(), E, axis=2)
+    g = case["gate"].double().cpu().numpy() if gate else 1.0
+    mixed = fine + np.where(valid[None, None, :, None], g * coarse, 0.0)
+    return dict(out=mixed, lse=np.where(valid[None, None, :], lse, np.inf), out_fine=fine)
+
+
+def run_ours(case, variant, gate=True, store_fine=True):
+    q = case["q"]
+    B, H, Sq, D = q.shape
+    out = torch.empty_like(q)
+    if q.stride(1) != Sq * D:  # BSHD input: BSHD output
+        out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    kw = dict(VARIANTS[variant])
+    res = dict(out=out, lse=lse)
+    if "out_coarse" in case:
+        kw.update(q_counts=case["q_counts"], out_coarse=case["out_coarse"], gate=case["gate"] if gate else None)
+        if store_fine:
+            out_fine = torch.full((B, H, Sq, D), float("nan"), dtype=torch.float32, device=q.device)
+            kw["out_fine"] = out_fine
+            res["out_fine"] = out_fine
+    fwd64()(q, case["k"], case["v"], out, lse, case["sel_idx"], case["sel_num"], case["kv_counts"], **kw)
+    torch.cuda.synchronize()
+    return res
+
+
+def compare(got, ref, lse_bound):
+    errs = {}
+    for name, r in ref.items():
+        g = got[name].double().cpu().numpy()
+        if name == "lse":
+            fin = np.isfinite(r)
+            same_inf = np.array_equal(np.isfinite(g), fin) and np.array_equal(g[~fin], r[~fin])
+            e = float(np.max(np.abs(g[fin] - r[fin]))) if fin.any() else 0.0
+            errs[name] = e if same_inf else float("inf")
+            continue
+        if not np.isfinite(g).all():
+            errs[name] = float("nan")
+            continue
+        den = np.linalg.norm(r)
+        errs[name] = float(np.linalg.norm(g - r) / den) if den > 0 else float(np.abs(g).max())
+    ok = all((e < lse_bound if n == "lse" else e < 1e-2) for n, e in errs.items())
+    return ok, errs
+
+
+BAD_LISTS = dict(  # repeats, out of order, out of range, negative; counts up to past the capacity
+    lists=[[[[3, 1, 3, 9, -2, 5], [0, 0, 1, 2, 2, 6]], [[5, 4, 3, 2, 1, 0], [-1, 2, 7, 7, 1, 3]]]],
+    counts=[[[9, 6], [6, -3]]], B=1, H=2, nq=2, nkv=7, cap=6)
+
+CASES = [
+    # (label, make_case keywords, run keywords)
+    ("B2H2 nq4 nkv4 partial/empty", dict(), {}),
+    ("B2H2 bshd", dict(layout="bshd"), {}),
+    ("B1H2 nq3 nkv7 cap5", dict(B=1, nq=3, nkv=7, cap=5), {}),
+    ("B2H1 nq5 nkv2 (Sq>Skv)", dict(H=1, nq=5, nkv=2, cap=2), {}),
+    ("B1H1 long list nkv40", dict(B=1, H=1, nq=2, nkv=40, cap=40, counts=[[[40, 33]]]), {}),
+    ("x16 logits", dict(scale=16.0), {}),
+    ("bad lists (list rule)", BAD_LISTS, {}),
+    ("all kv blocks empty", dict(kv_counts=[0, 0, 0, 0]), {}),
+    ("head dim 64", dict(D=64), {}),
+    ("fp16", dict(dtype=torch.float16), {}),
+    ("vsa gate + out_fine", dict(coarse=True, q_counts=[64, 17, 1, 40]), {}),
+    ("vsa no gate, inference", dict(coarse=True), dict(gate=False, store_fine=False)),
+    ("vsa bshd", dict(coarse=True, layout="bshd"), {}),
+    ("B1H1 nq1 (one query block)", dict(B=1, H=1, nq=1, nkv=3, cap=3, counts=[[[3]]]), {}),
+]
+# cases that need their own compile (dtype, head dim, epilogue): the other variants skip them
+MAIN_ONLY = ("head dim 64", "fp16", "vsa no gate, inference")
+
+
+def check_small() -> list:
+    results = []
+    say("== correctness vs float64 reference (rel-L2 of out / out_fine < 1e-2; lse max abs < 1e-3, 5e-3 at x16)")
+    for vi, variant in enumerate(VARIANTS):
+        for i, (label, mk, rk) in enumerate(CASES):
+            if vi > 0 and label in MAIN_ONLY:
+                continue
+            name = f"{variant:7s} {label}"
+            try:
+                case = make_case(1000 + i, **mk)
+                got = run_ours(case, variant, **rk)
+                ref = reference(case, gate=rk.get("gate", True))
+                if not rk.get("store_fine", True):
+                    ref.pop("out_fine", None)
+                ok, errs = compare(got, ref, 5e-3 if mk.get("scale", 1.0) > 1 else 1e-3)
+                say(f"  {name:42s} " + "  ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f"  {'ok' if ok else 'FAIL'}")
+                results.append(dict(case=name, errors=errs, ok=ok))
+            except Exception as e:
+                say(f"  {name:42s} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+                traceback.print_exc()
+                results.append(dict(case=name, ok=False, error=f"{type(e).__name__}: {e}"))
+    return results
+
+
+# ---- timing -------------------------------------------------------------------------------------
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
+    dev = torch.device("cuda")
+    n = S // E
+    flops = 4.0 * B * H * D * S * topk * E
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen, device=dev).to(torch.bfloat16) for _ in range(3))
+    idx = torch.rand(B, H, n, n, generator=gen, device=dev).topk(topk, dim=-1).indices.sort(dim=-1).values
+    idx = idx.to(torch.int32).contiguous()
+    num = torch.full((B, H, n), topk, dtype=torch.int32, device=dev)
+    counts = torch.full((n,), E, dtype=torch.int32, device=dev)
+    say(f"\n== timing: B{B} H{H} S{S} D{D} E{E} top-{topk}/{n}, bf16 (median ms; TFLOPS on sparse FLOPs)")
+    rows, outs = [], {}
+
+    def row(name, fn, get_out=None):
+        try:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            ms = bench(fn)
+            entry = dict(name=name, ms=ms, tflops=flops / ms / 1e9, first_call_s=first)
+            if get_out is not None:
+                outs[name] = get_out().float()
+            rows.append(entry)
+            say(f"  {name:34s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOPS  (first call {first:.1f} s)")
+        except Exception as e:
+            rows.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
+            say(f"  {name:34s} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            traceback.print_exc()
+        finally:
+            torch.cuda.empty_cache()
+
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=dev)
+
+    def prepared(kw):
+        """The launch prepared once (compiled on the first call): the kernel without the per-call
+        conversion of the tensors."""
+        held = {}
+
+        def call():
+            if "launch" not in held:
+                from vsa_core.backends.sm90_fwd64 import prepare_forward64
+                held["launch"] = prepare_forward64(q, k, v, out, lse, idx, num, counts, **kw)
+            held["launch"]()
+        return call
+
+    for variant, kw in VARIANTS.items():
+        row(f"ours sm90_fwd64 {variant}", prepared(kw), lambda: out.clone())
+    first = next(iter(VARIANTS))
+    row(f"ours sm90_fwd64 {first} per call", lambda: fwd64()(q, k, v, out, lse, idx, num, counts, **VARIANTS[first]))
+    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # BSHD storage
+    out_t = torch.empty_like(qt)
+    row(f"ours sm90_fwd64 {first} bshd", lambda: fwd64()(qt, kt, vt, out_t, lse, idx, num, counts, **VARIANTS[first]))
+    try:
+        from cudnn import BSA
+        res = {}
+
+        def cudnn_fixed():
+            res["o"] = BSA.block_sparse_attention_forward(q, k, v, idx, topk, sparse_block_size=E)["o_tensor"]
+
+        def cudnn_var():
+            res["o"] = BSA.block_sparse_attention_forward(q, k, v, idx, None, counts, num, sparse_block_size=E,
+                                                          allow_empty_block_nums=True)["o_tensor"]
+
+        row("cuDNN BSA direct (fixed count)", cudnn_fixed, lambda: res["o"])
+        row("cuDNN BSA direct (counts, sizes)", cudnn_var)
+    except Exception as e:
+        say(f"  cuDNN BSA direct: skipped ({type(e).__name__}: {e})")
+    try:
+        import vsa_torch
+        for backend in ("triton", "cudnn"):
+            hold = {}
+
+            def vsa_call(backend=backend, hold=hold):
+                with torch.no_grad():
+                    hold["o"] = vsa_torch.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E,
+                                                                         backend=backend)[0]
+
+            row(f"vsa {backend} from_indices", vsa_call, lambda hold=hold: hold["o"])
+    except Exception as e:
+        say(f"  vsa backends: skipped ({type(e).__name__}: {e})")
+    ref_name = next((n for n in ("vsa triton from_indices", "cuDNN BSA direct (fixed count)") if n in outs), None)
+    if ref_name:
+        for name, o in outs.items():
+            if name != ref_name:
+                err = float((o - outs[ref_name]).norm() / outs[ref_name].norm())
+                say(f"  rel-L2 {name} vs {ref_name}: {err:.1e}")
+    return rows
+
+
+def main(argv) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a GPU")
+    cap = torch.cuda.get_device_capability()
+    say(f"device {torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}, torch {torch.__version__}, triton {triton.__version__}")
+    try:
+        import cutlass
+        say(f"nvidia-cutlass-dsl {getattr(cutlass, '__version__', '?')}")
+    except Exception as e:
+        say(f"cutlass does not import: {type(e).__name__}: {e}")
+    result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=torch.cuda.get_device_name())
+    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
+    if only:  # e.g. --only=k1v2,ws3L
+        for name in list(VARIANTS):
+            if name not in only.split(","):
+                del VARIANTS[name]
+    result["correctness"] = check_small()
+    ok = all(r.get("ok") for r in result["correctness"])
+    if "--no-timing" not in argv:
+        result["timing"] = time_shape()
+        say("\n| row | ms | TFLOPS |\n| --- | --- | --- |")
+        for r in result["timing"]:
+            say(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} |" if "ms" in r else f"| {r['name']} | error | - |")
+    say(f"\ncorrectness: {'all ok' if ok else 'FAILURES'}")
+    if OUT:
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, "sm90_fwd64_check.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,108 @@
+"""Our sm_90 forward for 64-token blocks (vsa_core/backends/sm90_fwd64.py, CuTe DSL; not a backend yet).
+
+GPU only (`-m gpu`, sm_90 with nvidia-cutlass-dsl 4.8.1; skipped otherwise): out and lse against the
+float64 reference with fresh random inputs, outputs poisoned with NaN first: partial and empty KV
+blocks, empty query rows, nQ != nKV, BSHD, lists the list rule must clean, and the VSA epilogue.
+Bounds: out is bf16 and P is rounded to bf16 before PV (2^-8 per element, averaging down over a
+row): rel-L2 < 1e-2; lse is fp32 throughout (exact fp32 dots of the same bf16 inputs): abs 1e-3.
+The wider matrix and the timing are in benchmarks/sm90_fwd64_check.py.
+"""
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from vsa_core import reference as R
+
+E = 64
+VARIANTS = {
+    "simple": dict(k_stages=1, v_stages=2),
+    "simple-lazy": dict(k_stages=1, v_stages=2, lazy_rescale=True),
+    "ws2-pingpong-lazy": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True,
+                              lazy_rescale=True),
+    "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
+}
+
+
+def _forward():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    pytest.importorskip("cutlass")
+    from vsa_core.backends import sm90_fwd64
+    return sm90_fwd64.sparse_forward64
+
+
+def _case(seed, B, H, nq, nkv, cap, layout="bhsd", coarse=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def tok(S):
+        x = torch.randn(B, H, S, 128, generator=g).to(torch.bfloat16)
+        if layout == "bshd":
+            return x.transpose(1, 2).contiguous().cuda().transpose(1, 2)
+        return x.cuda()
+
+    q, k, v = tok(nq * E), tok(nkv * E), tok(nkv * E)
+    kv_counts = torch.randint(0, E + 1, (nkv,), generator=g, dtype=torch.int32)
+    kv_counts[0] = E
+    idx = torch.stack([torch.randperm(nkv, generator=g)[:cap].sort().values for _ in range(B * H * nq)])
+    idx = idx.reshape(B, H, nq, cap).to(torch.int32)
+    num = torch.randint(0, cap + 1, (B, H, nq), generator=g, dtype=torch.int32)
+    num.view(-1)[0] = 0  # an empty row
+    case = dict(q=q, k=k, v=v, sel_idx=idx.cuda(), sel_num=num.cuda(), kv_counts=kv_counts.cuda())
+    if coarse:
+        case["q_counts"] = torch.randint(1, E + 1, (nq,), generator=g, dtype=torch.int32).cuda()
+        case["gate"] = tok(nq * E)
+        case["out_coarse"] = torch.randn(B, H, nq, 128, generator=g).cuda()
+    return case
+
+
+def _reference(case):
+    q, k, v = (case[n].float().cpu().numpy() for n in ("q", "k", "v"))
+    bmap = R.index_lists_to_block_map(case["sel_idx"].cpu().numpy(), case["sel_num"].cpu().numpy(), k.shape[2] // E)
+    out, lse = R.block_sparse_attn_reference(q, k, v, bmap, case["kv_counts"].cpu().numpy(), E)
+    if "out_coarse" not in case:
+        return out, lse, None
+    valid = (np.arange(q.shape[2]) % E) < np.repeat(case["q_counts"].cpu().numpy(), E)
+    fine = np.where(valid[None, None, :, None], out, 0.0)
+    mixed = fine + np.where(valid[None, None, :, None], case["gate"].double().cpu().numpy()
+                            * np.repeat(case["out_coarse"].double().cpu().numpy(), E, axis=2), 0.0)
+    return mixed, np.where(valid[None, None, :], lse, np.inf), fine
+
+
+def _rel(got, ref):
+    got = got.double().cpu().numpy()
+    assert np.isfinite(got).all(), "non-finite output (an unwritten, poisoned element?)"
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", [(2, 2, 4, 4, 4, "bhsd", False), (1, 2, 3, 7, 5, "bshd", False),
+                                   (2, 1, 5, 2, 2, "bhsd", False), (1, 1, 2, 40, 40, "bhsd", False),
+                                   (2, 2, 4, 4, 3, "bhsd", True)],
+                         ids=["nq4-nkv4", "bshd-nq3-nkv7", "sq-gt-skv", "long-list", "vsa-epilogue"])
+def test_sm90_fwd64_matches_float64_reference(variant, shape):
+    fwd = _forward()
+    B, H, nq, nkv, cap, layout, coarse = shape
+    case = _case(zlib.crc32(repr((variant, shape)).encode()), B, H, nq, nkv, cap, layout, coarse)
+    q = case["q"]
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((B, H, nq * E), math.nan, device="cuda")
+    kw = dict(VARIANTS[variant])
+    out_fine = None
+    if coarse:
+        out_fine = torch.full((B, H, nq * E, 128), math.nan, device="cuda")
+        kw.update(q_counts=case["q_counts"], gate=case["gate"], out_coarse=case["out_coarse"], out_fine=out_fine)
+    fwd(q, case["k"], case["v"], out, lse, case["sel_idx"], case["sel_num"], case["kv_counts"], **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse, ref_fine = _reference(case)
+    assert _rel(out, ref_out) < 1e-2
+    got_lse = lse.double().cpu().numpy()
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(got_lse[~finite], ref_lse[~finite])  # -inf (empty rows), +inf (padded rows)
+    assert np.abs(got_lse[finite] - ref_lse[finite]).max() < 1e-3
+    if ref_fine is not None:
+        assert _rel(out_fine, ref_fine) < 1e-2

@@ -1,0 +1,705 @@
+"""Our own block-sparse attention forward for 64-token blocks on sm_90 (Hopper), in CuTe DSL.
+
+Not registered as a backend yet: `sparse_forward64` is a launcher on torch tensors that the
+lead wires behind `FineStageBackend` after a GPU check (benchmarks/sm90_fwd64_check.py).
+
+What it computes (the contract of `base.FineForward` and of `triton_kernels.sparse_attn_fwd_kernel`):
+each 64-row query block attends to the valid tokens (`kv_counts[n]`, clamped to [0, 64]) of the
+64-token KV blocks in its list `sel_idx[b, h, i, :sel_num[b, h, i]]`. The list rule is the
+Triton kernel's: the count is clamped to [0, capacity], and an entry counts only if it is in
+[0, nKV) and greater than the last counted entry (a skipped entry still loads a clamped,
+in-bounds tile and masks all of it). `lse` is the natural-log logsumexp, -inf (and out 0)
+where a row sees nothing. With the coarse branch (VSA) the epilogue mixes
+out = out_fine + gate * out_coarse[query block] (or + out_coarse without a gate), keeps
+out_fine in fp32 when asked (training), and writes the padded query rows (past `q_counts`)
+as out 0, out_fine 0, lse +inf, so `out` is written once.
+
+Design, "simple" (consumers=1): one warpgroup (128 threads) per CTA owns one 64-row query
+block. Q comes once by TMA; K and V 64xD tiles come by TMA, gathered per list entry, into
+rings of `k_stages` / `v_stages` shared-memory slots, each slot with one transaction
+mbarrier. The warpgroup is its own producer: its warp 0 refills a slot once the wgmma that
+read it has retired (its own wait_group; cuDNN's blk64 kernel relies on the same), so no
+"empty" barriers are needed. Within one iteration QK^T of tile j and PV of tile j-1 are in
+flight together (S is a separate accumulator), so the softmax of tile j overlaps the tail of
+PV j-1; the rest of the latency is hidden by the other CTAs on the SM (3 per SM at
+k_stages=1, v_stages=2: 65 KiB of shared memory, 158 registers). Tile 0 is peeled out of the
+loop: with branches on j inside it ptxas could not see that PV j-1 retires every iteration
+and serialised the wgmmas (its C7514 warning). List entries and block counts are read one
+tile ahead, before the mbarrier waits they would otherwise sit behind.
+S = Q K^T and O += P V are wgmma m64 with fp32 accumulators; P goes from the S accumulator to
+bf16 registers (the wgmma A operand from registers) without a shuffle: for m64 tiles the
+accumulator's per-thread (col pair, row, col group) order is the A fragment's (k pair, row,
+k half, k block) order. Online softmax in base 2 with one FFMA per element
+(exp2(s * c - m * c), c = scale * log2 e). O is normalised in registers and stored straight
+to global memory (any strides), lse from the row-owning threads.
+
+"warp_specialized" (FA3-style; the class docstring has the details): a producer warpgroup
+(setmaxnreg down) whose warp c issues all of consumer c's loads behind "empty" mbarriers
+(4 arrivals: one per consumer warp after its wait_group), and 2-3 consumer warpgroups
+(setmaxnreg up) running the same main loop, each on its own query block and list; `pingpong`
+alternates two consumers' GEMM issue by named barriers. `q_in_regs` keeps Q in registers
+(QK^T as a register-A wgmma, only K read from shared memory). Which one is fastest is for
+the GPU to say (benchmarks/sm90_fwd64_check.py); registers, spills and shared memory per
+variant: benchmarks/sm90_fwd64_compile.py (all compile for sm_90a with 0 spills).
+
+Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
+contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
+of 8 elements and base addresses 16-byte aligned (TMA).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass._mlir.dialects import math as _mlir_math
+
+try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
+    from cutlass.tensor_utils import LayoutEnum
+    from cutlass.memory import SmemAllocator
+except ModuleNotFoundError:  # pragma: no cover
+    from cutlass.utils import LayoutEnum, SmemAllocator
+
+BLOCK = 64          # tokens per query block and per KV block
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+LAZY_RESCALE_LOG2 = 8.0  # lazy_rescale: P stays <= 2^8
+
+
+# ---- register-tensor views -------------------------------------------------------------------
+def _rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """(row, col) view of an m64 wgmma accumulator fragment ((2, 2, V), M, N): the fragment's
+    modes are (col pair, row half, col group); rows are (row half, M), cols ((pair, group), N)."""
+    l = t.layout
+    s, d = l.shape, l.stride
+    mn = cute.make_layout(((s[0][1], s[1]), ((s[0][0], s[0][2]), s[2])),
+                          stride=((d[0][1], d[1]), ((d[0][0], d[0][2]), d[2])))
+    return cute.make_tensor(t.iterator, mn)
+
+
+class BlockSparseFwd64Sm90:
+    """One compiled configuration of the forward. Compile-time parameters: element type, head dim,
+    ring depths, the coarse-branch epilogue (has_coarse, has_gate, store_fine), and the CTA shape:
+
+    - `consumers=1, warp_specialized=False` ("simple"): one warpgroup per CTA, its warp 0 issues
+      the TMA loads itself between its wgmmas.
+    - `warp_specialized=True` (FA3-style): warpgroup 0 is the producer (warp c issues every TMA load
+      of consumer c, gated by "empty" mbarriers the consumers arrive on once the wgmma that read a
+      slot has retired; setmaxnreg hands its registers to the consumers), warpgroups 1..consumers
+      are consumers, each owning one 64-row query block (query blocks
+      blockIdx.x * consumers + c) and walking its own list with its own K/V rings. With
+      `pingpong` (2 consumers) named barriers make the two consumers take turns issuing their
+      GEMMs, so one's softmax runs under the other's wgmmas; the turns run for the first
+      min(n0, n1) tiles (both know both counts), then each runs free, so unequal lists cannot
+      deadlock.
+    """
+
+    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
+                 has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
+                 consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
+                 q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None):
+        assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
+        assert head_dim in (64, 128), "head dim 64 or 128"
+        assert k_stages >= 1 and v_stages >= 1
+        assert warp_specialized or consumers == 1, "several consumers need the producer warpgroup"
+        assert not pingpong or (warp_specialized and consumers == 2), "ping-pong is for 2 consumers"
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.k_stages = k_stages
+        self.v_stages = v_stages
+        self.has_coarse = has_coarse
+        self.has_gate = has_gate and has_coarse
+        self.store_fine = store_fine and has_coarse
+        self.consumers = consumers
+        self.ws = warp_specialized
+        self.pingpong = pingpong
+        # Q copied once from shared memory into registers (32 per thread at D128) and QK^T as a
+        # register-A wgmma: halves QK's shared-memory reads (only K), for variants with registers to spare
+        self.q_in_regs = q_in_regs
+        # the running max moves only by more than LAZY_RESCALE_LOG2 (FA4's trick): O is rescaled rarely
+        self.lazy_rescale = lazy_rescale
+        tile_bytes = BLOCK * head_dim * 2
+        self.smem_bytes = tile_bytes * (1 + k_stages + v_stages) * consumers + 1024
+        # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
+        self.ctas_per_sm = ctas_per_sm or max(1, min(3, (227 * 1024) // self.smem_bytes))
+        self.threads = 128 * (consumers + (1 if warp_specialized else 0))
+        # setmaxnreg budgets (multiples of 8, 64K registers per SM at one CTA per SM)
+        self.producer_regs = 24 if consumers >= 3 else 40
+        self.consumer_regs = min(240, (65536 // 128 - self.producer_regs) // consumers // 8 * 8)
+
+    # ---- host side (traced once per compile) ----------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mSelIdx: cute.Tensor, mSelNum: cute.Tensor, mKVCounts: cute.Tensor,
+                 mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
+                 softmax_scale: cutlass.Float32, stream):
+        """q, k, v, out, gate, out_fine: [B, H, S, D]; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap],
+        sel_num [B, H, nQ], kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32.
+        Without the coarse branch q_counts / gate / out_coarse / out_fine are placeholders (never read)."""
+        D = self.head_dim
+        NC = self.consumers
+        # (S, D, H, B) views for Q, K, O (D contiguous: K-major operands) and (D, S, H, B) for V
+        # (the PV wgmma's B operand is V^T, N = D contiguous: MN-major); head dim static.
+        def tok_major(t):
+            return cute.make_tensor(t.iterator, cute.make_layout(
+                (t.shape[2], D, t.shape[1], t.shape[0]), stride=(t.stride[2], 1, t.stride[1], t.stride[0])))
+
+        def dim_major(t):
+            return cute.make_tensor(t.iterator, cute.make_layout(
+                (D, t.shape[2], t.shape[1], t.shape[0]), stride=(1, t.stride[2], t.stride[1], t.stride[0])))
+
+        gQ4, gK4, gV4, gO4 = tok_major(mQ), tok_major(mK), dim_major(mV), tok_major(mO)
+
+        k_major = LayoutEnum.from_tensor(gK4)
+        v_major = LayoutEnum.from_tensor(gV4)
+        dt = self.dtype
+        qk_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(k_major, dt, D), dt)
+        v_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(v_major, dt, D), dt)
+        # slots: consumer c's Q is slot c, its K / V ring slots are c * stages + s
+        sQ_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NC), order=(0, 1, 2))
+        sK_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NC * self.k_stages), order=(0, 1, 2))
+        sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, NC * self.v_stages), order=(1, 0, 2))
+        self.tile_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
+
+        @cute.struct
+        class Storage:
+            q_full: cute.struct.MemRange[cutlass.Int64, NC]
+            k_full: cute.struct.MemRange[cutlass.Int64, NC * self.k_stages]
+            v_full: cute.struct.MemRange[cutlass.Int64, NC * self.v_stages]
+            k_empty: cute.struct.MemRange[cutlass.Int64, NC * self.k_stages]
+            v_empty: cute.struct.MemRange[cutlass.Int64, NC * self.v_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        self.storage = Storage
+        self.smem_bytes = Storage.size_in_bytes()  # the real figure, once traced
+
+        mma_qk = hopper_helpers.make_trivial_tiled_mma(
+            dt, dt, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), cutlass.Float32,
+            (1, 1, 1), tiler_mn=(BLOCK, BLOCK),
+            a_source=cute.nvgpu.warpgroup.OperandSource.RMEM if self.q_in_regs else cute.nvgpu.warpgroup.OperandSource.SMEM)
+        mma_pv = hopper_helpers.make_trivial_tiled_mma(
+            dt, dt, k_major.sm90_mma_major_mode(), v_major.sm90_mma_major_mode(), cutlass.Float32,
+            (1, 1, 1), tiler_mn=(BLOCK, D), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, gQ4, cute.slice_(sQ_layout, (None, None, 0)), (BLOCK, D))
+        tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, gK4, cute.slice_(sK_layout, (None, None, 0)), (BLOCK, D))
+        tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, gV4, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK))
+
+        n_q_blocks = mSelIdx.shape[2]
+        grid = ((n_q_blocks + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
+        self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
+                    mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
+                    softmax_scale * LOG2_E).launch(
+            grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)  # all of L1 as shared memory
+
+    # ---- device side ------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor, gO4: cute.Tensor, mLSE: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               mSelIdx: cute.Tensor, mSelNum: cute.Tensor, mKVCounts: cute.Tensor,
+               mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               c: cutlass.Float32):
+        NC, KS, VS = self.consumers, self.k_stages, self.v_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        bx, h, b = cute.arch.block_idx()
+
+        st = SmemAllocator().allocate(self.storage)
+        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
+        bars = dict(
+            q_full=pipeline.MbarrierArray(st.q_full.data_ptr(), num_stages=NC, agent=tma_load),
+            k_full=pipeline.MbarrierArray(st.k_full.data_ptr(), num_stages=NC * KS, agent=tma_load),
+            v_full=pipeline.MbarrierArray(st.v_full.data_ptr(), num_stages=NC * VS, agent=tma_load))
+        if cutlass.const_expr(self.ws):
+            # one arrival per consumer warp (each after its own wait_group)
+            release = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(pipeline.Agent.Thread, 4))
+            bars["k_empty"] = pipeline.MbarrierArray(st.k_empty.data_ptr(), num_stages=NC * KS, agent=release)
+            bars["v_empty"] = pipeline.MbarrierArray(st.v_empty.data_ptr(), num_stages=NC * VS, agent=release)
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # global tiles: K tiles (64, D, nKV); V tiles (D, 64, nKV)
+        gK = cute.local_tile(tK[None, None, h, b], (BLOCK, self.head_dim), (None, 0))
+        gV = cute.local_tile(tV[None, None, h, b], (self.head_dim, BLOCK), (0, None))
+        one = cute.make_layout(1)
+        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tKs=tKs, tKg=tKg, tVs=tVs, tVg=tVg)
+        lists = dict(idx=mSelIdx, num=mSelNum, kv_counts=mKVCounts, h=h, b=b)
+
+        cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        if cutlass.const_expr(not self.ws):
+            self._consumer(0, bx, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
+                           mQCounts, mGate, mOutC, mOutFine, c)
+        else:
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp < NC:
+                    self._producer(warp, bx * NC + warp, tma, bars, lists)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                ci = wg - 1
+                self._consumer(ci, bx * NC + ci, tidx % 128, warp % 4, tma, bars, lists, sQ, sK, sV,
+                               mma_qk, mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
+
+    @cute.jit
+    def _count(self, lists, qb):
+        """Query block qb's list length clamped to [0, capacity]; 0 for a block past the end."""
+        n = cutlass.Int32(0)
+        if qb < lists["idx"].shape[2]:
+            n = cutlass.min(cutlass.max(lists["num"][lists["b"], lists["h"], qb], 0), lists["idx"].shape[3])
+        return n
+
+    @cute.jit
+    def _producer(self, ci, qb, tma, bars, lists):
+        """Warp ci of the producer warpgroup: every TMA load of consumer ci, in the order it uses
+        them (Q, K_0, then K_j before V_{j-1}); a refill waits for the slot's release."""
+        KS, VS = self.k_stages, self.v_stages
+        n_kv = lists["kv_counts"].shape[0]
+        n = self._count(lists, qb)
+        if n > 0:
+            sel = lists["idx"][lists["b"], lists["h"], qb, None]
+            self._load_q(ci, qb, tma, bars, lists)
+            # tile j's block is read one iteration ahead (before the empty waits); V_{j-1} reuses K_{j-1}'s
+            k_blk = self._block(sel, 0, n_kv)
+            v_blk = k_blk
+            for j in cutlass.range(n + 1, unroll=1):
+                k_after = self._block(sel, cutlass.min(j + 1, n - 1), n_kv)
+                if j < n:
+                    if j >= KS:
+                        bars["k_empty"].wait(ci * KS + j % KS, (j // KS + 1) % 2)
+                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + j % KS)
+                if j >= 1:
+                    t = j - 1
+                    if t >= VS:
+                        bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
+                    self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
+                v_blk = k_blk
+                k_blk = k_after
+
+    @cute.jit
+    def _load_q(self, ci, qb, tma, bars, lists):
+        gQ = cute.local_tile(tma["tQ"][None, None, lists["h"], lists["b"]], (BLOCK, self.head_dim), (qb, 0))
+        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma["q"], 0, cute.make_layout(1),
+                                                    cute.group_modes(tma["sQ"], 0, 2), cute.group_modes(gQ, 0, 2))
+        bars["q_full"].arrive_and_expect_tx(ci, self.tile_bytes)
+        cute.copy(tma["q"], tQg, tQs[None, ci], tma_bar_ptr=bars["q_full"].get_barrier(ci))
+
+    @cute.jit
+    def _release(self, bar, slot):
+        """This warp's arrival on an "empty" mbarrier: its wgmmas reading the slot have retired."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(bar.get_barrier(slot))
+
+    @cute.jit
+    def _turn_wait(self, ci):
+        cute.arch.barrier(barrier_id=1 + ci, number_of_threads=256)
+
+    @cute.jit
+    def _turn_pass(self, ci):
+        cute.arch.barrier_arrive(barrier_id=2 - ci, number_of_threads=256)
+
+    @cute.jit
+    def _consumer(self, ci, qb, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
+                  mQCounts, mGate, mOutC, mOutFine, c):
+        """One warpgroup's query block qb: the online-softmax main loop over its list, then the
+        epilogue. `tidx` / `warp` are the thread's and warp's index within the warpgroup. Without
+        the producer (simple) its warp 0 issues the loads."""
+        NC, KS, VS = self.consumers, self.k_stages, self.v_stages
+        k_full, v_full = bars["k_full"], bars["v_full"]
+        b, h = lists["b"], lists["h"]
+        n_kv = lists["kv_counts"].shape[0]
+        mKVCounts = lists["kv_counts"]
+        n = self._count(lists, qb)
+        sel = lists["idx"][b, h, cutlass.min(qb, lists["idx"].shape[2] - 1), None]
+        ks0, vs0 = ci * KS, ci * VS  # this consumer's ring slots
+        turns = cutlass.Int32(0)  # ping-pong: GEMM steps taken in turns (both consumers' common length)
+        if cutlass.const_expr(self.pingpong):
+            turns = cutlass.min(n, self._count(lists, qb - ci + (1 - ci)))
+
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        if cutlass.const_expr(self.q_in_regs):
+            tSsQ = thr_qk.partition_A(sQ[None, None, ci])
+            rQ = cute.make_rmem_tensor(tSsQ.shape, self.dtype)
+        else:
+            rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))[None, None, None, ci]
+        rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
+        rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
+        assert cute.size(rP) == cute.size(accS)
+        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
+        S = _rows_cols(accS)
+        O = _rows_cols(accO)
+        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
+        cS_rc = _rows_cols(cS)
+        n_rows = cute.size(S, mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        alpha = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        alpha.fill(1.0)
+        accO.fill(0.0)
+
+        # rings: tile j lives in K slot j % KS, V slot j % VS; its mbarrier phase is (j // stages) % 2
+        if n > 0:
+            if cutlass.const_expr(not self.ws):
+                if warp == 0:
+                    self._load_q(ci, qb, tma, bars, lists)
+                    for j in cutlass.range_constexpr(KS):
+                        if j < n:
+                            self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, self._block(sel, j, n_kv), j)
+                    for j in cutlass.range_constexpr(VS):
+                        if j < n:
+                            self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, self._block(sel, j, n_kv), j)
+            if cutlass.const_expr(self.pingpong):
+                if ci == 1 and turns > 0:
+                    self._turn_pass(ci)  # consumer 0 takes the first turn
+            # List entries are read one tile ahead (loads issued before the waits they would
+            # otherwise sit behind): `entry` / `count` are tile j's, for its mask.
+            entry = sel[0]
+            count = mKVCounts[self._clamp(entry, n_kv)]
+            k_next = self._block(sel, cutlass.min(KS, n - 1), n_kv)
+            bars["q_full"].wait(ci, 0)
+            if cutlass.const_expr(self.q_in_regs):
+                cute.autovec_copy(tSsQ, rQ)
+
+            # tile 0 (peeled: inside the loop every branch on j would hide from ptxas that PV_{j-1}
+            # has retired at the back edge, and it would serialise the wgmmas)
+            mma_pv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            if cutlass.const_expr(self.pingpong):
+                if turns > 0:
+                    self._turn_wait(ci)
+            self._qk(mma_qk, accS, rQ, rK, k_full, 0, ks0)
+            if cutlass.const_expr(self.pingpong):
+                if turns > 0 and not (ci == 1 and turns == 1):
+                    self._turn_pass(ci)
+            cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(self.ws):
+                self._release(bars["k_empty"], ks0)
+            else:
+                if warp == 0 and KS < n:
+                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, 0)
+            last = self._softmax_tile(S, cS_rc, entry, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
+            rP_as_S.store(accS.load().to(self.dtype))
+            for j in cutlass.range(1, n, unroll=1):
+                entry = sel[j]
+                count = mKVCounts[self._clamp(entry, n_kv)]
+                k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
+                v_next = self._block(sel, cutlass.min(j - 1 + VS, n - 1), n_kv)
+                if cutlass.const_expr(self.pingpong):
+                    if j < turns:
+                        self._turn_wait(ci)
+                # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
+                self._qk(mma_qk, accS, rQ, rK, k_full, j, ks0)
+                self._rescale_o(O, alpha)
+                v_full.wait(vs0 + (j - 1) % VS, ((j - 1) // VS) % 2)
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (j - 1) % VS], accO)
+                cute.nvgpu.warpgroup.commit_group()
+                if cutlass.const_expr(self.pingpong):
+                    if j < turns and not (ci == 1 and j == turns - 1):
+                        self._turn_pass(ci)
+                cute.nvgpu.warpgroup.wait_group(1)
+                # QK_j retired: its K slot takes tile j + KS
+                if cutlass.const_expr(self.ws):
+                    self._release(bars["k_empty"], ks0 + j % KS)
+                else:
+                    if warp == 0 and j + KS < n:
+                        self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, (j + KS) % KS)
+                last = self._softmax_tile(S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c)
+                cute.nvgpu.warpgroup.wait_group(0)
+                # PV_{j-1} retired: its V slot takes tile j - 1 + VS, and P's registers are free
+                if cutlass.const_expr(self.ws):
+                    self._release(bars["v_empty"], vs0 + (j - 1) % VS)
+                else:
+                    if warp == 0 and j - 1 + VS < n:
+                        self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, v_next, (j - 1) % VS)
+                rP_as_S.store(accS.load().to(self.dtype))
+            # drain: the last tile's PV
+            self._rescale_o(O, alpha)
+            v_full.wait(vs0 + (n - 1) % VS, ((n - 1) // VS) % 2)
+            cute.nvgpu.warpgroup.fence()
+            cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (n - 1) % VS], accO)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+
+        if qb < lists["idx"].shape[2]:
+            self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
+                           mQCounts, mGate, mOutC, mOutFine, c)
+
+    @cute.jit
+    def _epilogue(self, qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
+                  mQCounts, mGate, mOutC, mOutFine, c):
+        """Normalise, lse (natural log; -inf where nothing was seen), and the stores."""
+        n_rows = cute.size(O, mode=[0])
+        lse = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        for ri in cutlass.range_constexpr(n_rows):
+            total = cute.arch.warp_reduction_sum(row_sum[ri], threads_in_group=4)
+            inv = cutlass.Float32(0.0)
+            lse[ri] = -cutlass.Float32.inf
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+                lse[ri] = row_max[ri] * (c * LN_2) + _mlir_math.log(total)
+            alpha[ri] = inv
+        self._rescale(O, alpha)
+
+        cO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK, self.head_dim)))
+        cO_rc = _rows_cols(cO)
+        row0 = qb * BLOCK
+        mO = gO4[None, None, h, b]
+        if cutlass.const_expr(not self.has_coarse):
+            gO = cute.local_tile(mO, (BLOCK, self.head_dim), (qb, 0))
+            tOg = thr_pv.partition_C(gO)
+            rO = cute.make_rmem_tensor_like(accO, self.dtype)
+            rO.store(accO.load().to(self.dtype))
+            cute.autovec_copy(rO, tOg)
+            if tidx % 4 == 0:
+                for ri in cutlass.range_constexpr(n_rows):
+                    mLSE[b, h, row0 + cS_rc[ri, 0][0]] = lse[ri]
+        else:
+            # VSA: rows past the block's q count are outputs of nothing (out 0, out_fine 0, lse +inf)
+            q_valid = cutlass.min(cutlass.max(mQCounts[qb], 0), BLOCK)
+            for ri in cutlass.range_constexpr(n_rows):
+                r = cO_rc[ri, 0][0]
+                row_ok = r < q_valid
+                if tidx % 4 == 0:
+                    mLSE[b, h, row0 + r] = lse[ri] if row_ok else cutlass.Float32.inf
+                for ci in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    d = cO_rc[ri, ci][1]
+                    fine = O[ri, ci] if row_ok else cutlass.Float32(0.0)
+                    if cutlass.const_expr(self.store_fine):
+                        mOutFine[b, h, row0 + r, d] = fine
+                    mix = cutlass.Float32(0.0)
+                    if row_ok:
+                        mix = mOutC[b, h, qb, d]
+                        if cutlass.const_expr(self.has_gate):
+                            mix = mix * mGate[b, h, row0 + r, d].to(cutlass.Float32)
+                    mO[row0 + r, d] = (fine + mix).to(self.dtype)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    @cute.jit
+    def _clamp(self, entry, n_kv):
+        """An entry clamped into [0, nKV): always safe to address (a skipped entry's tile is masked)."""
+        return cutlass.min(cutlass.max(entry, 0), n_kv - 1)
+
+    @cute.jit
+    def _block(self, sel, j, n_kv):
+        return self._clamp(sel[j], n_kv)
+
+    @cute.jit
+    def _load_tile(self, atom, tXg, tXs, bar, blk, slot):
+        """TMA of KV block `blk`'s tile into `slot`, completing on that slot's mbarrier."""
+        bar.arrive_and_expect_tx(slot, self.tile_bytes)
+        cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
+
+    @cute.jit
+    def _qk(self, mma_qk, accS, rQ, rK, k_bar, j, slot0):
+        """Issues S = Q K_j^T (K slot slot0 + j % k_stages) once its tile has landed; committed, not waited."""
+        slot = slot0 + j % self.k_stages
+        k_bar.wait(slot, (j // self.k_stages) % 2)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+            mma_qk.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, slot], accS)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _softmax_tile(self, S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c):
+        """List rule for the tile's entry (counted only if in [0, nKV) and above the last counted
+        entry), its padded keys (past its block's count) masked to -inf, then the online softmax.
+        Returns the last counted entry."""
+        valid = cutlass.Int32(0)
+        if (entry > last) & (entry < n_kv):
+            last = entry
+            valid = cutlass.min(cutlass.max(count, 0), BLOCK)
+        if valid < BLOCK:
+            for ci in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                if cS_rc[0, ci][1] >= valid:
+                    for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        S[ri, ci] = -cutlass.Float32.inf
+        self._online_softmax(S, row_max, row_sum, alpha, c)
+        return last
+
+    @cute.jit
+    def _rescale(self, O: cute.Tensor, factor: cute.Tensor):
+        for ri in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            for ci in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[ri, ci] = O[ri, ci] * factor[ri]
+
+    @cute.jit
+    def _rescale_o(self, O: cute.Tensor, alpha: cute.Tensor):
+        """O *= alpha per row; with lazy_rescale skipped (a warp-uniform branch) when no row of the
+        warp moved its max."""
+        if cutlass.const_expr(self.lazy_rescale):
+            moved = cutlass.Boolean(False)
+            for ri in cutlass.range_constexpr(cute.size(O, mode=[0])):
+                moved = moved | (alpha[ri] != 1.0)
+            if cute.arch.vote_any_sync(moved):
+                self._rescale(O, alpha)
+        else:
+            self._rescale(O, alpha)
+
+    @cute.jit
+    def _online_softmax(self, S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor,
+                        c: cutlass.Float32):
+        """S (raw logits) becomes P = exp2(S c - m c) with m the running row max; alpha gets
+        exp2((m_old - m) c) for O, row_sum (this thread's part) is rescaled and accumulated.
+        A row with only -inf so far keeps m = -inf and uses 0 in its place (P = 0, alpha = 0).
+        With lazy_rescale m moves only when the tile's max exceeds it by more than
+        LAZY_RESCALE_LOG2 (base 2): P <= 2^LAZY_RESCALE_LOG2 then, exact in fp32 sums and with bf16's
+        relative precision, and most tiles leave alpha = 1 (no O rescale, see _rescale_o)."""
+        n_cols = cute.size(S, mode=[1])
+        for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            m = _tree([S[ri, ci] for ci in range(n_cols)], cute.arch.fmax)
+            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            m_new = cute.arch.fmax(row_max[ri], m)
+            a = cutlass.Float32(1.0)
+            if cutlass.const_expr(self.lazy_rescale):
+                # NaN (both -inf) compares false: the row keeps m = -inf
+                if (m_new - row_max[ri]) * c > LAZY_RESCALE_LOG2:
+                    a = cute.math.exp2((row_max[ri] - m_new) * c, fastmath=True)
+                    row_max[ri] = m_new
+            else:
+                m_safe = m_new
+                if m_new == -cutlass.Float32.inf:
+                    m_safe = cutlass.Float32(0.0)
+                a = cute.math.exp2((row_max[ri] - m_safe) * c, fastmath=True)
+                row_max[ri] = m_new
+            alpha[ri] = a
+            m_used = row_max[ri]
+            if m_used == -cutlass.Float32.inf:
+                m_used = cutlass.Float32(0.0)
+            neg = -(m_used * c)
+            for ci in cutlass.range_constexpr(n_cols):
+                S[ri, ci] = cute.math.exp2(cute.math.fma(S[ri, ci], c, neg), fastmath=True)
+            row_sum[ri] = row_sum[ri] * a + _tree([S[ri, ci] for ci in range(n_cols)], lambda x, y: x + y)
+
+
+def _tree(vals, op):
+    """Pairwise reduction at trace time: depth log2(n), not an n-long dependent chain."""
+    if len(vals) == 1:
+        return vals[0]
+    half = len(vals) // 2
+    return op(_tree(vals[:half], op), _tree(vals[half:], op))
+
+
+# ---- host launcher ------------------------------------------------------------------------------
+_COMPILED = {}
+
+
+def _dtype(t):
+    import torch
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
+
+
+def _cute_tensor(t, align=16):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
+    """Runs the forward once on torch CUDA tensors, on torch's current stream (`prepare_forward64`
+    has the arguments)."""
+    prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options)()
+
+
+def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
+                      q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
+                      consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
+                      q_in_regs: bool = False, lazy_rescale: bool = False):
+    """Checks the arguments, compiles on first use of a configuration, and returns a callable that
+    launches the forward on torch's current stream at the time of this call (the tensors' CuTe
+    views are built once here: timing the callable leaves the per-call host conversion out).
+
+    q, k, v, out, gate (bf16 / fp16) and out_fine (fp32): [B, H, S, D] views, BHSD or a BSHD tensor
+    transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
+    q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32. The coarse branch (VSA) is on when
+    out_coarse is given (q_counts then required; gate optional; out_fine optional, training)."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
+        raise ValueError(f"sm90_fwd64 needs q, k, v, out of one dtype, bf16 or fp16 (got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}, {out.dtype})")
+    if D not in (64, 128) or k.shape != (B, H, Skv, D) or v.shape != k.shape or out.shape != q.shape:
+        raise ValueError(f"sm90_fwd64 needs q/out [B, H, Sq, D] and k/v [B, H, Skv, D] with D 64 or 128 "
+                         f"(got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)})")
+    if Sq % BLOCK or Skv % BLOCK:
+        raise ValueError(f"sm90_fwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
+    nq, nkv = Sq // BLOCK, Skv // BLOCK
+    expect = dict(lse=((B, H, Sq), torch.float32), sel_idx=((B, H, nq, sel_idx.shape[-1]), torch.int32),
+                  sel_num=((B, H, nq), torch.int32), kv_counts=((nkv,), torch.int32))
+    given = dict(lse=lse, sel_idx=sel_idx, sel_num=sel_num, kv_counts=kv_counts)
+    if out_coarse is not None:
+        if q_counts is None:
+            raise ValueError("sm90_fwd64: the coarse branch (out_coarse given) needs q_counts")
+        expect.update(out_coarse=((B, H, nq, D), torch.float32), q_counts=((nq,), torch.int32))
+        given.update(out_coarse=out_coarse, q_counts=q_counts)
+        if gate is not None:
+            expect["gate"] = ((B, H, Sq, D), q.dtype)
+            given["gate"] = gate
+        if out_fine is not None:
+            expect["out_fine"] = ((B, H, Sq, D), torch.float32)
+            given["out_fine"] = out_fine
+    elif gate is not None or out_fine is not None or q_counts is not None:
+        raise ValueError("sm90_fwd64: gate, out_fine and q_counts belong to the coarse branch (give out_coarse)")
+    for name, (shape, dtype) in expect.items():
+        t = given[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"sm90_fwd64 needs {name} {list(shape)} {dtype} (got {list(t.shape)} {t.dtype})")
+        if t.stride(-1) != 1:
+            raise ValueError(f"sm90_fwd64 needs {name} with a contiguous last dimension")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"sm90_fwd64 needs {name} with a contiguous head dim, strides in multiples of 8 "
+                             "elements and a 16-byte aligned start (TMA)")
+    has_coarse = out_coarse is not None
+    scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
+    placeholder = sel_num  # never read when its feature is off
+    args = [q, k, v, out, lse, sel_idx.contiguous(), sel_num.contiguous(), kv_counts.contiguous(),
+            q_counts if has_coarse else placeholder, gate if gate is not None else q,
+            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse]
+    key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
+           warp_specialized, pingpong, q_in_regs, lazy_rescale)
+    cargs = [_cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        kernel = BlockSparseFwd64Sm90(_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
+                                      has_gate=gate is not None, store_fine=out_fine is not None,
+                                      consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
+                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale)
+        fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
+        _COMPILED[key] = fn
+
+    def launch():
+        fn(*cargs, scale, stream)
+
+    launch.keep_alive = args  # the contiguous copies the views point into
+    return launch
