@@ -81,4 +81,4 @@ def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk
 
     return describe_attention(after_exchange(q), after_exchange(k), after_exchange(v), block_size=block_size,
                               layout="bshd", kv_counts=kv_counts, q_counts=q_counts, topk=topk,
-                              gate=None if gate is None else after_exchange(gate))
+                              gate=None if gate is None else after_exchange(gate), layout_hint=False)
