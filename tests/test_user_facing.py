@@ -249,6 +249,26 @@ def test_demo_says_what_it_computed(args, summary):
     assert re.search(summary, run.stdout), run.stdout
 
 
+@pytest.mark.parametrize("args,message", [
+    (("--topk", "0"), "argument --topk: topk must be >= 1, got 0"),
+    (("--tile", "4,4,3"), "argument --tile: Unsupported VSA tile volume 48: tile_size must hold (64, 128, 256) tokens"),
+    (("--heads", "0"), "argument --heads: expected a positive int, got 0"),
+    (("--backend", "cute"), "argument --backend: backend='cute' cannot run this call: it runs on NVIDIA GPUs only"),
+    (("--backend", "cudnn", "--frontend", "jax"),
+     "argument --backend: backend='cudnn' cannot run this call: it runs on NVIDIA GPUs only"),
+], ids=["topk", "tile", "heads", "cute-cpu", "cudnn-cpu-jax"])
+def test_demo_bad_options_are_usage_errors(args, message):
+    """What the library refuses is refused by the demo's parser: exit 2, no traceback, one
+    error line carrying the library's message, before any input is drawn."""
+    if "--backend" in args and torch.cuda.is_available():
+        pytest.skip("the backend is refused for CPU tensors")
+    run = _demo(*args, "--no-bench")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stdout + run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == [run.stderr.splitlines()[-1]] and errors[0].startswith("demo.py: error: " + message), run.stderr
+    assert run.stdout == "", run.stdout
+
+
 # ---- 8. the docstrings are enough without the README ---------------------------------------------------
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_help_states_the_contract(frontend):
