@@ -252,3 +252,14 @@ def test_docs_state_clamping_and_ranking_precision():
 def test_demo_docstring_matches_its_video():
     demo = (ROOT / "demo.py").read_text()
     assert 'default=(5, 8, 8)' in demo and "5x8x8" in demo and "4x8x8" not in demo
+
+
+def test_ci_runs_the_lowest_triton_allowed():
+    """The Triton range's lower end (pyproject.toml) is the version .ci/run installs for its
+    second, short run (the main run takes the newest allowed): moving one moves the other."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    lowest = re.search(r'"triton>=([0-9.]+),<[0-9.]+"', pyproject).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    pinned = re.search(r"triton==([0-9.]+)", ci).group(1)
+    assert pinned.startswith(lowest + "."), (lowest, pinned)
+    assert f"triton.__version__ == '{pinned}'" in ci
