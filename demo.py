@@ -8,6 +8,12 @@ what it computed and whether it passed. On a GPU it also times VSA forward and b
 at a 480p video shape against dense attention (torch SDPA). On the CPU the same Triton
 kernels run under Triton's interpreter (vsa does that by itself, with a warning that it
 is slow): keep the video small there.
+
+Runs under either install: torch is imported only for `--frontend torch` (the default where
+torch is installed, else jax) and for the GPU timing, so a `vsa[jax]` install runs
+`python demo.py --frontend jax` with the numpy float64 reference. Options the library
+refuses (`--topk 0`, a tile that is not 64, 128 or 256 tokens, a backend that cannot run
+here) are usage errors carrying the library's message.
 """
 
 from __future__ import annotations
@@ -16,14 +22,15 @@ import argparse
 import math
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 from vsa_core import reference as R
+from vsa_core.api import prepare_vsa
+from vsa_core.backends import BackendUnavailableError, _resolve
 from vsa_core.metadata import build_vsa_metadata
 
-ON_GPU = torch.cuda.is_available()
 # ||x - ref|| / ||ref|| bounds: bf16 keeps 8 significant bits, fp16 11 (see tests/common.py)
 THRESHOLD = {"bfloat16": 2e-2, "float16": 3e-3}
 
@@ -38,6 +45,32 @@ def _triple(text: str):
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def _have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _torch_cuda() -> bool:
+    """Whether torch is installed and sees a GPU (the 480p timing runs on torch)."""
+    if not _have_torch():
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Run VSA forward and backward on a small video latent and check it against the float64 "
@@ -47,14 +80,57 @@ def parse_args(argv=None):
     parser.add_argument("--tile", type=_triple, default=(4, 4, 4), metavar="t,h,w",
                         help="tile shape; t*h*w (the block size) must be 64, 128 or 256; default 4,4,4")
     parser.add_argument("--topk", type=int, default=2, help="KV blocks each query block attends to; default 2")
-    parser.add_argument("--heads", type=int, default=2, help="attention heads; default 2")
+    parser.add_argument("--heads", type=_positive, default=2, help="attention heads; default 2")
     parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128), help="head dim D; default 64")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(THRESHOLD), help="default bfloat16")
     parser.add_argument("--backend", default="auto", choices=("auto", "triton", "cute", "cudnn"),
                         help="fine-stage backend; default auto")
-    parser.add_argument("--frontend", default="torch", choices=("torch", "jax"), help="default torch")
+    parser.add_argument("--frontend", default=None, choices=("torch", "jax"),
+                        help="default torch where it is installed, else jax")
     parser.add_argument("--no-bench", action="store_true", help="skip the 480p timing on a GPU")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.frontend is None:
+        args.frontend = "torch" if _have_torch() else "jax"
+    elif args.frontend == "torch" and not _have_torch():
+        parser.error("argument --frontend: torch is not installed (a vsa[jax] install): use --frontend jax")
+    args.meta = _checked_call(parser, args)
+    return args
+
+
+def _device(frontend: str):
+    """The device the frontend runs on here ("cuda" or "cpu") and its DeviceInfo."""
+    if frontend == "torch":
+        import torch
+        from vsa_torch.ops import device_info
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        return kind, device_info(torch.empty(0, device=kind))
+    import jax
+    from vsa_jax.ops import device_info_of
+    info = device_info_of(jax.devices()[0])
+    return info.kind, info
+
+
+def _checked_call(parser, args):
+    """The library's own checks of the call the demo is about to make, before any input is
+    drawn: what it refuses becomes a usage error naming the option, with its message."""
+    try:
+        meta = build_vsa_metadata(args.video, args.tile)
+    except (TypeError, ValueError) as e:
+        parser.error(f"argument {'--tile' if 'tile_size' in str(e) else '--video'}: {e}")
+    x = SimpleNamespace(shape=(1, args.heads, meta.padded_len, args.head_dim), dtype=args.dtype)
+    counts = meta.variable_block_sizes
+    try:
+        problem = prepare_vsa(x, x, x, counts, counts, args.topk, meta.tile_size, x, backend=args.backend).problem
+    except (TypeError, ValueError) as e:
+        option = {"topk": "--topk", "block_size": "--tile"}.get(str(e).split()[0])
+        parser.error(f"argument {option}: {e}" if option else str(e))
+    args.device, info = _device(args.frontend)
+    try:
+        # the backend choice without the once-per-process CPU warning, which the call itself gives
+        _resolve(args.backend, problem, info)
+    except BackendUnavailableError as e:  # with "auto": no backend runs here (the message says why)
+        parser.error(f"argument --backend: {e}" if args.backend != "auto" else str(e))
+    return meta
 
 
 def _draw(meta, args, seed: int):
@@ -104,14 +180,14 @@ def _inputs(meta, args, tries: int = 50):
 
 
 def run_torch(meta, args, arrays):
+    import torch
     import vsa_torch
-    device = "cuda" if ON_GPU else "cpu"
-    leaves = [torch.from_numpy(x).to(device, getattr(torch, args.dtype)).requires_grad_() for x in arrays[:4]]
+    leaves = [torch.from_numpy(x).to(args.device, getattr(torch, args.dtype)).requires_grad_() for x in arrays[:4]]
     counts = meta.variable_block_sizes
     out = vsa_torch.video_sparse_attn(*leaves[:3], counts, counts, args.topk, meta.tile_size, leaves[3],
                                       backend=args.backend)
     out.backward(torch.from_numpy(arrays[4]).to(out))
-    return [t.detach().double().cpu() for t in [out] + [x.grad for x in leaves]]
+    return [t.detach().double().cpu().numpy() for t in [out] + [x.grad for x in leaves]]
 
 
 def run_jax(meta, args, arrays):
@@ -126,7 +202,7 @@ def run_jax(meta, args, arrays):
                                          backend=args.backend)
     out, vjp = jax.vjp(f, q, k, v, gate)
     grads = vjp(dout)
-    return [torch.from_numpy(np.asarray(x, np.float64)) for x in (out, *grads)]
+    return [np.asarray(x, np.float64) for x in (out, *grads)]
 
 
 def reference(meta, args, arrays):
@@ -135,11 +211,11 @@ def reference(meta, args, arrays):
     counts = meta.variable_block_sizes
     out, _, _, grads = R.video_sparse_attn_reference(q, k, v, counts, counts, args.topk, meta.block_elems,
                                                      gate=gate, round_to=args.dtype, dout=dout)
-    return [torch.from_numpy(x) for x in (out, grads["dq"], grads["dk"], grads["dv"], grads["dgate"])]
+    return [out, grads["dq"], grads["dk"], grads["dv"], grads["dgate"]]
 
 
 def check(args) -> bool:
-    meta = build_vsa_metadata(args.video, args.tile)
+    meta = args.meta
     arrays = _inputs(meta, args)
     run = run_torch if args.frontend == "torch" else run_jax
     start = time.perf_counter()
@@ -149,11 +225,11 @@ def check(args) -> bool:
     threshold = THRESHOLD[args.dtype]
     errors = {}
     for name, g, w in zip(("out", "dq", "dk", "dv", "dgate"), got, want):
-        errors[name] = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+        errors[name] = float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
     ok = all(e < threshold for e in errors.values())
     n_blocks = math.prod(meta.num_tiles)
     partial = int((meta.variable_block_sizes < meta.block_elems).sum())
-    where = "GPU" if ON_GPU else "CPU, Triton interpreter"
+    where = "GPU" if args.device == "cuda" else "CPU, Triton interpreter"
     print("relative errors vs the float64 reference: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     print(f"vsa demo ({args.frontend}, backend {args.backend}, {where}): video {'x'.join(map(str, args.video))} "
           f"({meta.num_tokens} tokens) in {'x'.join(map(str, args.tile))} tiles = {n_blocks} blocks of "
@@ -165,6 +241,7 @@ def check(args) -> bool:
 
 
 def time_480p():
+    import torch
     import vsa_torch
     from triton.testing import do_bench
 
@@ -198,6 +275,9 @@ def time_480p():
 if __name__ == "__main__":
     args = parse_args()
     ok = check(args)
-    if ON_GPU and not args.no_bench:
-        time_480p()
+    if args.device == "cuda" and not args.no_bench:
+        if _torch_cuda():
+            time_480p()
+        else:
+            print("480p timing skipped: it runs on torch (against torch SDPA), which is not installed here")
     sys.exit(0 if ok else 1)

@@ -103,9 +103,9 @@ def _count_describes(monkeypatch):
     calls = []
     real = problem._check_counts
 
-    def counting(name, *args):
+    def counting(name, *args, **kwargs):
         calls.append(name) if name == "variable_block_sizes" else None
-        return real(name, *args)
+        return real(name, *args, **kwargs)
     monkeypatch.setattr(problem, "_check_counts", counting)
     return calls
 

@@ -252,3 +252,33 @@ def test_docs_state_clamping_and_ranking_precision():
 def test_demo_docstring_matches_its_video():
     demo = (ROOT / "demo.py").read_text()
     assert 'default=(5, 8, 8)' in demo and "5x8x8" in demo and "4x8x8" not in demo
+
+
+def test_ci_runs_the_lowest_triton_allowed():
+    """The Triton range's lower end (pyproject.toml) is the version .ci/run installs for its
+    second, short run (the main run takes the newest allowed): moving one moves the other."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    lowest = re.search(r'"triton>=([0-9.]+),<[0-9.]+"', pyproject).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    pinned = re.search(r"triton==([0-9.]+)", ci).group(1)
+    assert pinned.startswith(lowest + "."), (lowest, pinned)
+    assert f"triton.__version__ == '{pinned}'" in ci
+
+
+def test_import_vsa_names_the_frontends():
+    """`vsa` is the distribution; `import vsa` (what a new user tries first) raises an
+    ImportError naming the modules to import, which exist as named; the package ships."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", "import vsa"], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=pathlib.Path(os.environ.get("TMPDIR", "/tmp")))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stderr.splitlines()[-1] == (
+        "ImportError: vsa is the distribution's name, not a module: import the frontend for your framework, "
+        "vsa_torch (PyTorch) or vsa_jax (JAX), e.g. `from vsa_torch import video_sparse_attn` (the same names in "
+        "both)"), run.stderr
+    with pytest.raises(ImportError, match="import the frontend for your framework, vsa_torch .* or vsa_jax") as caught:
+        import vsa  # noqa: F401
+    assert caught.value.name == "vsa"
+    assert vsa_torch.video_sparse_attn and vsa_jax.video_sparse_attn
+    packages = re.search(r"^packages = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert '"vsa"' in packages.split(", "), packages

@@ -143,6 +143,32 @@ def test_core_alone_runs_on_numpy_buffers():
         """), "cpu")
 
 
+def test_demo_runs_without_torch():
+    """demo.py where torch is missing (CI runs this file in a vsa[jax] venv too): the JAX
+    frontend, its default there, against the numpy float64 reference; `--frontend torch` is a
+    usage error that says why."""
+    _skip_if_interpreter_broken()
+    out = _run(textwrap.dedent(f"""
+        import contextlib, io, runpy
+
+        def demo(*args):
+            sys.argv = ["demo.py", *args]
+            try:
+                runpy.run_path({os.path.join(REPO, "demo.py")!r}, run_name="__main__")
+            except SystemExit as e:
+                return e.code
+            return 0
+
+        assert demo("--video", "4,4,8", "--topk", "1", "--heads", "1", "--no-bench") == 0
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert demo("--frontend", "torch") == 2
+        assert err.getvalue().splitlines()[-1] == ("demo.py: error: argument --frontend: torch is not installed "
+                                                   "(a vsa[jax] install): use --frontend jax"), err.getvalue()
+        """), "cpu")
+    assert "vsa demo (jax, backend auto, CPU, Triton interpreter)" in out and ": PASS" in out, out
+
+
 def test_native_plan_records_and_compiles_without_torch():
     """The JAX native path's trace-time work, torch blocked: the forward's launch plan recorded
     on placeholder buffers and each launch compiled to an sm_90 cubin (no GPU needed)."""

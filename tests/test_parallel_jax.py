@@ -2,7 +2,9 @@
 see conftest; GPU: two GPUs), with shard_map's default checks. Output and gradients, put
 back together, must equal the single-device VSA on the full sequence bitwise (each head
 runs whole on one device through the same kernels) and the float64 reference within the
-usual tolerance; bad shards raise ValueError at trace time."""
+usual tolerance; bad shards raise ValueError at trace time. With prefix blocks
+(prefix_blocks / prefix_mode, spanning one or both devices' shards) the same holds against
+the one-device call with the same prefix."""
 
 import zlib
 
@@ -28,8 +30,33 @@ CASES = [
 ]
 
 
+# a prefix on device 0's shard only, and one across both devices' shards (2 blocks each)
+PREFIX_CASE = Case(batch=1, heads=2, n_q_blocks=4, n_kv_blocks=4, layout="bshd", topk=1)
+PREFIXES = [dict(prefix_blocks=1, prefix_mode="exempt"), dict(prefix_blocks=3, prefix_mode="compete")]
+
+
 def seed_of(case: Case) -> int:
     return zlib.crc32(case.id().encode())
+
+
+def prefix_id(prefix: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in prefix.items()) or "no-prefix"
+
+
+def inputs_of(case: Case, prefix: dict, seed: int) -> dict:
+    """With a prefix, a draw whose selection has no near-tie (test_prefix's; that module
+    imports torch, so only the prefix tests load it)."""
+    if prefix:
+        from test_prefix import draw
+        return draw(case, prefix["prefix_blocks"], prefix["prefix_mode"], seed)
+    return make_inputs(case, seed)
+
+
+def reference_of(case: Case, prefix: dict, inputs: dict) -> dict:
+    if prefix:
+        from test_prefix import prefix_reference
+        return prefix_reference(case, inputs, prefix["prefix_blocks"], prefix["prefix_mode"])
+    return reference(case, inputs)
 
 
 def mesh_of():
@@ -47,15 +74,17 @@ def out_and_grads(attend, case: Case):
     return run
 
 
-def one_device(case: Case, inputs: dict, args, backend="auto") -> dict:
+def one_device(case: Case, inputs: dict, args, backend="auto", prefix=None) -> dict:
     """The single-device VSA on the full sequence (jitted on device 0), checked against
     the float64 reference."""
+    prefix = prefix or {}
+
     def attend(q, k, v, gate):
         return vsa_jax.video_sparse_attn_bshd(q, k, v, inputs["kv_counts"], inputs["q_counts"], case.topk,
-                                              case.block, gate, backend=backend)
+                                              case.block, gate, backend=backend, **prefix)
     got = dict(zip(NAMES, jax.jit(out_and_grads(attend, case))(*args)))
     got = {n: np.asarray(x) for n, x in got.items()}
-    assert_close(case, to_numpy(case, got), reference(case, inputs))
+    assert_close(case, to_numpy(case, got), reference_of(case, prefix, inputs))
     return got
 
 
@@ -84,6 +113,24 @@ def test_on_mesh_under_jit_equals_one_device(case):
     got = jax.jit(out_and_grads(attend, case))(*(jax.device_put(x, tokens) for x in args))
     assert got[0].sharding.is_equivalent_to(tokens, 4)
     assert_bitwise(got, want, "ulysses_video_sparse_attn_on_mesh")
+
+
+@pytest.mark.parametrize("prefix", PREFIXES, ids=prefix_id)
+def test_prefix_on_mesh_under_jit_equals_one_device(prefix):
+    """Prefix blocks at the start of the whole sequence: output and gradients (the gate's
+    too: it is resharded with q, k and v) equal the one-device call with the same prefix."""
+    case = PREFIX_CASE
+    inputs = inputs_of(case, prefix, seed_of(case))
+    args = jax_args(case, inputs)
+    want = one_device(case, inputs, args, prefix=prefix)
+    mesh = mesh_of()
+
+    def attend(q, k, v, gate):
+        return ulysses_video_sparse_attn_on_mesh(q, k, v, inputs["kv_counts"], inputs["q_counts"], case.topk,
+                                                 case.block, gate, mesh=mesh, axis_name="sp", **prefix)
+    tokens = NamedSharding(mesh, P(None, "sp"))
+    got = jax.jit(out_and_grads(attend, case))(*(jax.device_put(x, tokens) for x in args))
+    assert_bitwise(got, want, f"ulysses_video_sparse_attn_on_mesh with {prefix_id(prefix)}")
 
 
 def test_on_mesh_eager_forward_equals_one_device():
@@ -164,6 +211,17 @@ def test_bad_shards_raise_at_trace_time(seq_len, heads, n_blocks, match):
         _trace_in_shard_map(seq_len, heads, n_blocks)
 
 
+@pytest.mark.parametrize("seq_len, n_blocks, kw, match", [
+    (128, 2, dict(prefix_blocks=3), r"prefix_blocks \(3\) must not exceed the number of blocks of the sequence \(2\)"),
+    (128, 2, dict(prefix_blocks=1, prefix_mode="dense"), r"prefix_mode must be one of \('exempt', 'compete'\)"),
+    (128, 2, dict(prefix_blocks=-1), "prefix_blocks must be >= 0, got -1"),
+])
+def test_bad_prefixes_raise_at_trace_time(seq_len, n_blocks, kw, match):
+    """The words of video_sparse_attn (and of the torch helper: tests/test_parallel_torch.py)."""
+    with pytest.raises(ValueError, match=match):
+        _trace_in_shard_map(seq_len, 2, n_blocks, **kw)
+
+
 def test_on_mesh_bad_arguments():
     x = jnp.zeros((1, 192, 2, 64), jnp.bfloat16)
     counts = np.full(3, 64)
@@ -177,27 +235,34 @@ def test_on_mesh_bad_arguments():
 
 
 # ---- GPU: both backends ----------------------------------------------------------------------------
-GPU_CASES = [  # (case, backend)
-    (Case(batch=1, heads=4, n_q_blocks=8, n_kv_blocks=8, topk=3, layout="bshd"), "triton"),
-    (Case(block=128, batch=1, heads=4, n_q_blocks=6, n_kv_blocks=6, topk=3, layout="bshd", head_dim=128), "cute"),
-    (Case(block=256, batch=2, heads=2, n_q_blocks=4, n_kv_blocks=4, topk=2, layout="bshd"), "cute"),
+GPU_JOBS = [  # (case, backend, prefix keywords)
+    (Case(batch=1, heads=4, n_q_blocks=8, n_kv_blocks=8, topk=3, layout="bshd"), "triton", {}),
+    (Case(block=128, batch=1, heads=4, n_q_blocks=6, n_kv_blocks=6, topk=3, layout="bshd", head_dim=128), "cute",
+     {}),
+    (Case(block=256, batch=2, heads=2, n_q_blocks=4, n_kv_blocks=4, topk=2, layout="bshd"), "cute", {}),
+    # prefixes across both devices' shards (4 and 3 blocks each)
+    (Case(batch=1, heads=4, n_q_blocks=8, n_kv_blocks=8, topk=2, layout="bshd"), "triton",
+     dict(prefix_blocks=5, prefix_mode="exempt")),
+    (Case(block=128, batch=1, heads=4, n_q_blocks=6, n_kv_blocks=6, topk=2, layout="bshd", head_dim=128), "cute",
+     dict(prefix_blocks=4, prefix_mode="compete")),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("job", range(len(GPU_CASES)), ids=lambda j: f"{GPU_CASES[j][1]}-{GPU_CASES[j][0].id()}")
+@pytest.mark.parametrize("job", range(len(GPU_JOBS)),
+                         ids=lambda j: f"{GPU_JOBS[j][1]}-{GPU_JOBS[j][0].id()}-{prefix_id(GPU_JOBS[j][2])}")
 def test_gpu_on_mesh_equals_one_device(job):
-    case, backend = GPU_CASES[job]
+    case, backend, prefix = GPU_JOBS[job]
     if jax.default_backend() != "gpu":
         pytest.skip("needs JAX on 2 GPUs")
     if backend == "cute":
         from test_cute_backend import _cute_reason
         reason = _cute_reason(case)
         skip_unavailable("cute", reason and f"cute backend unavailable: {reason}")
-    inputs = make_inputs(case, seed_of(case))
+    inputs = inputs_of(case, prefix, seed_of(case))
     args = jax_args(case, inputs)
-    want = one_device(case, inputs, args, backend=backend)
-    again = one_device(case, inputs, args, backend=backend)
+    want = one_device(case, inputs, args, backend=backend, prefix=prefix)
+    again = one_device(case, inputs, args, backend=backend, prefix=prefix)
     # bitwise wherever one device reproduces its own bits (FA4's dQ sums fp32 atomics in a
     # varying order); every result is within the reference's tolerance either way
     reproducible = [n for n in want if np.array_equal(want[n], again[n])]
@@ -207,8 +272,10 @@ def test_gpu_on_mesh_equals_one_device(job):
 
     def attend(q, k, v, gate):
         return ulysses_video_sparse_attn_on_mesh(q, k, v, inputs["kv_counts"], inputs["q_counts"], case.topk,
-                                                 case.block, gate, mesh=mesh, axis_name="sp", backend=backend)
+                                                 case.block, gate, mesh=mesh, axis_name="sp", backend=backend,
+                                                 **prefix)
     tokens = NamedSharding(mesh, P(None, "sp"))
     got = jax.jit(out_and_grads(attend, case))(*(jax.device_put(x, tokens) for x in args))
     assert_bitwise(got, want, f"{backend} on 2 GPUs", names=reproducible)
-    assert_close(case, to_numpy(case, {n: np.asarray(x) for n, x in zip(NAMES, got)}), reference(case, inputs))
+    assert_close(case, to_numpy(case, {n: np.asarray(x) for n, x in zip(NAMES, got)}),
+                 reference_of(case, prefix, inputs))

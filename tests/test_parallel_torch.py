@@ -2,7 +2,9 @@
 gloo (CPU, Triton interpreter) or NCCL (2 GPUs). Output and gradients of the sharded call,
 put back together, must equal the single-device VSA on the full sequence bitwise (each
 head runs whole on one rank through the same kernels) and the float64 reference within
-the usual tolerance; bad shards must raise ValueError on every rank, before any collective."""
+the usual tolerance; bad shards must raise ValueError on every rank, before any collective.
+With prefix blocks (prefix_blocks / prefix_mode, spanning one or both ranks' shards) the same
+holds against the one-device call with the same prefix."""
 
 import os
 import pickle
@@ -22,22 +24,49 @@ from vsa_torch.parallel import ulysses_video_sparse_attn
 
 WORLD = 2
 
-CPU_CASES = [
-    Case(batch=1, heads=2, n_q_blocks=4, n_kv_blocks=4, layout="bshd"),   # gate, partial and empty blocks
-    Case(batch=2, heads=6, n_q_blocks=2, n_kv_blocks=4, topk=3, gate=False, layout="bshd", dtype="float16",
-         block=(4, 4, 4)),                                                # Sq != Skv, 3 heads per rank
+NO_PREFIX = {}
+PREFIX_CASE = Case(batch=1, heads=2, n_q_blocks=4, n_kv_blocks=4, layout="bshd", topk=1)
+CPU_JOBS = [  # (case, backend, prefix keywords)
+    (Case(batch=1, heads=2, n_q_blocks=4, n_kv_blocks=4, layout="bshd"), "auto", NO_PREFIX),  # gate, partial, empty
+    (Case(batch=2, heads=6, n_q_blocks=2, n_kv_blocks=4, topk=3, gate=False, layout="bshd", dtype="float16",
+          block=(4, 4, 4)), "auto", NO_PREFIX),                           # Sq != Skv, 3 heads per rank
+    # a prefix on rank 0's shard only, and one across both ranks' shards (2 blocks each)
+    (PREFIX_CASE, "auto", dict(prefix_blocks=1, prefix_mode="exempt")),
+    (PREFIX_CASE, "auto", dict(prefix_blocks=3, prefix_mode="compete")),
 ]
-GPU_CASES = [  # (case, backend)
-    (Case(batch=1, heads=4, n_q_blocks=8, n_kv_blocks=8, topk=3, layout="bshd"), "triton"),
+GPU_JOBS = [  # (case, backend, prefix keywords)
+    (Case(batch=1, heads=4, n_q_blocks=8, n_kv_blocks=8, topk=3, layout="bshd"), "triton", NO_PREFIX),
     (Case(batch=2, heads=4, n_q_blocks=4, n_kv_blocks=6, topk=2, layout="bshd", head_dim=128, gate=False),
-     "triton"),
-    (Case(block=128, batch=1, heads=4, n_q_blocks=6, n_kv_blocks=6, topk=3, layout="bshd", head_dim=128), "cute"),
-    (Case(block=256, batch=2, heads=2, n_q_blocks=4, n_kv_blocks=4, topk=2, layout="bshd"), "cute"),
+     "triton", NO_PREFIX),
+    (Case(block=128, batch=1, heads=4, n_q_blocks=6, n_kv_blocks=6, topk=3, layout="bshd", head_dim=128), "cute",
+     NO_PREFIX),
+    (Case(block=256, batch=2, heads=2, n_q_blocks=4, n_kv_blocks=4, topk=2, layout="bshd"), "cute", NO_PREFIX),
+    # prefixes across both ranks' shards (4 and 3 blocks each)
+    (Case(batch=1, heads=4, n_q_blocks=8, n_kv_blocks=8, topk=2, layout="bshd"), "triton",
+     dict(prefix_blocks=5, prefix_mode="exempt")),
+    (Case(block=128, batch=1, heads=4, n_q_blocks=6, n_kv_blocks=6, topk=2, layout="bshd", head_dim=128), "cute",
+     dict(prefix_blocks=4, prefix_mode="compete")),
 ]
 
 
 def seed_of(case: Case) -> int:
     return zlib.crc32(case.id().encode())
+
+
+def inputs_of(case: Case, prefix: dict) -> dict:
+    """A job's full inputs, the same on every rank (deterministic); with a prefix, a draw whose
+    selection has no near-tie (as in test_prefix)."""
+    if prefix:
+        from test_prefix import draw
+        return draw(case, prefix["prefix_blocks"], prefix["prefix_mode"], seed_of(case))
+    return make_inputs(case, seed_of(case))
+
+
+def reference_of(case: Case, prefix: dict, inputs: dict) -> dict:
+    if prefix:
+        from test_prefix import prefix_reference
+        return prefix_reference(case, inputs, prefix["prefix_blocks"], prefix["prefix_mode"])
+    return reference(case, inputs)
 
 
 def free_port() -> int:
@@ -52,8 +81,8 @@ def _shard(x: np.ndarray, rank: int) -> np.ndarray:
     return np.split(x, WORLD, axis=1)[rank]
 
 
-def _run_sharded(case: Case, backend: str, device: str, rank: int) -> dict:
-    inputs = make_inputs(case, seed_of(case))  # deterministic: the same full inputs on every rank
+def _run_sharded(case: Case, backend: str, prefix: dict, device: str, rank: int) -> dict:
+    inputs = inputs_of(case, prefix)
     dtype = getattr(torch, case.dtype)
 
     def shard(name):
@@ -62,7 +91,8 @@ def _run_sharded(case: Case, backend: str, device: str, rank: int) -> dict:
     q, k, v, gate = (shard(n).requires_grad_() for n in ("q", "k", "v", "gate"))
     out = ulysses_video_sparse_attn(q, k, v, torch.from_numpy(inputs["kv_counts"]),
                                     torch.from_numpy(inputs["q_counts"]), case.topk, case.block,
-                                    gate if case.gate else None, backend=backend, softmax_scale=case.softmax_scale)
+                                    gate if case.gate else None, backend=backend,
+                                    softmax_scale=case.softmax_scale, **prefix)
     out.backward(shard("dout"))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad, "dgate": gate.grad}
     return {n: t.detach().float().cpu().numpy() for n, t in got.items() if t is not None}
@@ -80,6 +110,11 @@ def _bad_calls(rank: int) -> dict:
         "cover": lambda: ulysses_video_sparse_attn(x(64), x(64), x(64), counts2, counts3, 1),
         # rank 0 holds 128 tokens, rank 1 holds 64: 192 in all, 3 blocks
         "unequal": lambda: ulysses_video_sparse_attn(*(x(128 if rank == 0 else 64),) * 3, counts3, counts3, 1),
+        "prefix_too_long": lambda: ulysses_video_sparse_attn(x(64), x(64), x(64), counts2, counts2, 1, prefix_blocks=3),
+        "prefix_mode": lambda: ulysses_video_sparse_attn(x(64), x(64), x(64), counts2, counts2, 1, prefix_blocks=1,
+                                                         prefix_mode="dense"),
+        "prefix_lengths": lambda: ulysses_video_sparse_attn(x(64), x(128), x(128), np.full(4, 64), counts2, 1,
+                                                            prefix_blocks=1),
     }
     found = {}
     for name, call in calls.items():
@@ -97,10 +132,10 @@ def _worker(rank: int, port: int, out_dir: str, dist_backend: str, jobs: list, c
         torch.cuda.set_device(rank)
     dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        results = {"runs": [_run_sharded(case, backend, device, rank) for case, backend in jobs]}
+        results = {"runs": [_run_sharded(case, backend, prefix, device, rank) for case, backend, prefix in jobs]}
         if rank == 0:  # the single-device runs, twice (to see which results reproduce bit for bit)
-            results["single"] = [[run_torch(case, make_inputs(case, seed_of(case)), backend=backend, device=device)
-                                  for _ in range(2)] for case, backend in jobs]
+            results["single"] = [[run_torch(case, inputs_of(case, prefix), backend=backend, device=device, **prefix)
+                                  for _ in range(2)] for case, backend, prefix in jobs]
         if check_errors:
             results["errors"] = _bad_calls(rank)
         dist.barrier()
@@ -130,7 +165,7 @@ def gathered(ranks: list, job: int) -> dict:
     return {n: from_layout(np.concatenate([run[n] for run in runs], axis=1), "bshd") for n in runs[0]}
 
 
-def check_against_one_device(case: Case, ranks: list, job: int) -> list:
+def check_against_one_device(case: Case, prefix: dict, ranks: list, job: int) -> list:
     """Bitwise equal to the single-device run wherever that one reproduces its own bits
     (always the output; FA4's dQ sums fp32 atomics in an order that varies), and every
     result within the float64 reference's tolerance."""
@@ -141,22 +176,26 @@ def check_against_one_device(case: Case, ranks: list, job: int) -> list:
     assert "out" in reproducible, reproducible
     for name in reproducible:
         np.testing.assert_array_equal(got[name], first[name], err_msg=f"{name} differs from one device")
-    assert_close(case, got, reference(case, make_inputs(case, seed_of(case))))
+    assert_close(case, got, reference_of(case, prefix, inputs_of(case, prefix)))
     return reproducible
 
 
 # ---- tests ---------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run (Triton interpreter); GPUs run the NCCL test")
 def test_gloo_equals_one_device_and_bad_shards_raise(tmp_path, monkeypatch):
-    ranks = spawn(tmp_path, monkeypatch, "gloo", [(case, "auto") for case in CPU_CASES], check_errors=True)
-    for job, case in enumerate(CPU_CASES):
-        bitwise = check_against_one_device(case, ranks, job)
+    ranks = spawn(tmp_path, monkeypatch, "gloo", CPU_JOBS, check_errors=True)
+    for job, (case, _, prefix) in enumerate(CPU_JOBS):
+        bitwise = check_against_one_device(case, prefix, ranks, job)
         assert len(bitwise) == (5 if case.gate else 4), bitwise  # the interpreter is deterministic
 
     expect = {"heads": "not divisible by the group size 2",
               "whole_blocks": "not a whole number of 64-token blocks",
               "cover": "must cover the whole sequence",
-              "unequal": "every device must hold an equal shard"}
+              "unequal": "every device must hold an equal shard",
+              "prefix_too_long": "prefix_blocks (3) must not exceed the number of blocks of the sequence (2)",
+              "prefix_mode": "prefix_mode must be one of ('exempt', 'compete'), got 'dense'",
+              "prefix_lengths": "prefix_blocks > 0 needs q and k of the same length (joint self-attention), got 2 "
+                                "query and 4 KV blocks"}
     for rank, r in enumerate(ranks):
         for name, text in expect.items():
             kind, message = r["errors"][name]
@@ -173,16 +212,18 @@ def test_needs_an_initialized_process_group():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("job", range(len(GPU_CASES)), ids=lambda j: f"{GPU_CASES[j][1]}-{GPU_CASES[j][0].id()}")
+@pytest.mark.parametrize("job", range(len(GPU_JOBS)),
+                         ids=lambda j: "-".join([GPU_JOBS[j][1], GPU_JOBS[j][0].id()]
+                                                + [f"{k}={v}" for k, v in GPU_JOBS[j][2].items()]))
 def test_nccl_equals_one_device(tmp_path, monkeypatch, job):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs")
-    case, backend = GPU_CASES[job]
+    case, backend, prefix = GPU_JOBS[job]
     if backend == "cute":
         from test_cute_backend import _cute_reason
         reason = _cute_reason(case)
         skip_unavailable("cute", reason and f"cute backend unavailable: {reason}")
-    ranks = spawn(tmp_path, monkeypatch, "nccl", [(case, backend)])
-    bitwise = check_against_one_device(case, ranks, 0)
+    ranks = spawn(tmp_path, monkeypatch, "nccl", [GPU_JOBS[job]])
+    bitwise = check_against_one_device(case, prefix, ranks, 0)
     if backend == "triton":  # no atomics: every result reproduces
         assert len(bitwise) == (5 if case.gate else 4), bitwise

@@ -94,31 +94,87 @@ def _vsa_args(frontend, layout="bhsd", S=512, dtype=np.float16):
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_block_size_that_disagrees_with_the_counts_is_named(frontend):
     """Counts built for (4, 4, 4) tiles (8 blocks of 64) but block_size (4, 4, 8): the
-    message names block_size and the counts, with both block sizes."""
+    message gives the counts' expected length, how it follows from S and block_size, and
+    the block size the counts' length makes."""
     fe, _ = FRONTENDS[frontend]
     q, k, v = _vsa_args(frontend)
     counts = build_vsa_metadata((8, 8, 8), (4, 4, 4)).variable_block_sizes
-    with pytest.raises(ValueError, match=r"block_size and variable_block_sizes disagree: block_size=\(4, 4, 8\) "
-                                         r"makes 128-token blocks.* 4 blocks, but variable_block_sizes has 8 counts "
-                                         r"\(64-token blocks\)"):
+    with pytest.raises(ValueError, match=r"variable_block_sizes must have shape \(4,\) \(one count per block: k's 512 "
+                                         r"tokens in 128-token blocks \(block_size=\(4, 4, 8\)\) are 4 blocks\), got "
+                                         r"\(8,\): 8 counts make 64-token blocks of k, so if the counts are right, "
+                                         r"block_size is not: pass the block_size the counts were built for"):
         fe.video_sparse_attn(q, k, v, counts, counts, 2, (4, 4, 8))
-    with pytest.raises(ValueError, match=r"block_size and variable_block_sizes disagree: block_size=256 .* 2 blocks, "
-                                         r"but variable_block_sizes has 8 counts"):
+    with pytest.raises(ValueError, match=r"variable_block_sizes must have shape \(2,\) \(one count per block: k's 512 "
+                                         r"tokens in 256-token blocks \(block_size=256\) are 2 blocks\), got \(8,\): "
+                                         r"8 counts make 64-token blocks"):
         fe.block_sparse_attn(q, k, v, FRONTENDS[frontend][1](np.ones((1, 2, 2, 2), bool)), counts, 256)
+
+
+def _message(call) -> str:
+    with pytest.raises(ValueError) as caught:
+        call()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("which", ["q_variable_block_sizes", "variable_block_sizes"])
+def test_wrong_length_counts_give_the_expected_length(which):
+    """Either count array of the wrong length: the same kind of message for both (its expected
+    length, from S and block_size), in identical words in both frontends. A wrong-length
+    q_variable_block_sizes is checked after variable_block_sizes agreed with block_size, so it
+    does not blame block_size, even where its length would fit another block size."""
+    right = np.full(4, 64, np.int32)
+    for wrong, block_size_blamed in ((np.full(2, 64, np.int32), which == "variable_block_sizes"),
+                                     (np.full(3, 64, np.int32), False)):
+        messages = []
+        for frontend in FRONTENDS:
+            fe, _ = FRONTENDS[frontend]
+            q, k, v = _vsa_args(frontend, S=256)
+            kv, qc = (wrong, right) if which == "variable_block_sizes" else (right, wrong)
+            messages.append(_message(lambda: fe.video_sparse_attn(q, k, v, kv, qc, 2, (4, 4, 4))))
+        assert messages[0] == messages[1], messages
+        seq = "k" if which == "variable_block_sizes" else "q"
+        assert messages[0].startswith(f"{which} must have shape (4,) (one count per block: {seq}'s 256 tokens in "
+                                      f"64-token blocks (block_size=(4, 4, 4)) are 4 blocks), got ({len(wrong)},)"), \
+            messages[0]
+        assert ("block_size is not" in messages[0]) == block_size_blamed, messages[0]
+
+
+def _hinted(message: str) -> str:
+    import re
+    found = re.search(r"data use (.*)\)$", message)
+    assert found, message
+    return found.group(1)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_bshd_data_in_the_bhsd_function_suggests_the_layout(frontend):
+    """The hint names a function of this frontend that takes the data as they are (its
+    signature binds the same call), or an argument the called function really has."""
+    import inspect
     fe, _ = FRONTENDS[frontend]
     q, k, v = _vsa_args(frontend, layout="bshd")  # [1, 512, 2, 64] given to the BHSD function
     counts = np.full(8, 64, np.int32)
-    with pytest.raises(ValueError, match=r"q sequence length must be a positive multiple of the block size 64, got 2 "
-                                         r"\(shape \(1, 512, 2, 64\): \[B, H, S, D\] is read here; for \[B, S, H, D\] "
-                                         r"data use video_sparse_attn_bshd"):
-        fe.video_sparse_attn(q, k, v, counts, counts, 2, 64)
+    message = _message(lambda: fe.video_sparse_attn(q, k, v, counts, counts, 2, 64))
+    assert message.startswith("q sequence length must be a positive multiple of the block size 64, got 2 (shape "
+                              "(1, 512, 2, 64): [B, H, S, D] is read here; for [B, S, H, D] data use "
+                              "video_sparse_attn_bshd)"), message
+    assert "layout" not in inspect.signature(fe.video_sparse_attn).parameters and "layout=" not in message
+    assert _hinted(message) == "video_sparse_attn_bshd"
+    inspect.signature(fe.video_sparse_attn_bshd).bind(q, k, v, counts, counts, 2, 64)
     q, k, v = _vsa_args(frontend)  # and the other way round
-    with pytest.raises(ValueError, match=r"\[B, S, H, D\] is read here; for \[B, H, S, D\] data use video_sparse_attn"):
-        fe.video_sparse_attn_bshd(q, k, v, counts, counts, 2, 64)
+    message = _message(lambda: fe.video_sparse_attn_bshd(q, k, v, counts, counts, 2, 64))
+    assert "[B, S, H, D] is read here; for [B, H, S, D] data use video_sparse_attn)" in message, message
+    inspect.signature(getattr(fe, _hinted(message))).bind(q, k, v, counts, counts, 2, 64)
+    # the block-sparse functions take both layouts through their `layout` argument
+    q, k, v = _vsa_args(frontend, layout="bshd")
+    block_map = FRONTENDS[frontend][1](np.ones((1, 2, 8, 8), bool))
+    indices, num = (FRONTENDS[frontend][1](np.zeros(shape, np.int32)) for shape in ((1, 2, 8, 1), (1, 2, 8)))
+    for name, call in (("block_sparse_attn", lambda: fe.block_sparse_attn(q, k, v, block_map, counts, 64)),
+                       ("block_sparse_attn_from_indices",
+                        lambda: fe.block_sparse_attn_from_indices(q, k, v, indices, num, counts, 64))):
+        message = _message(call)
+        assert _hinted(message) == "the same function with layout='bshd'", message
+        assert inspect.signature(getattr(fe, name)).parameters["layout"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 # ---- 4. the CPU warning points at the caller's line, in the frontend's words -------------------------
@@ -191,6 +247,26 @@ def test_demo_says_what_it_computed(args, summary):
     run = _demo(*args, "--no-bench")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert re.search(summary, run.stdout), run.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--topk", "0"), "argument --topk: topk must be >= 1, got 0"),
+    (("--tile", "4,4,3"), "argument --tile: Unsupported VSA tile volume 48: tile_size must hold (64, 128, 256) tokens"),
+    (("--heads", "0"), "argument --heads: expected a positive int, got 0"),
+    (("--backend", "cute"), "argument --backend: backend='cute' cannot run this call: it runs on NVIDIA GPUs only"),
+    (("--backend", "cudnn", "--frontend", "jax"),
+     "argument --backend: backend='cudnn' cannot run this call: it runs on NVIDIA GPUs only"),
+], ids=["topk", "tile", "heads", "cute-cpu", "cudnn-cpu-jax"])
+def test_demo_bad_options_are_usage_errors(args, message):
+    """What the library refuses is refused by the demo's parser: exit 2, no traceback, one
+    error line carrying the library's message, before any input is drawn."""
+    if "--backend" in args and torch.cuda.is_available():
+        pytest.skip("the backend is refused for CPU tensors")
+    run = _demo(*args, "--no-bench")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stdout + run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == [run.stderr.splitlines()[-1]] and errors[0].startswith("demo.py: error: " + message), run.stderr
+    assert run.stdout == "", run.stdout
 
 
 # ---- 8. the docstrings are enough without the README ---------------------------------------------------

@@ -237,21 +237,25 @@ def _split_token_shape(name: str, shape, layout: str):
     return b, h, s, d
 
 
-def _check_counts(name: str, counts, n_blocks: int, seq_name: str, seq_len: int, block_size: BlockSize):
+def _check_counts(name: str, counts, n_blocks: int, seq_name: str, seq_len: int, block_size: BlockSize,
+                  block_size_hint: bool = True):
+    """One count per block of `seq_name`. `block_size_hint`: whether a wrong length may be a wrong
+    block_size rather than wrong counts (not for counts checked after others agreed with it)."""
     if counts is None:
         raise ValueError(f"{name} is required: a 1-D integer array of {n_blocks} per-block valid-token counts")
     if not hasattr(counts, "shape"):
         counts = np.asarray(counts)
     shape = _shape(counts)
-    if len(shape) == 1 and shape[0] >= 1 and shape != (n_blocks,) and seq_len % shape[0] == 0 \
-            and seq_len // shape[0] in SUPPORTED_BLOCK_ELEMS:
-        # the counts describe whole blocks of another size: the block size is the likelier mistake
-        raise ValueError(f"block_size and {name} disagree: block_size={block_size!r} makes {seq_len // n_blocks}-token "
-                         f"blocks, so {seq_name}'s {seq_len} tokens are {n_blocks} blocks, but {name} has "
-                         f"{shape[0]} counts ({seq_len // shape[0]}-token blocks); pass the block_size the counts were "
-                         f"built for (meta.tile_size of build_vsa_metadata)")
     if shape != (n_blocks,):
-        raise ValueError(f"{name} must have shape ({n_blocks},) (one count per block), got {shape}")
+        message = (f"{name} must have shape ({n_blocks},) (one count per block: {seq_name}'s {seq_len} tokens in "
+                   f"{seq_len // n_blocks}-token blocks (block_size={block_size!r}) are {n_blocks} blocks), "
+                   f"got {shape}")
+        if block_size_hint and len(shape) == 1 and shape[0] >= 1 and seq_len % shape[0] == 0 \
+                and seq_len // shape[0] in SUPPORTED_BLOCK_ELEMS:
+            message += (f": {shape[0]} counts make {seq_len // shape[0]}-token blocks of {seq_name}, so if the "
+                        f"counts are right, block_size is not: pass the block_size the counts were built for "
+                        f"(meta.tile_size of build_vsa_metadata)")
+        raise ValueError(message)
     name_of_dtype = dtype_name(counts.dtype)
     try:
         kind = np.dtype(name_of_dtype).kind
@@ -269,18 +273,21 @@ def check_count_values(name: str, values: np.ndarray, block_elems: int) -> None:
         raise ValueError(f"{name} values must lie in [0, {block_elems}] (tokens per block), found {int(bad)}")
 
 
-def _layout_hint(shape, layout: str, block_elems: int) -> str:
-    """A hint when the other layout would fit: its sequence axis a multiple of E."""
+def _layout_hint(shape, layout: str, block_elems: int, selection: str) -> str:
+    """A hint when the other layout would fit (its sequence axis a multiple of E), naming what
+    takes that layout: the VSA functions come one per layout, the block-sparse ones take `layout`."""
     if len(shape) != 4:
         return ""
     other_seq = shape[1] if layout == "bhsd" else shape[2]
     if other_seq < block_elems or other_seq % block_elems:
         return ""
-    if layout == "bhsd":
-        return (f" (shape {tuple(shape)}: [B, H, S, D] is read here; for [B, S, H, D] data use "
-                "video_sparse_attn_bshd, or layout='bshd')")
-    return (f" (shape {tuple(shape)}: [B, S, H, D] is read here; for [B, H, S, D] data use "
-            "video_sparse_attn, or layout='bhsd')")
+    read, other = ("[B, H, S, D]", "[B, S, H, D]") if layout == "bhsd" else ("[B, S, H, D]", "[B, H, S, D]")
+    if selection == "topk":
+        use = "video_sparse_attn_bshd" if layout == "bhsd" else "video_sparse_attn"
+    else:
+        use = "layout='bshd'" if layout == "bhsd" else "layout='bhsd' (the default)"
+        use = f"the same function with {use}"
+    return f" (shape {tuple(shape)}: {read} is read here; for {other} data use {use})"
 
 
 PREFIX_MODES = ("exempt", "compete")
@@ -315,8 +322,11 @@ def _check_prefix_int(prefix_blocks, n_q: int, n_kv: int, what: str) -> int:
 
 def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts, q_counts=None,
                        topk=None, gate=None, selection: str = "topk", training: bool = True,
-                       prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None) -> AttnProblem:
-    """Checks the arguments of a call (anything with .shape and .dtype) and returns its problem."""
+                       prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None,
+                       layout_hint: bool = True) -> AttnProblem:
+    """Checks the arguments of a call (anything with .shape and .dtype) and returns its problem.
+    `layout_hint`: whether a wrong sequence length may suggest the other layout (not for calls
+    that take one layout only: packed, sequence-parallel)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     E = block_elements(block_size)
@@ -341,12 +351,13 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
     for name, s, shape in (("q", sq, _shape(q)), ("k", sk, _shape(k))):
         if s < E or s % E:
             raise ValueError(f"{name} sequence length must be a positive multiple of the block size {E}, got {s}"
-                             f"{_layout_hint(shape, layout, E)}")
+                             f"{_layout_hint(shape, layout, E, selection) if layout_hint else ''}")
     _check_counts("variable_block_sizes", kv_counts, sk // E, "k", sk, block_size)
     has_gate = False
     vsa = selection == "topk"
     if vsa:
-        _check_counts("q_variable_block_sizes", q_counts, sq // E, "q", sq, block_size)
+        # variable_block_sizes agreed with block_size: a wrong length here is the counts' own
+        _check_counts("q_variable_block_sizes", q_counts, sq // E, "q", sq, block_size, block_size_hint=False)
         if isinstance(topk, (bool, np.bool_)) or not isinstance(topk, (int, np.integer)):
             raise TypeError(f"topk must be a Python int, got {topk!r}")
         if topk < 1:
@@ -471,7 +482,7 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
     p = describe_attention(_Batched(q), _Batched(k), _Batched(v), block_size=block_size, layout="bshd",
                            kv_counts=kv_counts, q_counts=q_counts, topk=topk,
                            gate=None if gate is None else _Batched(gate), selection=selection, training=training,
-                           softmax_scale=softmax_scale)
+                           softmax_scale=softmax_scale, layout_hint=False)
     p = dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
     if selection != "topk":
         return p

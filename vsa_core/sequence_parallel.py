@@ -46,9 +46,11 @@ def _num_blocks(name: str, counts) -> int:
 
 
 def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk, group_size: int,
-                         softmax_scale=None) -> AttnProblem:
+                         prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None) -> AttnProblem:
     """Checks this device's shards against the group size and the counts (which describe
-    the whole sequence); returns the problem each device runs after the exchange.
+    the whole sequence); returns the problem each device runs after the exchange (its
+    prefix_blocks / prefix_mode normalised: the whole sequence's, as on one device, since
+    after the exchange each device holds whole sequences of its heads).
 
     The counts being the same everywhere, the check that they cover `group_size` shards
     of this device's length also proves that every device holds a shard of that length."""
@@ -81,4 +83,5 @@ def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk
 
     return describe_attention(after_exchange(q), after_exchange(k), after_exchange(v), block_size=block_size,
                               layout="bshd", kv_counts=kv_counts, q_counts=q_counts, topk=topk,
-                              gate=None if gate is None else after_exchange(gate), softmax_scale=softmax_scale)
+                              gate=None if gate is None else after_exchange(gate), prefix_blocks=prefix_blocks,
+                              prefix_mode=prefix_mode, softmax_scale=softmax_scale, layout_hint=False)

@@ -386,7 +386,9 @@ def topk_select_kernel(
     scores = tl.load(SCORES + row * n_kv + cols, mask=in_range, other=float("-inf"))
     bits = tl.where(scores == 0.0, 0.0, scores).to(tl.uint32, bitcast=True)
     negative = (bits >> 31) != 0
-    key = tl.where(negative, ~bits, bits | 0x80000000)  # unsigned, ordered like the floats
+    # unsigned, ordered like the floats. The flip is an xor with a typed all-ones: `~bits` makes
+    # Triton's interpreter (3.6 - 3.8) fill a uint32 with the Python int -1, which numpy 2 refuses
+    key = tl.where(negative, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | 0x80000000)
     if PREFIX_MODE == 0:
         n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
         k_eff = tl.minimum(topk, n_finite)
@@ -409,7 +411,7 @@ def topk_select_kernel(
             forced = forced | (finite & (local >= 0) & (local < n_prefix))
         else:
             topk = topk + n_prefix
-        ranked = finite & ~forced
+        ranked = finite & (forced == 0)  # not ~forced: the interpreter's all-ones, as above
         key = tl.where(ranked, key, 0)
         k_eff = tl.minimum(topk, tl.sum(ranked.to(tl.int32), axis=0))
     threshold = tl.full([], 0, tl.uint32)  # the smallest key; raised one bit at a time

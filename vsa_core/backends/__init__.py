@@ -33,15 +33,17 @@ class BackendUnavailableError(RuntimeError):
 @functools.lru_cache(maxsize=None)
 def _interpreter_broken() -> Optional[str]:
     """Why Triton's interpreter cannot run here, or None. Triton 3.6's interpreter converts
-    shape-(1,) arrays with int() and inverts unsigned ints through -1, both errors since
-    numpy 2.4 (seen on the H200 machine: triton 3.6.0, numpy 2.5.2); 3.9 runs (CI)."""
+    shape-(1,) arrays with int(), an error since numpy 2.4 (seen on the H200 machine: triton
+    3.6.0, numpy 2.5.2); with numpy < 2.4 it runs, and so do 3.7 - 3.9 with any numpy (CI runs
+    a subset on the lowest allowed Triton). The kernels avoid the interpreter's other numpy 2
+    trap (an unsigned all-ones filled with the Python int -1: no `~` on unsigned ints)."""
     import numpy
     import triton
     tv = tuple(int(x) for x in triton.__version__.split(".")[:2])
     nv = tuple(int(x) for x in numpy.__version__.split(".")[:2])
     if tv <= (3, 6) and nv >= (2, 4):
         return (f"CPU tensors run under Triton's interpreter, which in triton {triton.__version__} fails with "
-                f"numpy {numpy.__version__} (>= 2.4): use triton >= 3.9 or numpy < 2.4 for CPU tensors")
+                f"numpy {numpy.__version__} (>= 2.4): use triton >= 3.7 or numpy < 2.4 for CPU tensors")
     return None
 
 
