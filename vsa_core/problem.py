@@ -85,6 +85,8 @@ class AttnProblem:
     prefix_blocks: int = 0
     prefix_mode: str = "exempt"
     seq_prefix: bool = False
+    # the padded rows of each block (past its count): "zeros" or "ignore" (PADDINGS)
+    padding: str = "zeros"
 
     @property
     def has_prefix(self) -> bool:
@@ -252,6 +254,16 @@ def _layout_hint(shape, layout: str, block_elems: int) -> str:
 
 
 PREFIX_MODES = ("exempt", "compete")
+# What the padded rows of each block (past its count) mean: "zeros" (FastVideo's function:
+# they hold zeros, are summed into the block means and computed like any row), "ignore"
+# (never read: any contents, NaN included; their outputs and gradients are 0).
+PADDINGS = ("zeros", "ignore")
+
+
+def check_padding(padding) -> str:
+    if not isinstance(padding, str) or padding not in PADDINGS:
+        raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+    return padding
 
 
 def check_prefix_mode(prefix_mode) -> str:
@@ -283,8 +295,9 @@ def _check_prefix_int(prefix_blocks, n_q: int, n_kv: int, what: str) -> int:
 
 def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts, q_counts=None,
                        topk=None, gate=None, selection: str = "topk", training: bool = True,
-                       prefix_blocks=0, prefix_mode: str = "exempt") -> AttnProblem:
+                       prefix_blocks=0, prefix_mode: str = "exempt", padding: str = "zeros") -> AttnProblem:
     """Checks the arguments of a call (anything with .shape and .dtype) and returns its problem."""
+    check_padding(padding)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     E = block_elements(block_size)
@@ -334,7 +347,7 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
             prefix = dict(prefix_blocks=P, prefix_mode=prefix_mode)
     return AttnProblem(batch=bq, heads=hq, q_len=sq, kv_len=sk, head_dim=dq, block_elems=E, dtype=dt,
                        layout=layout, topk=topk if vsa else None, has_gate=has_gate,
-                       selection=selection, training=training, **prefix)
+                       selection=selection, training=training, **prefix, padding=padding)
 
 
 def check_block_map(block_map, problem: AttnProblem) -> None:
@@ -419,7 +432,7 @@ def _check_offsets_shape(name: str, cu) -> int:
 def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSize, kv_counts, q_counts=None,
                     topk=None, gate=None, selection: str = "topk", training: bool = True,
                     list_capacity: Optional[int] = None, prefix_blocks=0,
-                    prefix_mode: str = "exempt") -> AttnProblem:
+                    prefix_mode: str = "exempt", padding: str = "zeros") -> AttnProblem:
     """Checks a packed call (q, gate [total_q, H, D]; k, v [total_k, H, D]; offsets int32
     [N + 1]) by shape and dtype, and returns its problem: BSHD with batch 1 and n_seqs = N.
     The offsets' values are checked by `check_offsets` where they are known on the host.
@@ -437,7 +450,8 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
                          f"(shape {_shape(cu_seqlens_k)})")
     p = describe_attention(_Batched(q), _Batched(k), _Batched(v), block_size=block_size, layout="bshd",
                            kv_counts=kv_counts, q_counts=q_counts, topk=topk,
-                           gate=None if gate is None else _Batched(gate), selection=selection, training=training)
+                           gate=None if gate is None else _Batched(gate), selection=selection, training=training,
+                           padding=padding)
     p = dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
     if selection != "topk":
         return p
