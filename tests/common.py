@@ -251,14 +251,15 @@ def to_layout(x: np.ndarray, layout: str) -> np.ndarray:
 from_layout = to_layout  # the swap is its own inverse
 
 
-def reference(case: Case, inputs: dict) -> dict:
+def reference(case: Case, inputs: dict, padding: str = "zeros") -> dict:
     """float64 out and gradients (BHSD numpy) on the inputs rounded to the case's dtype."""
     x = {n: R.round_to_dtype(inputs[n], case.dtype) for n in ("q", "k", "v", "gate", "dout")}
     # near-tie draws (make_inputs): the kernel's selection, once checked to be a top-k
     block_map = checked_kernel_selection(case, inputs) if inputs.get("near_ties") else None
     out, _, _, grads = R.video_sparse_attn_reference(
         x["q"], x["k"], x["v"], inputs["kv_counts"], inputs["q_counts"], case.topk, case.E,
-        gate=x["gate"] if case.gate else None, round_to=case.dtype, block_map=block_map, dout=x["dout"])
+        gate=x["gate"] if case.gate else None, round_to=case.dtype, block_map=block_map, dout=x["dout"],
+        padding=padding)
     return {"out": out, **grads}
 
 
