@@ -45,8 +45,8 @@ def _num_blocks(name: str, counts) -> int:
     return int(shape[0])
 
 
-def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk, group_size: int
-                         ) -> AttnProblem:
+def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk, group_size: int,
+                         padding: str = "zeros") -> AttnProblem:
     """Checks this device's shards against the group size and the counts (which describe
     the whole sequence); returns the problem each device runs after the exchange.
 
@@ -81,4 +81,4 @@ def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk
 
     return describe_attention(after_exchange(q), after_exchange(k), after_exchange(v), block_size=block_size,
                               layout="bshd", kv_counts=kv_counts, q_counts=q_counts, topk=topk,
-                              gate=None if gate is None else after_exchange(gate))
+                              gate=None if gate is None else after_exchange(gate), padding=padding)

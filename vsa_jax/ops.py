@@ -217,14 +217,14 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
 
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True, cu_q=None,
-             list_capacity=None, prefix=(0, "exempt"), seq_prefix=None):
+             list_capacity=None, prefix=(0, "exempt"), seq_prefix=None, padding="zeros"):
     """The problem inside the custom_vjp (at trace time). The frontend checked the call
     (`vsa_core.api.prepare_*`); here it is rebuilt from the shapes and statics, a cache hit
     (`op_problem`): under vsa_jax.spmd the shapes are a device's shard, not the caller's.
     Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
     return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
                       has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity,
-                      prefix_blocks=prefix[0], prefix_mode=prefix[1], seq_prefix=seq_prefix)
+                      prefix_blocks=prefix[0], prefix_mode=prefix[1], seq_prefix=seq_prefix, padding=padding)
 
 
 def as_prefix(p: AttnProblem, prefix_blocks, cu_q, cu_k):
@@ -262,30 +262,32 @@ def check_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=No
 
 
 # ---- VSA ----------------------------------------------------------------------------------
-# topk, block_elems, layout, the resolved backend module and prefix = (prefix_blocks,
-# prefix_mode) are static (hashable). cu_q / cu_k: the packed sequences' int32 offsets (None
+# topk, block_elems, layout, the resolved backend module, prefix = (prefix_blocks,
+# prefix_mode) and padding are static (hashable). cu_q / cu_k: the packed sequences' int32 offsets (None
 # when not packed), traced like the counts; seq_prefix: their per-sequence prefix counts
 # (int32 [N], or None).
 def vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl, seq_prefix=None,
-        prefix=(0, "exempt")):
+        prefix=(0, "exempt"), padding="zeros"):
     q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix = _vary_alike(q, k, v, kv_counts, q_counts, gate,
                                                                             cu_q, cu_k, seq_prefix)
     return _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl,
-                tuple(prefix))
+                tuple(prefix), padding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
+def _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix,
+         padding):
     """Primal (no gradient asked for): the inference forward, nothing kept for a backward."""
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix)
+                 prefix=prefix, seq_prefix=seq_prefix, padding=padding)
     return _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)["out"]
 
 
-def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix):
+def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix,
+             padding):
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix)
+                 prefix=prefix, seq_prefix=seq_prefix, padding=padding)
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)
     # the backward reads everything but the top-k scores workspace ([B, H, nQ, nKV] fp32); the
@@ -294,10 +296,10 @@ def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, b
     return res["out"], (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, saved)
 
 
-def _vsa_bwd(topk, block_elems, layout, impl, prefix, residuals, dout):
+def _vsa_bwd(topk, block_elems, layout, impl, prefix, padding, residuals, dout):
     q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, res = residuals
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix)
+                 prefix=prefix, seq_prefix=seq_prefix, padding=padding)
     grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts,
                  gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **res)
     # None: no cotangent for the integer counts, offsets and prefix counts (JAX makes them float0
@@ -309,20 +311,21 @@ _vsa.defvjp(_vsa_fwd, _vsa_bwd)
 
 
 # ---- block-sparse attention with a given selection ----------------------------------------
-def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout):
+def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, padding):
     selection = "block_map" if block_map is not None else "indices"
     capacity = sel_idx.shape[-1] if block_map is None else None
     return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
-                    list_capacity=capacity)
+                    list_capacity=capacity, padding=padding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl):
-    return _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, padding):
+    return _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl,
+                    padding)[0]
 
 
-def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl):
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
+def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, padding):
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, padding)
     lists = {"given_idx": sel_idx, "given_num": sel_num}  # the forward writes the lists it runs to sel_idx
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lists)
@@ -332,10 +335,10 @@ def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_
                                       res["lse"])
 
 
-def _bsa_bwd(block_elems, layout, impl, residuals, cotangents):
+def _bsa_bwd(block_elems, layout, impl, padding, residuals, cotangents):
     q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, out, lse = residuals
     dout, _ = cotangents  # lse is not differentiable (block_sparse_attn stops its gradient)
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout)
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, padding)
     grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
                  sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     return grads["dq"], grads["dk"], grads["dv"], None, None, None, None, None, None
@@ -344,8 +347,9 @@ def _bsa_bwd(block_elems, layout, impl, residuals, cotangents):
 _bsa.defvjp(_bsa_fwd, _bsa_bwd)
 
 
-def bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl, cu_q=None, cu_k=None):
+def bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl, cu_q=None, cu_k=None,
+        padding="zeros"):
     q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k = _vary_alike(
         q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k)
-    out, lse = _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl)
+    out, lse = _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, padding)
     return out, jax.lax.stop_gradient(lse)

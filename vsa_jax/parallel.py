@@ -67,7 +67,7 @@ def _heads_to_sequence(x, axis_name):
 def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes,
                               q_variable_block_sizes, topk: int, block_size=64,
                               compress_attn_weight: Optional[jax.Array] = None, *, axis_name,
-                              backend: str = "auto") -> jax.Array:
+                              backend: str = "auto", padding: str = "zeros") -> jax.Array:
     """`video_sparse_attn_bshd` with the sequence sharded over mesh axis `axis_name`; call it
     inside `jax.shard_map` (or any context where `axis_name` is bound).
 
@@ -76,14 +76,15 @@ def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable
     different lengths). The counts describe the whole sequence (replicated). H must be
     divisible by P. Returns this device's shard `[B, S/P, H, D]` of the output.
     Differentiable in q, k, v and the gate (the all-to-all's transpose is the reverse one).
+    `padding` as in `video_sparse_attn`.
     """
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     group_size = jax.lax.axis_size(axis_name)
     check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
-                         block_size=block_size, topk=topk, group_size=group_size)
+                         block_size=block_size, topk=topk, group_size=group_size, padding=padding)
     if group_size == 1:
         return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
-                                      compress_attn_weight, backend=backend)
+                                      compress_attn_weight, backend=backend, padding=padding)
     # chunks of heads, each exchanged and computed on its own, so that XLA can overlap one
     # chunk's all-to-all with another's VSA
     outs = []
@@ -91,7 +92,7 @@ def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable
         qh, kh, vh = (_sequence_to_heads(x, axis_name, heads) for x in (q, k, v))
         gh = None if compress_attn_weight is None else _sequence_to_heads(compress_attn_weight, axis_name, heads)
         out = video_sparse_attn_bshd(qh, kh, vh, variable_block_sizes, q_variable_block_sizes, topk, block_size,
-                                     gh, backend=backend)
+                                     gh, backend=backend, padding=padding)
         outs.append(_heads_to_sequence(out, axis_name))
     B, s, H, D = q.shape
     return jnp.concatenate(outs, axis=3).reshape(B, s, H, D)
@@ -113,11 +114,12 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
                                       q_variable_block_sizes, topk: int, block_size=64,
                                       compress_attn_weight: Optional[jax.Array] = None, *, mesh: Mesh,
                                       axis_name: str, batch_axis_name: Optional[str] = None,
-                                      backend: str = "auto") -> jax.Array:
+                                      backend: str = "auto", padding: str = "zeros") -> jax.Array:
     """`video_sparse_attn_bshd` on global `[B, S, H, D]` arrays, run sequence-parallel over
     mesh axis `axis_name` (the sequence split into equal contiguous shards along it, e.g.
     arrays placed with `NamedSharding(mesh, P(None, axis_name))`; others are resharded).
-    `batch_axis_name`: a mesh axis that also splits the batch (data parallelism), or None.
+    `batch_axis_name`: a mesh axis that also splits the batch (data parallelism), or None;
+    `padding` as in `video_sparse_attn`.
     Returns the global output, sharded like the inputs. Works eagerly, under jax.jit and
     jax.grad; a thin wrapper of `jax.shard_map` over `ulysses_video_sparse_attn`."""
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
@@ -136,7 +138,7 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
 
     tokens, replicated = P(batch_axis_name, axis_name), P()
     attend = functools.partial(ulysses_video_sparse_attn, topk=topk, block_size=block_size, axis_name=axis_name,
-                               backend=backend)
+                               backend=backend, padding=padding)
     if compress_attn_weight is None:
         def run(q, k, v, kv_counts, q_counts):
             return attend(q, k, v, kv_counts, q_counts)
