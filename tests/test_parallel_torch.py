@@ -52,8 +52,11 @@ def _shard(x: np.ndarray, rank: int) -> np.ndarray:
     return np.split(x, WORLD, axis=1)[rank]
 
 
-def _run_sharded(case: Case, backend: str, device: str, rank: int) -> dict:
+def _run_sharded(case: Case, backend: str, padding: str, device: str, rank: int) -> dict:
     inputs = make_inputs(case, seed_of(case))  # deterministic: the same full inputs on every rank
+    if padding == "ignore":  # never read: NaN / inf in every padded row of the shards
+        from test_padding import with_non_finite_padding
+        inputs = with_non_finite_padding(inputs, case.E)
     dtype = getattr(torch, case.dtype)
 
     def shard(name):
@@ -62,7 +65,7 @@ def _run_sharded(case: Case, backend: str, device: str, rank: int) -> dict:
     q, k, v, gate = (shard(n).requires_grad_() for n in ("q", "k", "v", "gate"))
     out = ulysses_video_sparse_attn(q, k, v, torch.from_numpy(inputs["kv_counts"]),
                                     torch.from_numpy(inputs["q_counts"]), case.topk, case.block,
-                                    gate if case.gate else None, backend=backend)
+                                    gate if case.gate else None, backend=backend, padding=padding)
     out.backward(shard("dout"))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad, "dgate": gate.grad}
     return {n: t.detach().float().cpu().numpy() for n, t in got.items() if t is not None}
@@ -97,10 +100,10 @@ def _worker(rank: int, port: int, out_dir: str, dist_backend: str, jobs: list, c
         torch.cuda.set_device(rank)
     dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        results = {"runs": [_run_sharded(case, backend, device, rank) for case, backend in jobs]}
-        if rank == 0:  # the single-device runs, twice (to see which results reproduce bit for bit)
-            results["single"] = [[run_torch(case, make_inputs(case, seed_of(case)), backend=backend, device=device)
-                                  for _ in range(2)] for case, backend in jobs]
+        results = {"runs": [_run_sharded(case, backend, padding, device, rank) for case, backend, padding in jobs]}
+        if rank == 0:  # the single-device runs (zero padding), twice (to see which results reproduce bit for bit)
+            results["single"] = [[run_torch(case, make_inputs(case, seed_of(case)), backend=backend, device=device,
+                                            padding=padding) for _ in range(2)] for case, backend, padding in jobs]
         if check_errors:
             results["errors"] = _bad_calls(rank)
         dist.barrier()
@@ -130,10 +133,11 @@ def gathered(ranks: list, job: int) -> dict:
     return {n: from_layout(np.concatenate([run[n] for run in runs], axis=1), "bshd") for n in runs[0]}
 
 
-def check_against_one_device(case: Case, ranks: list, job: int) -> list:
+def check_against_one_device(case: Case, ranks: list, job: int, padding: str = "zeros") -> list:
     """Bitwise equal to the single-device run wherever that one reproduces its own bits
     (always the output; FA4's dQ sums fp32 atomics in an order that varies), and every
-    result within the float64 reference's tolerance."""
+    result within the float64 reference's tolerance. padding="ignore": the shards held NaN /
+    inf in their padded rows, the single-device run zeros."""
     got = gathered(ranks, job)
     first, second = ranks[0]["single"][job]
     assert set(got) == set(first)
@@ -141,16 +145,17 @@ def check_against_one_device(case: Case, ranks: list, job: int) -> list:
     assert "out" in reproducible, reproducible
     for name in reproducible:
         np.testing.assert_array_equal(got[name], first[name], err_msg=f"{name} differs from one device")
-    assert_close(case, got, reference(case, make_inputs(case, seed_of(case))))
+    assert_close(case, got, reference(case, make_inputs(case, seed_of(case)), padding))
     return reproducible
 
 
 # ---- tests ---------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run (Triton interpreter); GPUs run the NCCL test")
 def test_gloo_equals_one_device_and_bad_shards_raise(tmp_path, monkeypatch):
-    ranks = spawn(tmp_path, monkeypatch, "gloo", [(case, "auto") for case in CPU_CASES], check_errors=True)
-    for job, case in enumerate(CPU_CASES):
-        bitwise = check_against_one_device(case, ranks, job)
+    jobs = [(case, "auto", "zeros") for case in CPU_CASES] + [(CPU_CASES[0], "auto", "ignore")]
+    ranks = spawn(tmp_path, monkeypatch, "gloo", jobs, check_errors=True)
+    for job, (case, _, padding) in enumerate(jobs):
+        bitwise = check_against_one_device(case, ranks, job, padding)
         assert len(bitwise) == (5 if case.gate else 4), bitwise  # the interpreter is deterministic
 
     expect = {"heads": "not divisible by the group size 2",
@@ -173,8 +178,9 @@ def test_needs_an_initialized_process_group():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
 @pytest.mark.parametrize("job", range(len(GPU_CASES)), ids=lambda j: f"{GPU_CASES[j][1]}-{GPU_CASES[j][0].id()}")
-def test_nccl_equals_one_device(tmp_path, monkeypatch, job):
+def test_nccl_equals_one_device(tmp_path, monkeypatch, job, padding):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs")
     case, backend = GPU_CASES[job]
@@ -182,7 +188,7 @@ def test_nccl_equals_one_device(tmp_path, monkeypatch, job):
         from test_cute_backend import _cute_reason
         reason = _cute_reason(case)
         skip_unavailable("cute", reason and f"cute backend unavailable: {reason}")
-    ranks = spawn(tmp_path, monkeypatch, "nccl", [(case, backend)])
-    bitwise = check_against_one_device(case, ranks, 0)
+    ranks = spawn(tmp_path, monkeypatch, "nccl", [(case, backend, padding)])
+    bitwise = check_against_one_device(case, ranks, 0, padding)
     if backend == "triton":  # no atomics: every result reproduces
         assert len(bitwise) == (5 if case.gate else 4), bitwise
