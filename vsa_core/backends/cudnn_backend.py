@@ -30,8 +30,8 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   out 0 and lse -inf (the kernel's "empty-safe" finaliser; without it such rows are NaN).
 - lse: natural-log fp32 [B, H, Sq], -inf where a row sees nothing: our contract as is.
   The backward takes it back in the same form (it converts to log2 itself). With the
-  coarse branch, `mix_coarse` sets the padded query rows' lse to +inf (out and out_fine to
-  0 there), so the backward's probabilities are 0 on those rows and their dO is not used.
+  coarse branch and padding="ignore", `mix_coarse` sets the padded query rows' lse to +inf
+  (out and out_fine to 0 there), so the backward's probabilities are 0 on those rows.
 - coarse mixing (VSA): like the CuTe backend, `mix_coarse` turns the fine output in
   `out` into out_fine + gate * out_c in place and, training, keeps the fine output in
   fp32 (`out_fine`, holding exactly the values written in q's dtype).

@@ -23,9 +23,9 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
   BHSD tensors go in as `.transpose(1, 2)` views: no copy, either layout. Outputs
   (out, dq, dk, dv) are written straight into our buffers through the same views.
 - lse: FA4 writes (B, H, Sq) fp32 natural-log lse, -inf for a row that sees nothing
-  (out 0 there): exactly our `lse` buffer, passed as `lse=`. With the coarse branch,
-  `mix_coarse` then sets the padded query rows' lse to +inf (and their out to 0), so FA4's
-  backward gives them probability exp2(S - inf) = 0: their q and dO, whatever they hold,
+  (out 0 there): exactly our `lse` buffer, passed as `lse=`. With the coarse branch and
+  padding="ignore", `mix_coarse` then sets the padded query rows' lse to +inf (and their
+  out to 0), so FA4's backward gives them probability exp2(S - inf) = 0: their q and dO
   reach no gradient (FA4 resets only a -inf lse, to 0, before the backward).
 - Coarse mixing: FA4 writes only the fine output, in the input dtype. It goes into
   `out`, then `mix_coarse_kernel` turns `out` into out_fine + gate * out_c in place
