@@ -90,6 +90,19 @@ def test_backward_plan_contents(p):
     assert "scores" not in plan.inputs
 
 
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
+def test_plan_compiles_the_padding_in(padding):
+    """The padding mode is a static of the problem: every pooling and fine-stage launch of
+    the plan carries it as the constexpr IGNORE_PADDING (so the native path runs it too)."""
+    import dataclasses
+    p = dataclasses.replace(PROBLEMS[0], padding=padding)
+    for stage in ("forward", "backward"):
+        launches = [l for l in _plan(stage, p).launches if l.kernel_name.startswith(("sparse_", "block_mean"))]
+        assert len(launches) == (2 if stage == "forward" else 3)
+        for launch in launches:
+            assert launch.arg("IGNORE_PADDING") == core_plan.Arg("IGNORE_PADDING", "constexpr", padding == "ignore")
+
+
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 @pytest.mark.parametrize("p", PROBLEMS, ids=lambda p: f"E{p.block_elems}-{p.layout}-{'train' if p.training else 'infer'}")
 def test_schedule_feeds_each_kernel_its_buffers(stage, p):
