@@ -886,9 +886,10 @@ def mix_coarse_kernel(
     in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     q_block = (pid * ROWS) // BLOCK_ELEMS
-    valid = in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
-    if not IGNORE_PADDING:
-        valid = in_block < BLOCK_ELEMS  # every row of the block is computed
+    if IGNORE_PADDING:
+        valid = in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
+    else:  # every row of the block is computed
+        valid = in_block < BLOCK_ELEMS
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     fine = tl.where(valid[:, None], tl.load(OUT + ptr).to(tl.float32), 0.0)
     if STORE_FINE:
