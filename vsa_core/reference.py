@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from .problem import PADDINGS, PREFIX_MODES, check_padding
+from .problem import PREFIX_MODES, check_padding
 
 
 def _f64(x) -> np.ndarray:
@@ -241,7 +241,7 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     kc = _block_mean(k, kv_counts, E, round_to)
     vc = _block_mean(v, kv_counts, E, round_to)
     scores = qc @ _t(kc) * scale
-    kv_ok = np.broadcast_to((np.clip(kv_counts, 0, E) > 0)[None, None, None, :], scores.shape)
+    kv_ok = np.broadcast_to((kv_counts > 0)[None, None, None, :], scores.shape)
     probs_c, _ = _masked_softmax(scores, kv_ok)
     out_coarse = np.repeat(probs_c @ vc, E, axis=2)
     scores = np.where(kv_ok, scores, -np.inf)
