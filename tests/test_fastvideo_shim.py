@@ -95,7 +95,9 @@ def test_varlen_is_the_per_sequence_call(fv):
     qs = [rng.standard_normal((int(s.sum()), H, D)).astype(np.float32) for s in q_sizes]
     ks, vs = ([rng.standard_normal((int(s.sum()), H, D)).astype(np.float32) for s in kv_sizes] for _ in range(2))
     lists = [_map_to_index(torch.from_numpy(m)) for m in maps]
-    cu = lambda sizes: torch.tensor(np.concatenate([[0], np.cumsum([s.sum() for s in sizes])]), dtype=torch.int32)  # noqa: E731
+
+    def cu(sizes):
+        return torch.tensor(np.concatenate([[0], np.cumsum([s.sum() for s in sizes])]), dtype=torch.int32)
     out = fv.block_sparse_attn_varlen(_t(np.concatenate(qs)), _t(np.concatenate(ks)), _t(np.concatenate(vs)),
                                       cu(q_sizes), cu(kv_sizes), [i for i, _ in lists], [n for _, n in lists],
                                       [torch.from_numpy(s) for s in kv_sizes], [torch.from_numpy(s) for s in q_sizes])

@@ -42,7 +42,9 @@ def block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, q2k_idx_list,
 
     qp = pad(q, sum(q_blocks), pos_q)
     kp, vp = (pad(x, sum(kv_blocks), pos_kv) for x in (k, v))
-    offsets = lambda blocks: torch.tensor([0] + blocks, device=device).cumsum(0).mul(block_size).to(torch.int32)  # noqa: E731
+
+    def offsets(blocks):
+        return torch.tensor([0] + blocks, device=device).cumsum(0).mul(block_size).to(torch.int32)
     idx, num = vsa_torch.pack_block_indices(q2k_idx_list, q2k_num_list, kv_blocks)
     counts = torch.cat([s.to(device=device, dtype=torch.int32) for s in kv_sizes])
     out, _ = vsa_torch.block_sparse_attn_varlen_from_indices(qp, kp, vp, offsets(q_blocks), offsets(kv_blocks), idx,
