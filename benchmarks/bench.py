@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--tol", type=float, default=2e-2,
                    help="relative-norm error bound of out and grads; a row above it is FAIL (bf16: 2e-2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--padding", default="zeros", choices=("zeros", "ignore"),
+                   help="padding= of our calls (ignore: padded rows read as 0 by a select, the cost of NaN safety)")
     return p.parse_args(argv)
 
 
@@ -480,30 +482,33 @@ class Inputs:
         self.jax["counts"] = self.counts.cpu().numpy()
 
 
-def our_contender(stage: str, backend: str, frontend: str, x: Inputs, jax_mod, device: str) -> Contender:
+def our_contender(stage: str, backend: str, frontend: str, x: Inputs, jax_mod, device: str,
+                  padding: str = "zeros") -> Contender:
     """Our `stage` ("fine": block_sparse_attn, "vsa": video_sparse_attn) through one frontend."""
     E, topk, prefix = x.shape.E, x.shape.topk, x.shape.prefix
     if frontend == "jax":
         j = x.jax
         if stage == "fine":
             def forward(q, k, v):
-                return jax_mod.block_sparse_attn(q, k, v, j["block_map"], j["counts"], E, backend=backend)[0]
+                return jax_mod.block_sparse_attn(q, k, v, j["block_map"], j["counts"], E, backend=backend,
+                                                 padding=padding)[0]
             return jax_contender(forward, (j["q"], j["k"], j["v"]), j["dout"], device)
 
         def forward(q, k, v, gate):
             return jax_mod.video_sparse_attn(q, k, v, j["counts"], j["counts"], topk, E,
-                                             compress_attn_weight=gate, backend=backend, prefix_blocks=prefix)
+                                             compress_attn_weight=gate, backend=backend, prefix_blocks=prefix,
+                                             padding=padding)
         return jax_contender(forward, (j["q"], j["k"], j["v"], j["gate"]), j["dout"], device)
 
     # the map and counts are arguments, not closure constants, so torch.compile sees them as inputs
     if stage == "fine":
         def forward(q, k, v, block_map, counts):
-            return block_sparse_attn(q, k, v, block_map, counts, E, backend=backend)[0]
+            return block_sparse_attn(q, k, v, block_map, counts, E, backend=backend, padding=padding)[0]
         extra, inputs = (x.block_map, x.counts), (x.q, x.k, x.v)
     else:
         def forward(q, k, v, gate, counts):
             return video_sparse_attn(q, k, v, counts, counts, topk, E, compress_attn_weight=gate, backend=backend,
-                                     prefix_blocks=prefix)
+                                     prefix_blocks=prefix, padding=padding)
         extra, inputs = (x.counts,), (x.q, x.k, x.v, x.gate)
     if frontend == "compile":
         forward = torch.compile(forward, dynamic=False, fullgraph=True)
@@ -594,7 +599,7 @@ def run_shape(shape: Shape, args, timer: Timer, jax_mod, jax_reason) -> List[Row
                     row.status = f"skipped: {jax_reason}"
                     log(f"  {stage:4s} {row.name:28s} {row.status}")
                     continue
-                c = our_contender(stage, backend, frontend, x, jax_mod, device)
+                c = our_contender(stage, backend, frontend, x, jax_mod, device, args.padding)
                 if stage == "fine":
                     measure(row, c, timer, device, args.tol, fine_ref, fine_ref_name)
                 else:
@@ -821,7 +826,7 @@ def main(args) -> int:
     print_table(shapes, rows, shares, best)
     result = dict(meta=meta,
                   config=dict(rep_ms=timer.rep_ms, warmup_ms=timer.warmup_ms, reps=timer.reps, tol=args.tol,
-                              dtype="bfloat16",
+                              dtype="bfloat16", padding=args.padding,
                               backward_method="the backward alone from a forward's saved state (rows' bwd_method; "
                                               "'fwd+bwd - fwd' where it could not be replayed)",
                               flops="fwd 4*B*H*D*Sq*topk*E (dense peers 4*B*H*D*Sq*Skv); bwd 2.5x fwd"),

@@ -146,12 +146,12 @@ def _zero_padding(x: np.ndarray, counts: np.ndarray, E: int) -> None:
         x[:, :, i * E + n:(i + 1) * E] = 0
 
 
-def _reference_scores(inputs: dict, case: Case) -> np.ndarray:
+def _reference_scores(inputs: dict, case: Case, padding: str = "zeros") -> np.ndarray:
     """float64 coarse scores [B, H, nQ, nKV] of the block means rounded to the case's dtype
     (-inf for empty KV blocks), as the reference ranks them."""
     q, k = (R.round_to_dtype(inputs[n], case.dtype) for n in ("q", "k"))
     return R.coarse_scores(q, k, inputs["kv_counts"], inputs["q_counts"], case.E, case.dtype,
-                           softmax_scale=case.softmax_scale)
+                           padding, softmax_scale=case.softmax_scale)
 
 
 def _selection_margin(inputs: dict, case: Case) -> float:
@@ -203,7 +203,7 @@ def make_inputs(case: Case, seed: int, margin: Optional[float] = 1e-4) -> dict:
     return x
 
 
-def kernel_selection(case: Case, inputs: dict, device: str) -> np.ndarray:
+def kernel_selection(case: Case, inputs: dict, device: str, padding: str = "zeros") -> np.ndarray:
     """The blocks the kernels select for these inputs (bool [B, H, nQ, nKV]): the pooling,
     coarse forward and top-k launches of `vsa_core.ops.forward`, on `device`. Selection always
     runs on these Triton kernels, whatever the fine stage's backend and the frontend."""
@@ -215,7 +215,7 @@ def kernel_selection(case: Case, inputs: dict, device: str) -> np.ndarray:
     q, k, v = (torch.from_numpy(to_layout(inputs[n], case.layout)).to(device, dtype) for n in ("q", "k", "v"))
     kv_counts, q_counts = (torch.from_numpy(inputs[n]).to(device, torch.int32) for n in ("kv_counts", "q_counts"))
     p = prepare_vsa(q, k, v, kv_counts, q_counts, case.topk, case.block, layout=case.layout,
-                    softmax_scale=case.softmax_scale).problem
+                    softmax_scale=case.softmax_scale, padding=padding).problem
     b = {name: torch.empty(shape, device=device, dtype=dtype if kind == "input" else getattr(torch, kind))
          for name, (shape, kind) in p.forward_buffers().items()}
     T.block_mean_pool_qkv(p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
@@ -238,11 +238,11 @@ def check_top_k(scores: np.ndarray, selected: np.ndarray, topk: int, margin: flo
     assert worst <= margin, f"the kernel's selection passes over a block scoring {worst:.2e} higher (margin {margin})"
 
 
-def checked_kernel_selection(case: Case, inputs: dict) -> np.ndarray:
+def checked_kernel_selection(case: Case, inputs: dict, padding: str = "zeros") -> np.ndarray:
     """The kernel's selection on these inputs, checked to be a top-k of the float64 scores
     up to the draw's margin (see make_inputs)."""
-    selected = kernel_selection(case, inputs, "cuda" if _has_gpu() else "cpu")
-    check_top_k(_reference_scores(inputs, case), selected, case.topk, inputs["near_ties"])
+    selected = kernel_selection(case, inputs, "cuda" if _has_gpu() else "cpu", padding)
+    check_top_k(_reference_scores(inputs, case, padding), selected, case.topk, inputs["near_ties"])
     return selected
 
 
@@ -254,15 +254,15 @@ def to_layout(x: np.ndarray, layout: str) -> np.ndarray:
 from_layout = to_layout  # the swap is its own inverse
 
 
-def reference(case: Case, inputs: dict) -> dict:
+def reference(case: Case, inputs: dict, padding: str = "zeros") -> dict:
     """float64 out and gradients (BHSD numpy) on the inputs rounded to the case's dtype."""
     x = {n: R.round_to_dtype(inputs[n], case.dtype) for n in ("q", "k", "v", "gate", "dout")}
     # near-tie draws (make_inputs): the kernel's selection, once checked to be a top-k
-    block_map = checked_kernel_selection(case, inputs) if inputs.get("near_ties") else None
+    block_map = checked_kernel_selection(case, inputs, padding) if inputs.get("near_ties") else None
     out, _, _, grads = R.video_sparse_attn_reference(
         x["q"], x["k"], x["v"], inputs["kv_counts"], inputs["q_counts"], case.topk, case.E,
         gate=x["gate"] if case.gate else None, round_to=case.dtype, block_map=block_map, dout=x["dout"],
-        softmax_scale=case.softmax_scale)
+        softmax_scale=case.softmax_scale, padding=padding)
     return {"out": out, **grads}
 
 

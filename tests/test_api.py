@@ -31,27 +31,31 @@ def _token(layout, b, h, s, d=64):
 @pytest.mark.parametrize("gate", [True, False])
 @pytest.mark.parametrize("topk", [2, 9])  # 9 > nKV: clamped
 @pytest.mark.parametrize("training", [True, False])
-def test_op_problem_equals_the_prepared_problem_vsa(layout, gate, topk, training):
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
+def test_op_problem_equals_the_prepared_problem_vsa(layout, gate, topk, training, padding):
     q, k = _token(layout, 2, 3, 3 * 64), _token(layout, 2, 3, 4 * 64)
     g = q if gate else None
-    p = api.prepare_vsa(q, k, k, np.full(4, 64), np.full(3, 64), topk, (4, 4, 4), g, layout=layout).problem
+    p = api.prepare_vsa(q, k, k, np.full(4, 64), np.full(3, 64), topk, (4, 4, 4), g, layout=layout,
+                        padding=padding).problem
     p = dataclasses.replace(p, training=training)
-    assert p.topk == min(topk, 4)
+    assert p.topk == min(topk, 4) and p.padding == padding
     # the op gets the clamped topk from the torch frontend and the caller's from the JAX one
     for given in (p.topk, topk):
         assert api.op_problem(q, k, block_elems=64, layout=layout, selection="topk", topk=given, has_gate=gate,
-                              training=training) == p
+                              training=training, padding=padding) == p
 
 
 @pytest.mark.parametrize("selection", ["block_map", "indices"])
-def test_op_problem_equals_the_prepared_problem_block_sparse(selection):
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
+def test_op_problem_equals_the_prepared_problem_block_sparse(selection, padding):
     q, k = Shaped(1, 2, 128, 64), Shaped(1, 2, 192, 64)
     sel = (dict(block_map=Shaped(1, 2, 2, 3, dtype="bool")) if selection == "block_map" else
            dict(block_indices=Shaped(1, 2, 2, 3, dtype="int32"), block_counts=Shaped(1, 2, 2, dtype="int32")))
-    p = api.prepare_block_sparse(q, k, k, np.full(3, 64), 64, **sel).problem
-    assert p.selection == selection and p.topk is None
+    p = api.prepare_block_sparse(q, k, k, np.full(3, 64), 64, **sel, padding=padding).problem
+    assert p.selection == selection and p.topk is None and p.padding == padding
     capacity = 3 if selection == "indices" else None  # the ops pass the lists' row length
-    assert api.op_problem(q, k, block_elems=64, layout="bhsd", selection=selection, list_capacity=capacity) == p
+    assert api.op_problem(q, k, block_elems=64, layout="bhsd", selection=selection, list_capacity=capacity,
+                          padding=padding) == p
 
 
 @pytest.mark.parametrize("selection", ["topk", "block_map", "indices"])
@@ -89,6 +93,10 @@ def test_prepare_checks_the_arguments():
                                  block_counts=Shaped(1, 2, 3, dtype="int32"))
     with pytest.raises(ValueError, match="q_variable_block_sizes must have shape"):
         api.prepare_vsa(q, q, q, np.full(2, 64), np.full(3, 64), 1, 64)
+    with pytest.raises(ValueError, match=r"padding must be one of \('zeros', 'ignore'\), got 'none'"):
+        api.prepare_vsa(q, q, q, np.full(2, 64), np.full(2, 64), 1, 64, padding="none")
+    with pytest.raises(ValueError, match="padding must be one of"):
+        api.prepare_block_sparse(q, q, q, np.full(2, 64), 64, block_map=Shaped(1, 2, 2, 2, dtype="bool"), padding=1)
 
 
 def _small_call_inputs():

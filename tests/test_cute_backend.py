@@ -175,30 +175,41 @@ def test_backward_lists_match_numpy(E):
     np.testing.assert_array_equal(inv_idx_t.cpu().numpy().reshape(-1, nq), inv_idx)  # the input is untouched
 
 
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("gate", [True, False])
-def test_mix_coarse_dlse_and_block_grads(layout, gate):
+def test_mix_coarse_dlse_and_block_grads(layout, gate, padding):
+    """The library backends' epilogues. "zeros": every row of a block is mixed and gets the
+    pooling gradient (lse untouched); "ignore": the padded rows end out 0, out_fine 0, lse
+    +inf and gradient exactly 0, whatever the library left there (NaN included)."""
     E, D, B, H, nq = 128, 64, 2, 2, 2
-    p = _problem(batch=B, heads=H, q_len=nq * E, kv_len=nq * E, block_elems=E, head_dim=D, layout=layout)
+    p = _problem(batch=B, heads=H, q_len=nq * E, kv_len=nq * E, block_elems=E, head_dim=D, layout=layout,
+                 padding=padding)
+    ignore = padding == "ignore"
     g = torch.Generator().manual_seed(3)
     bhsd = lambda: torch.randn(B, H, nq * E, D, generator=g)  # noqa: E731
     lay = lambda x: (x if layout == "bhsd" else x.transpose(1, 2)).contiguous().to(DEV)  # noqa: E731
     back = lambda x: (x if layout == "bhsd" else x.transpose(1, 2)).float().cpu()  # noqa: E731
     fine, gate_t, dout = bhsd().bfloat16(), bhsd().bfloat16(), bhsd().bfloat16()
     coarse = torch.randn(B, H, nq, D, generator=g)
+    q_counts = torch.tensor([E, 37], dtype=torch.int32)  # the second query block: 91 padded rows
+    valid = (torch.arange(nq * E) % E < q_counts.repeat_interleave(E))[:, None]
+    if ignore:  # what a library may leave in padded rows it computed from NaN inputs
+        fine = torch.where(valid, fine, torch.tensor(float("nan"), dtype=torch.bfloat16))
+        gate_t = torch.where(valid, gate_t, torch.tensor(float("inf"), dtype=torch.bfloat16))
+    keep = valid if ignore else torch.ones_like(valid)
     out = lay(fine.clone())
     out_fine = torch.empty_like(out, dtype=torch.float32)
     lse_in = torch.randn(B, H, nq * E, generator=g)
     lse = lse_in.clone().to(DEV)
-    q_counts = torch.tensor([E, 37], dtype=torch.int32)  # the second query block: 91 padded rows
     triton_backend.mix_coarse(p, out, lse, coarse.to(DEV), q_counts.to(DEV), gate=lay(gate_t) if gate else None,
                               out_fine=out_fine)
-    valid = (torch.arange(nq * E) % E < q_counts.repeat_interleave(E))[:, None]
     c = coarse.repeat_interleave(E, dim=2)
-    want = torch.where(valid, fine.float() + (gate_t.float() * c if gate else c), 0.0)
+    want = torch.where(keep, fine.float() + (gate_t.float() * c if gate else c), 0.0)
     torch.testing.assert_close(back(out), want.bfloat16().float(), rtol=8e-3, atol=1e-6)  # 1 bf16 ulp (FMA)
-    torch.testing.assert_close(back(out_fine), torch.where(valid, fine.float(), 0.0), rtol=0, atol=0)
-    torch.testing.assert_close(lse.cpu(), torch.where(valid[:, 0], lse_in, float("inf")), rtol=0, atol=0)
+    torch.testing.assert_close(back(out_fine), torch.where(keep, fine.float(), 0.0), rtol=0, atol=0)
+    want_lse = torch.where(valid[:, 0], lse_in, float("inf")) if ignore else lse_in
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=0, atol=0)
 
     delta = torch.randn(B, H, nq * E, generator=g)
     dlse = delta.clone().to(DEV)
@@ -211,14 +222,17 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate):
     for empty in (False, True):
         if empty:
             counts = torch.tensor([0, 5], dtype=torch.int32)
+        valid = (torch.arange(nq * E) % E < counts.repeat_interleave(E))[:, None]
         x = bhsd().bfloat16()
+        if ignore:
+            x = torch.where(valid, x, torch.tensor(float("nan"), dtype=torch.bfloat16))
         pooled = torch.randn(B, H, nq, D, generator=g)
         got = lay(x.clone())
         triton_backend.add_block_grad(p, got, pooled.to(DEV), counts.to(DEV), nq * E)
         per_block = torch.where(counts[:, None] > 0, pooled / counts.clamp_min(1)[:, None].float(),
                                 torch.zeros(()))
-        valid = (torch.arange(nq * E) % E < counts.repeat_interleave(E))[:, None]  # padded rows: exactly 0
-        want = torch.where(valid, x.float() + per_block.repeat_interleave(E, dim=2), 0.0).bfloat16().float()
+        keep = valid if ignore else torch.ones_like(valid)  # "ignore": padded rows exactly 0
+        want = torch.where(keep, x.float() + per_block.repeat_interleave(E, dim=2), 0.0).bfloat16().float()
         torch.testing.assert_close(back(got), want, rtol=8e-3, atol=1e-6)
 
 

@@ -93,6 +93,19 @@ def test_backward_plan_contents(p):
     assert "scores" not in plan.inputs
 
 
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
+def test_plan_compiles_the_padding_in(padding):
+    """The padding mode is a static of the problem: every pooling and fine-stage launch of
+    the plan carries it as the constexpr IGNORE_PADDING (so the native path runs it too)."""
+    import dataclasses
+    p = dataclasses.replace(PROBLEMS[0], padding=padding)
+    for stage in ("forward", "backward"):
+        launches = [l for l in _plan(stage, p).launches if l.kernel_name.startswith(("sparse_", "block_mean"))]
+        assert len(launches) == (2 if stage == "forward" else 3)
+        for launch in launches:
+            assert launch.arg("IGNORE_PADDING") == core_plan.Arg("IGNORE_PADDING", "constexpr", padding == "ignore")
+
+
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 @pytest.mark.parametrize("p", PROBLEMS, ids=lambda p: f"E{p.block_elems}-{p.layout}-{'train' if p.training else 'infer'}")
 def test_schedule_feeds_each_kernel_its_buffers(stage, p):
@@ -229,25 +242,33 @@ _COMPILE_SCRIPT = textwrap.dedent(r"""
     import re
     from vsa_core import plan as P
     from vsa_core.problem import AttnProblem
-    p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16",
-                    topk=2, has_gate=True)
-    for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_inputs(p))):
-        plan = P.record_plan(stage, p, inputs)
-        for launch in plan.launches:
-            c = P.compile_launch(launch, plan, 90)
-            assert c.cubin[:4] == b"\x7fELF", launch.kernel_name
-            assert ".target sm_90a" in c.ptx, launch.kernel_name
-            assert tuple(x[1] for x in c.params if x[0] == "buffer") == launch.buffers, launch.kernel_name
-            assert c.global_scratch_size == 0, launch.kernel_name
-            # the kernel's ABI: our run-time parameters in order, then the two pointers
-            # (global scratch, profiling) that jaxlib's KernelCall::Launch appends
-            entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", c.ptx, re.S).group(1)
-            ptx_types = re.findall(r"\.param\s+\.(\w+)", entry)
-            want = [{"buffer": "u64", "i32": "u32", "i64": "u64", "fp32": "f32"}[x[0] if x[0] == "buffer" else x[2]]
-                    for x in c.params] + ["u64", "u64"]
-            assert ptx_types == want, (launch.kernel_name, ptx_types, want)
-            scalars = [x for x in c.params if x[0] == "scalar"]
-            print(stage, c.name, c.num_warps, c.shared_mem_bytes, len(c.cubin), len(scalars))
+
+    def compile_all(p, kernels=None):
+        for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_inputs(p))):
+            plan = P.record_plan(stage, p, inputs)
+            for launch in plan.launches:
+                if kernels is not None and not launch.kernel_name.startswith(kernels):
+                    continue
+                c = P.compile_launch(launch, plan, 90)
+                assert c.cubin[:4] == b"\x7fELF", launch.kernel_name
+                assert ".target sm_90a" in c.ptx, launch.kernel_name
+                assert tuple(x[1] for x in c.params if x[0] == "buffer") == launch.buffers, launch.kernel_name
+                assert c.global_scratch_size == 0, launch.kernel_name
+                # the kernel's ABI: our run-time parameters in order, then the two pointers
+                # (global scratch, profiling) that jaxlib's KernelCall::Launch appends
+                entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", c.ptx, re.S).group(1)
+                ptx_types = re.findall(r"\.param\s+\.(\w+)", entry)
+                want = [{"buffer": "u64", "i32": "u32", "i64": "u64", "fp32": "f32"}[x[0] if x[0] == "buffer" else x[2]]
+                        for x in c.params] + ["u64", "u64"]
+                assert ptx_types == want, (launch.kernel_name, ptx_types, want)
+                scalars = [x for x in c.params if x[0] == "scalar"]
+                print(stage, c.name, c.num_warps, c.shared_mem_bytes, len(c.cubin), len(scalars))
+
+    p = dict(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16", topk=2,
+             has_gate=True)
+    compile_all(AttnProblem(**p))
+    # padding="ignore" changes only the pooling and fine-stage kernels: those once more
+    compile_all(AttnProblem(**p, padding="ignore"), kernels=("sparse_", "block_mean"))
     print("OK")
 """)
 
@@ -259,7 +280,7 @@ def test_every_launch_compiles_to_a_cubin_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("forward") == 4 and proc.stdout.count("backward") == 6
+    assert proc.stdout.count("forward") == 4 + 2 and proc.stdout.count("backward") == 6 + 3
 
 
 # ---- GPU: native == callback == torch ---------------------------------------------------------

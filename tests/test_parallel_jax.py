@@ -133,6 +133,30 @@ def test_prefix_on_mesh_under_jit_equals_one_device(prefix):
     assert_bitwise(got, want, f"ulysses_video_sparse_attn_on_mesh with {prefix_id(prefix)}")
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+def test_on_mesh_ignore_padding_with_non_finite_shards():
+    """padding="ignore" through the all-to-alls: NaN / inf in every padded row of the shards
+    gives bit for bit the single-device results of zero padding."""
+    from test_padding import with_non_finite_padding
+    case = CASES[0]
+    inputs = make_inputs(case, seed_of(case))
+    mesh = mesh_of()
+
+    def attend_on(sharded):
+        def attend(q, k, v, gate):
+            kw = dict(mesh=mesh, axis_name="sp") if sharded else {}
+            fn = ulysses_video_sparse_attn_on_mesh if sharded else vsa_jax.video_sparse_attn_bshd
+            return fn(q, k, v, inputs["kv_counts"], inputs["q_counts"], case.topk, case.block, gate, padding="ignore",
+                      **kw)
+        return attend
+    want = jax.jit(out_and_grads(attend_on(False), case))(*jax_args(case, inputs))
+    tokens = NamedSharding(mesh, P(None, "sp"))
+    junk = jax_args(case, with_non_finite_padding(inputs, case.E))
+    got = jax.jit(out_and_grads(attend_on(True), case))(*(jax.device_put(x, tokens) for x in junk))
+    assert_bitwise(got, {n: np.asarray(x) for n, x in zip(NAMES, want)}, "ulysses with padding='ignore'")
+    assert_close(case, to_numpy(case, dict(zip(NAMES, got))), reference(case, inputs, "ignore"))
+
+
 def test_on_mesh_eager_forward_equals_one_device():
     """Eager (un-jitted) call on unsharded arrays: the helper reshards them itself."""
     case = CASES[0]

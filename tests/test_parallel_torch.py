@@ -62,11 +62,12 @@ def inputs_of(case: Case, prefix: dict) -> dict:
     return make_inputs(case, seed_of(case))
 
 
-def reference_of(case: Case, prefix: dict, inputs: dict) -> dict:
+def reference_of(case: Case, prefix: dict, inputs: dict, padding: str = "zeros") -> dict:
     if prefix:
         from test_prefix import prefix_reference
+        assert padding == "zeros", "the prefix jobs run zero padding"
         return prefix_reference(case, inputs, prefix["prefix_blocks"], prefix["prefix_mode"])
-    return reference(case, inputs)
+    return reference(case, inputs, padding)
 
 
 def free_port() -> int:
@@ -81,8 +82,11 @@ def _shard(x: np.ndarray, rank: int) -> np.ndarray:
     return np.split(x, WORLD, axis=1)[rank]
 
 
-def _run_sharded(case: Case, backend: str, prefix: dict, device: str, rank: int) -> dict:
+def _run_sharded(case: Case, backend: str, prefix: dict, padding: str, device: str, rank: int) -> dict:
     inputs = inputs_of(case, prefix)
+    if padding == "ignore":  # never read: NaN / inf in every padded row of the shards
+        from test_padding import with_non_finite_padding
+        inputs = with_non_finite_padding(inputs, case.E)
     dtype = getattr(torch, case.dtype)
 
     def shard(name):
@@ -92,7 +96,7 @@ def _run_sharded(case: Case, backend: str, prefix: dict, device: str, rank: int)
     out = ulysses_video_sparse_attn(q, k, v, torch.from_numpy(inputs["kv_counts"]),
                                     torch.from_numpy(inputs["q_counts"]), case.topk, case.block,
                                     gate if case.gate else None, backend=backend,
-                                    softmax_scale=case.softmax_scale, **prefix)
+                                    softmax_scale=case.softmax_scale, padding=padding, **prefix)
     out.backward(shard("dout"))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad, "dgate": gate.grad}
     return {n: t.detach().float().cpu().numpy() for n, t in got.items() if t is not None}
@@ -132,10 +136,12 @@ def _worker(rank: int, port: int, out_dir: str, dist_backend: str, jobs: list, c
         torch.cuda.set_device(rank)
     dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        results = {"runs": [_run_sharded(case, backend, prefix, device, rank) for case, backend, prefix in jobs]}
-        if rank == 0:  # the single-device runs, twice (to see which results reproduce bit for bit)
-            results["single"] = [[run_torch(case, inputs_of(case, prefix), backend=backend, device=device, **prefix)
-                                  for _ in range(2)] for case, backend, prefix in jobs]
+        results = {"runs": [_run_sharded(case, backend, prefix, padding, device, rank)
+                            for case, backend, prefix, padding in jobs]}
+        if rank == 0:  # the single-device runs (clean padding), twice (to see which results reproduce bit for bit)
+            results["single"] = [[run_torch(case, inputs_of(case, prefix), backend=backend, device=device,
+                                            padding=padding, **prefix) for _ in range(2)]
+                                 for case, backend, prefix, padding in jobs]
         if check_errors:
             results["errors"] = _bad_calls(rank)
         dist.barrier()
@@ -165,10 +171,11 @@ def gathered(ranks: list, job: int) -> dict:
     return {n: from_layout(np.concatenate([run[n] for run in runs], axis=1), "bshd") for n in runs[0]}
 
 
-def check_against_one_device(case: Case, prefix: dict, ranks: list, job: int) -> list:
+def check_against_one_device(case: Case, prefix: dict, ranks: list, job: int, padding: str = "zeros") -> list:
     """Bitwise equal to the single-device run wherever that one reproduces its own bits
     (always the output; FA4's dQ sums fp32 atomics in an order that varies), and every
-    result within the float64 reference's tolerance."""
+    result within the float64 reference's tolerance. padding="ignore": the shards held NaN /
+    inf in their padded rows, the single-device run zeros."""
     got = gathered(ranks, job)
     first, second = ranks[0]["single"][job]
     assert set(got) == set(first)
@@ -176,16 +183,18 @@ def check_against_one_device(case: Case, prefix: dict, ranks: list, job: int) ->
     assert "out" in reproducible, reproducible
     for name in reproducible:
         np.testing.assert_array_equal(got[name], first[name], err_msg=f"{name} differs from one device")
-    assert_close(case, got, reference_of(case, prefix, inputs_of(case, prefix)))
+    assert_close(case, got, reference_of(case, prefix, inputs_of(case, prefix), padding))
     return reproducible
 
 
 # ---- tests ---------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run (Triton interpreter); GPUs run the NCCL test")
 def test_gloo_equals_one_device_and_bad_shards_raise(tmp_path, monkeypatch):
-    ranks = spawn(tmp_path, monkeypatch, "gloo", CPU_JOBS, check_errors=True)
-    for job, (case, _, prefix) in enumerate(CPU_JOBS):
-        bitwise = check_against_one_device(case, prefix, ranks, job)
+    # every CPU job with zero padding, the first again with NaN / inf in the shards' padded rows
+    jobs = [(case, backend, prefix, "zeros") for case, backend, prefix in CPU_JOBS] + [(*CPU_JOBS[0], "ignore")]
+    ranks = spawn(tmp_path, monkeypatch, "gloo", jobs, check_errors=True)
+    for job, (case, _, prefix, padding) in enumerate(jobs):
+        bitwise = check_against_one_device(case, prefix, ranks, job, padding)
         assert len(bitwise) == (5 if case.gate else 4), bitwise  # the interpreter is deterministic
 
     expect = {"heads": "not divisible by the group size 2",
@@ -212,10 +221,11 @@ def test_needs_an_initialized_process_group():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
 @pytest.mark.parametrize("job", range(len(GPU_JOBS)),
                          ids=lambda j: "-".join([GPU_JOBS[j][1], GPU_JOBS[j][0].id()]
                                                 + [f"{k}={v}" for k, v in GPU_JOBS[j][2].items()]))
-def test_nccl_equals_one_device(tmp_path, monkeypatch, job):
+def test_nccl_equals_one_device(tmp_path, monkeypatch, job, padding):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs")
     case, backend, prefix = GPU_JOBS[job]
@@ -223,7 +233,7 @@ def test_nccl_equals_one_device(tmp_path, monkeypatch, job):
         from test_cute_backend import _cute_reason
         reason = _cute_reason(case)
         skip_unavailable("cute", reason and f"cute backend unavailable: {reason}")
-    ranks = spawn(tmp_path, monkeypatch, "nccl", [GPU_JOBS[job]])
-    bitwise = check_against_one_device(case, prefix, ranks, 0)
+    ranks = spawn(tmp_path, monkeypatch, "nccl", [(case, backend, prefix, padding)])
+    bitwise = check_against_one_device(case, prefix, ranks, 0, padding)
     if backend == "triton":  # no atomics: every result reproduces
         assert len(bitwise) == (5 if case.gate else 4), bitwise

@@ -423,8 +423,8 @@ def test_ulysses_torch_gloo(tmp_path, monkeypatch):
     """2 ranks on gloo: bitwise the one-device call with the same scale, and the float64 reference."""
     from test_parallel_torch import check_against_one_device, spawn
     case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=2, topk=1, layout="bshd", softmax_scale=0.3)
-    ranks = spawn(tmp_path, monkeypatch, "gloo", [(case, "auto")])
-    assert len(check_against_one_device(case, ranks, 0)) == 5  # the interpreter is deterministic
+    ranks = spawn(tmp_path, monkeypatch, "gloo", [(case, "auto", {}, "zeros")])
+    assert len(check_against_one_device(case, {}, ranks, 0)) == 5  # the interpreter is deterministic
 
 
 # ---- the keyword on every public attention function; bad values -----------------------------------------------

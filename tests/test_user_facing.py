@@ -278,7 +278,8 @@ def test_help_states_the_contract(frontend):
     for fact in ("bf16 or fp16", "head dim D 64 or 128", "multiples of the block's token count E",
                  "tile order", "Returns out: q's shape and dtype, `[B, H, Sq, D]`",
                  "`variable_block_sizes` counts the valid tokens of each KV block",
-                 "`q_variable_block_sizes` those of each query block", "Padding cannot change the result",
+                 "`q_variable_block_sizes` those of each query block", "FastVideo's function exactly",
+                 "must hold zeros (`to_tiled` writes them)", "never read, whatever they hold",
                  "clamped", "fp32 coarse scores"):
         assert fact in text, (frontend, fact)
     for helper in (fe.to_tiled, fe.from_tiled):

@@ -101,9 +101,9 @@ def make_pack(pack: Pack, seed: int) -> dict:
     return x
 
 
-def pack_reference(pack: Pack, x: dict) -> dict:
+def pack_reference(pack: Pack, x: dict, padding: str = "zeros") -> dict:
     """float64 reference, sequence by sequence, packed like the inputs."""
-    refs = [reference(pack.case(i), s) for i, s in enumerate(x["seqs"])]
+    refs = [reference(pack.case(i), s, padding) for i, s in enumerate(x["seqs"])]
     return {n: np.concatenate([packed(r[n]) for r in refs]) for n in refs[0]}
 
 
@@ -112,12 +112,12 @@ def _tol_case(pack: Pack) -> Case:
 
 
 # ---- runners: each returns packed numpy float32 results -----------------------------------
-def run_torch_varlen(pack: Pack, x: dict, backend: str = "auto") -> dict:
+def run_torch_varlen(pack: Pack, x: dict, backend: str = "auto", **kw) -> dict:
     q, k, v, gate = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v", "gate"))
     out = vsa_torch.video_sparse_attn_varlen(
         q, k, v, torch.from_numpy(x["cu_q"]).to(DEVICE), torch.from_numpy(x["cu_k"]).to(DEVICE),
         torch.from_numpy(x["kv_counts"]), torch.from_numpy(x["q_counts"]), pack.topk, pack.block,
-        gate if pack.gate else None, backend=backend)
+        gate if pack.gate else None, backend=backend, **kw)
     out.backward(torch.from_numpy(x["dout"]).to(DEVICE, BF16))
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if pack.gate:
@@ -146,13 +146,13 @@ def run_torch_per_sequence(pack: Pack, x: dict, backend: str = "auto") -> dict:
     return {n: np.concatenate(p) for n, p in parts.items() if p}
 
 
-def run_jax_varlen(pack: Pack, x: dict) -> dict:
-    """jit(vjp) with the offsets and counts traced (jit arguments)."""
+def run_jax_varlen(pack: Pack, x: dict, **kw) -> dict:
+    """jit(vjp) with the offsets and counts traced (jit arguments); `kw`: static keywords."""
     @jax.jit
     def run(q, k, v, gate, dout, cu_q, cu_k, kv_counts, q_counts):
         def f(q, k, v, gate):
             return vsa_jax.video_sparse_attn_varlen(q, k, v, cu_q, cu_k, kv_counts, q_counts, pack.topk, pack.block,
-                                                    gate if pack.gate else None)
+                                                    gate if pack.gate else None, **kw)
         out, vjp = jax.vjp(f, q, k, v, gate)
         return (out,) + vjp(dout)
 
@@ -308,7 +308,7 @@ def bsa_reference(pack: Pack, x: dict, bm: np.ndarray) -> dict:
     return res, lse[0]
 
 
-def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True, backend="auto") -> dict:
+def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True, backend="auto", padding="zeros") -> dict:
     q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v"))
     cu_q, cu_k = (torch.from_numpy(x[n]).to(DEVICE) for n in ("cu_q", "cu_k"))
     if not check:  # the ops below the eager checks: what torch.compile runs
@@ -316,27 +316,28 @@ def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True, backend=
         counts = torch.from_numpy(x["kv_counts"]).to(DEVICE, torch.int32)
         out, lse = torch_ops.bsa_forward(q[None], k[None], v[None], counts,
                                          None if bm is None else torch.from_numpy(bm)[None].to(DEVICE), idx, num,
-                                         pack.E, "bshd", backend, cu_q, cu_k)
+                                         pack.E, "bshd", backend, cu_q, cu_k, padding=padding)
         out, lse = out[0], lse[0]
     elif bm is not None:
         out, lse = vsa_torch.block_sparse_attn_varlen(q, k, v, cu_q, cu_k, torch.from_numpy(bm).to(DEVICE),
-                                                      x["kv_counts"], pack.block, backend=backend)
+                                                      x["kv_counts"], pack.block, backend=backend, padding=padding)
     else:
         out, lse = vsa_torch.block_sparse_attn_varlen_from_indices(
             q, k, v, cu_q, cu_k, *(torch.from_numpy(a).to(DEVICE) for a in lists), x["kv_counts"], pack.block,
-            backend=backend)
+            backend=backend, padding=padding)
     out.backward(torch.from_numpy(x["dout"]).to(DEVICE, BF16))
     return {n: t.detach().float().cpu().numpy() for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad),
                                                              ("dv", v.grad), ("lse", lse))}
 
 
-def run_jax_bsa(pack: Pack, x: dict, bm=None, lists=None, jit=True) -> dict:
+def run_jax_bsa(pack: Pack, x: dict, bm=None, lists=None, jit=True, padding="zeros") -> dict:
     def run(q, k, v, dout, cu_q, cu_k, sel):
         def f(q, k, v):
             if bm is not None:
-                return vsa_jax.block_sparse_attn_varlen(q, k, v, cu_q, cu_k, sel[0], x["kv_counts"], pack.block)
+                return vsa_jax.block_sparse_attn_varlen(q, k, v, cu_q, cu_k, sel[0], x["kv_counts"], pack.block,
+                                                        padding=padding)
             return vsa_jax.block_sparse_attn_varlen_from_indices(q, k, v, cu_q, cu_k, sel[0], sel[1],
-                                                                 x["kv_counts"], pack.block)
+                                                                 x["kv_counts"], pack.block, padding=padding)
         (out, lse), vjp = jax.vjp(f, q, k, v)
         return (out, lse) + vjp((dout, jnp.zeros_like(lse)))
 

@@ -41,28 +41,29 @@ def _as_shaped(x):
 
 def prepare_vsa(q, k, v, kv_counts, q_counts, topk, block_size: BlockSize, gate=None, *, layout: str = "bhsd",
                 backend: str = "auto", cu_seqlens_q=None, cu_seqlens_k=None, prefix_blocks=0,
-                prefix_mode: str = "exempt", softmax_scale=None) -> PreparedCall:
+                prefix_mode: str = "exempt", softmax_scale=None, padding: str = "zeros") -> PreparedCall:
     """Checks a `video_sparse_attn` call ([B, H, S, D] / [B, S, H, D]; packed [total, H, D]
     when the offsets cu_seqlens_q / cu_seqlens_k are given) and returns its problem.
     `prefix_blocks` / `prefix_mode`: mixed-modality prefix (packed: an int or an array of one
     count per sequence, whose values the frontend checks with `check_prefix_values`).
     `softmax_scale`: None (1/sqrt(D)) or a positive finite float, for both branches; the
-    problem holds it resolved (a float)."""
+    problem holds it resolved (a float).
+    `padding`: "zeros" or "ignore" (`vsa_core.problem.PADDINGS`), a static of the problem."""
     check_backend_name(backend)
     if cu_seqlens_q is None and cu_seqlens_k is None:
         p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=kv_counts,
                                q_counts=q_counts, topk=topk, gate=gate, prefix_blocks=prefix_blocks,
-                               prefix_mode=prefix_mode, softmax_scale=softmax_scale)
+                               prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
     else:
         p = describe_varlen(q, k, v, _as_shaped(cu_seqlens_q), _as_shaped(cu_seqlens_k), block_size=block_size,
                             kv_counts=kv_counts, q_counts=q_counts, topk=topk, gate=gate,
-                            prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale)
+                            prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
     return PreparedCall(p, backend)
 
 
 def prepare_block_sparse(q, k, v, kv_counts, block_size: BlockSize, *, block_map=None, block_indices=None,
                          block_counts=None, layout: str = "bhsd", backend: str = "auto", cu_seqlens_q=None,
-                         cu_seqlens_k=None, softmax_scale=None) -> PreparedCall:
+                         cu_seqlens_k=None, softmax_scale=None, padding: str = "zeros") -> PreparedCall:
     """Checks a block-sparse call with the selection as a bool map or as index lists (one of
     the two) and returns its problem; packed when the offsets are given."""
     check_backend_name(backend)
@@ -70,12 +71,12 @@ def prepare_block_sparse(q, k, v, kv_counts, block_size: BlockSize, *, block_map
     capacity = None if block_map is not None else int(block_indices.shape[-1])
     if cu_seqlens_q is None and cu_seqlens_k is None:
         p = describe_attention(q, k, v, block_size=block_size, layout=layout, kv_counts=kv_counts,
-                               selection=selection, softmax_scale=softmax_scale)
+                               selection=selection, softmax_scale=softmax_scale, padding=padding)
         p = dataclasses.replace(p, list_capacity=capacity)
     else:
         p = describe_varlen(q, k, v, _as_shaped(cu_seqlens_q), _as_shaped(cu_seqlens_k), block_size=block_size,
                             kv_counts=kv_counts, selection=selection, list_capacity=capacity,
-                            softmax_scale=softmax_scale)
+                            softmax_scale=softmax_scale, padding=padding)
     if block_map is not None:
         check_block_map(block_map, p)
     else:
@@ -86,7 +87,7 @@ def prepare_block_sparse(q, k, v, kv_counts, block_size: BlockSize, *, block_map
 def op_problem(q, k, *, block_elems: int, layout: str, selection: str, topk: Optional[int] = None,
                has_gate: bool = False, training: bool = True, cu_seqlens_q=None,
                list_capacity: Optional[int] = None, prefix_blocks: int = 0, prefix_mode: str = "exempt",
-               seq_prefix=None, softmax_scale: Optional[float] = None) -> AttnProblem:
+               seq_prefix=None, softmax_scale: Optional[float] = None, padding: str = "zeros") -> AttnProblem:
     """The problem of an operator call whose arguments `prepare_*` checked: rebuilt from q's
     and k's shapes and dtype and the static arguments. Packed sequences (cu_seqlens_q given)
     arrive as BSHD with batch 1; `seq_prefix`: their per-sequence prefix counts (an array)
@@ -97,7 +98,7 @@ def op_problem(q, k, *, block_elems: int, layout: str, selection: str, topk: Opt
     return _op_problem(_ints(q.shape), _ints(k.shape), dtype_name(q.dtype), int(block_elems), layout, selection,
                        None if topk is None else int(topk), bool(has_gate), bool(training), n_seqs,
                        None if list_capacity is None else int(list_capacity), int(prefix_blocks), str(prefix_mode),
-                       seq_prefix is not None, None if softmax_scale is None else float(softmax_scale))
+                       seq_prefix is not None, None if softmax_scale is None else float(softmax_scale), str(padding))
 
 
 def _ints(shape) -> Tuple[int, ...]:
@@ -106,7 +107,7 @@ def _ints(shape) -> Tuple[int, ...]:
 
 @functools.lru_cache(maxsize=1024)
 def _op_problem(q_shape, k_shape, dtype, block_elems, layout, selection, topk, has_gate, training, n_seqs,
-                list_capacity, prefix_blocks, prefix_mode, seq_prefix, softmax_scale) -> AttnProblem:
+                list_capacity, prefix_blocks, prefix_mode, seq_prefix, softmax_scale, padding) -> AttnProblem:
     if layout == "bhsd":
         batch, heads, q_len, head_dim = q_shape
         kv_len = k_shape[2]
@@ -120,4 +121,4 @@ def _op_problem(q_shape, k_shape, dtype, block_elems, layout, selection, topk, h
                        selection=selection, training=training, n_seqs=n_seqs, list_capacity=list_capacity,
                        prefix_blocks=prefix_blocks if vsa else 0,
                        prefix_mode=prefix_mode if vsa and (prefix_blocks or seq_prefix) else "exempt",
-                       seq_prefix=vsa and seq_prefix, softmax_scale=softmax_scale)
+                       seq_prefix=vsa and seq_prefix, softmax_scale=softmax_scale, padding=padding)

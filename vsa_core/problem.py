@@ -111,6 +111,8 @@ class AttnProblem:
     # at construction becomes 1/sqrt(head_dim), so a call that leaves it out and one that
     # passes 1/sqrt(head_dim) are the same problem (the same caches, the same compiled calls)
     softmax_scale: Optional[float] = None
+    # the padded rows of each block (past its count): "zeros" or "ignore" (PADDINGS)
+    padding: str = "zeros"
 
     def __post_init__(self):
         object.__setattr__(self, "softmax_scale", resolve_softmax_scale(self.softmax_scale, self.head_dim))
@@ -291,6 +293,16 @@ def _layout_hint(shape, layout: str, block_elems: int, selection: str) -> str:
 
 
 PREFIX_MODES = ("exempt", "compete")
+# What the padded rows of each block (past its count) mean: "zeros" (FastVideo's function:
+# they hold zeros, are summed into the block means and computed like any row), "ignore"
+# (never read: any contents, NaN included; their outputs and gradients are 0).
+PADDINGS = ("zeros", "ignore")
+
+
+def check_padding(padding) -> str:
+    if not isinstance(padding, str) or padding not in PADDINGS:
+        raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+    return padding
 
 
 def check_prefix_mode(prefix_mode) -> str:
@@ -322,11 +334,12 @@ def _check_prefix_int(prefix_blocks, n_q: int, n_kv: int, what: str) -> int:
 
 def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts, q_counts=None,
                        topk=None, gate=None, selection: str = "topk", training: bool = True,
-                       prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None,
+                       prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None, padding: str = "zeros",
                        layout_hint: bool = True) -> AttnProblem:
     """Checks the arguments of a call (anything with .shape and .dtype) and returns its problem.
     `layout_hint`: whether a wrong sequence length may suggest the other layout (not for calls
     that take one layout only: packed, sequence-parallel)."""
+    check_padding(padding)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     E = block_elements(block_size)
@@ -378,7 +391,7 @@ def describe_attention(q, k, v, *, block_size: BlockSize, layout: str, kv_counts
     check_softmax_scale(softmax_scale)
     return AttnProblem(batch=bq, heads=hq, q_len=sq, kv_len=sk, head_dim=dq, block_elems=E, dtype=dt,
                        layout=layout, topk=topk if vsa else None, has_gate=has_gate,
-                       selection=selection, training=training, **prefix, softmax_scale=softmax_scale)
+                       selection=selection, training=training, **prefix, softmax_scale=softmax_scale, padding=padding)
 
 
 def check_block_map(block_map, problem: AttnProblem) -> None:
@@ -463,7 +476,7 @@ def _check_offsets_shape(name: str, cu) -> int:
 def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSize, kv_counts, q_counts=None,
                     topk=None, gate=None, selection: str = "topk", training: bool = True,
                     list_capacity: Optional[int] = None, prefix_blocks=0,
-                    prefix_mode: str = "exempt", softmax_scale=None) -> AttnProblem:
+                    prefix_mode: str = "exempt", softmax_scale=None, padding: str = "zeros") -> AttnProblem:
     """Checks a packed call (q, gate [total_q, H, D]; k, v [total_k, H, D]; offsets int32
     [N + 1]) by shape and dtype, and returns its problem: BSHD with batch 1 and n_seqs = N.
     The offsets' values are checked by `check_offsets` where they are known on the host.
@@ -482,7 +495,7 @@ def describe_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block_size: BlockSiz
     p = describe_attention(_Batched(q), _Batched(k), _Batched(v), block_size=block_size, layout="bshd",
                            kv_counts=kv_counts, q_counts=q_counts, topk=topk,
                            gate=None if gate is None else _Batched(gate), selection=selection, training=training,
-                           softmax_scale=softmax_scale, layout_hint=False)
+                           softmax_scale=softmax_scale, padding=padding, layout_hint=False)
     p = dataclasses.replace(p, n_seqs=n, list_capacity=list_capacity)
     if selection != "topk":
         return p

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from .problem import PREFIX_MODES, resolve_softmax_scale
+from .problem import PREFIX_MODES, check_padding, resolve_softmax_scale
 
 
 def _f64(x) -> np.ndarray:
@@ -45,21 +45,31 @@ def valid_tokens(counts, block_elems: int) -> np.ndarray:
 
 
 def _block_mean(x, counts, block_elems: int, round_to) -> np.ndarray:
-    """Mean of each block's valid tokens (the padded tail is not read), 0 for an empty
-    block; rounded to `round_to` like the kernels' stored means."""
+    """Sum of each block's E rows / its count (FastVideo's mean), 0 for an empty block;
+    rounded to `round_to` like the kernels' stored means. The padded rows are summed too:
+    with zeros there (padding="zeros") this is the mean of the valid tokens; under
+    padding="ignore" the caller zeroed them first (`_valid_only`)."""
     B, H, S, D = x.shape
-    x = np.where(valid_tokens(counts, block_elems)[:, None], x, 0.0)
     total = x.reshape(B, H, S // block_elems, block_elems, D).sum(axis=3)
-    counts = counts.astype(np.float64)[:, None]
+    counts = np.clip(counts, 0, block_elems).astype(np.float64)[:, None]
     mean = np.where(counts > 0, total / np.maximum(counts, 1), 0.0)
     return mean if round_to is None else round_to_dtype(mean, round_to)
 
 
 def _block_mean_grad(dmean, counts, block_elems: int) -> np.ndarray:
-    """Gradient of `_block_mean` to each of the block's valid tokens, 0 to the padded ones
-    (the rounding passes the gradient straight through)."""
+    """Gradient of `_block_mean` to every row of the block, padded rows included (the sum
+    reads them): dmean / count (the rounding passes the gradient straight through)."""
+    counts = np.clip(counts, 0, block_elems)
     scale = np.where(counts > 0, 1.0 / np.maximum(counts, 1), 0.0)[:, None]
-    return np.where(valid_tokens(counts, block_elems)[:, None], np.repeat(dmean * scale, block_elems, axis=2), 0.0)
+    return np.repeat(dmean * scale, block_elems, axis=2)
+
+
+def _valid_only(x, counts, block_elems: int):
+    """x (BHSD) with its padded rows replaced by 0 (None stays None): what padding="ignore"
+    reads, so that nothing in the padding, NaN or inf included, reaches a result."""
+    if x is None:
+        return None
+    return np.where(valid_tokens(counts, block_elems)[:, None], x, 0.0)
 
 
 def _masked_softmax(scores, keep):
@@ -83,15 +93,19 @@ def _t(x):
     return np.swapaxes(x, -1, -2)
 
 
-def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, *, softmax_scale=None) -> np.ndarray:
+def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, padding: str = "zeros", *,
+                  softmax_scale=None) -> np.ndarray:
     """Block-mean scores times `softmax_scale` (None: 1/sqrt(D)) [B, H, nQ, nKV], -inf for
     empty KV blocks."""
+    check_padding(padding)
     q, k = _f64(q), _f64(k)
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
+    if padding == "ignore":
+        q, k = _valid_only(q, q_counts, block_elems), _valid_only(k, kv_counts, block_elems)
     qc = _block_mean(q, q_counts, block_elems, round_to)
     kc = _block_mean(k, kv_counts, block_elems, round_to)
     s = qc @ _t(kc) * resolve_softmax_scale(softmax_scale, q.shape[-1])
-    return np.where((kv_counts == 0)[None, None, None, :], -np.inf, s)
+    return np.where((kv_counts <= 0)[None, None, None, :], -np.inf, s)
 
 
 def topk_mask(scores, topk: int) -> np.ndarray:
@@ -166,16 +180,23 @@ def _attention_grads(q, k, v, probs, dout, scale):
     return ds @ k, _t(ds) @ q, dv
 
 
-def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int, dout=None, *, softmax_scale=None):
+def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int, dout=None, padding: str = "zeros", *,
+                                softmax_scale=None):
     """Fine branch: each query sees the valid tokens of its block's selected KV blocks, with
     the scores q k^T scaled by `softmax_scale` (None: 1/sqrt(D)).
 
     Returns (out, lse) with lse the natural-log logsumexp of the scaled scores; given
     `dout`, (out, lse, {"dq", "dk", "dv"}) with the gradients of out against it.
+    Padding: the padded KV rows are masked as keys either way (their dk, dv are 0); with
+    padding="zeros" they are still multiplied in (0 * v), as FastVideo's kernels do, so
+    NaN / inf there reach the output; "ignore" reads them as 0.
     """
+    check_padding(padding)
     q, k, v = _f64(q), _f64(k), _f64(v)
     kv_counts = np.asarray(kv_counts, np.int64)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    if padding == "ignore":
+        k, v = _valid_only(k, kv_counts, block_elems), _valid_only(v, kv_counts, block_elems)
     probs, out, lse = _fine(q, k, v, block_map, kv_counts, block_elems, scale)
     if dout is None:
         return out, lse
@@ -185,14 +206,23 @@ def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int,
 
 def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_elems: int,
                                 gate=None, round_to=None, block_map=None, dout=None, prefix_blocks: int = 0,
-                                prefix_mode: str = "exempt", *, softmax_scale=None):
+                                prefix_mode: str = "exempt", padding: str = "zeros", *, softmax_scale=None):
     """VSA forward in float64. Returns (out, block_map used, coarse scores); given `dout`,
     also the gradients {"dq", "dk", "dv"(, "dgate")} of out against it.
 
-    Padding: only the valid tokens of each block (the first q_counts[i] / kv_counts[i])
-    are read, so the padded tails of q, k, v and the gate cannot change the result or the
-    valid tokens' gradients; the padded output rows are exactly 0, so dout there is
-    ignored and the padded rows' gradients are 0.
+    Padding (block i holds q_counts[i] / kv_counts[i] valid tokens at its start, then
+    padding):
+    - "zeros" (FastVideo's function): each block mean is the sum of all E rows divided
+      by the valid count (the mean of the valid tokens when the padding holds zeros), so
+      its gradient dmean / count reaches every row of the block, padded ones included;
+      padded query rows are computed like any other (they attend over the selected blocks'
+      valid keys, get out_fine + gate * out_coarse, and dout there counts); padded KV rows
+      are masked as keys (no fine-branch gradient) but get the pooling gradient.
+    - "ignore": the padded rows of q, k, v, the gate and dout are never read (read as 0:
+      NaN or inf there change nothing); the padded output rows and every padded row of
+      the gradients are exactly 0.
+    Empty blocks (count 0) have a zero mean and no pooling gradient; empty KV blocks are
+    never selected and are left out of the coarse softmax (FastVideo divides by 0 there).
 
     `round_to` (e.g. "bfloat16") models the kernels' cast of the block means to the
     input dtype (the gradient passes that rounding straight through). `block_map`
@@ -202,11 +232,16 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     `softmax_scale` (None: 1/sqrt(D)) scales the scores of both branches, the coarse one's
     (which the selection ranks) and the fine one's.
     """
+    check_padding(padding)
     q, k, v = _f64(q), _f64(k), _f64(v)
     gate = None if gate is None else _f64(gate)
+    dout = None if dout is None else _f64(dout)
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
     E, scale = block_elems, resolve_softmax_scale(softmax_scale, q.shape[-1])
-    q_valid = valid_tokens(q_counts, E)[:, None]
+    ignore = padding == "ignore"
+    if ignore:  # what "ignore" reads: the valid rows, the padded ones as 0
+        q, gate, dout = (_valid_only(x, q_counts, E) for x in (q, gate, dout))
+        k, v = (_valid_only(x, kv_counts, E) for x in (k, v))
     qc = _block_mean(q, q_counts, E, round_to)
     kc = _block_mean(k, kv_counts, E, round_to)
     vc = _block_mean(v, kv_counts, E, round_to)
@@ -222,10 +257,10 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
         block_map = topk_mask(scores, min(topk, k.shape[2] // E))
     probs_f, out_fine, _ = _fine(q, k, v, block_map, kv_counts, E, scale)
     out = out_coarse * gate + out_fine if gate is not None else out_coarse + out_fine
-    out = np.where(q_valid, out, 0.0)
+    if ignore:
+        out = _valid_only(out, q_counts, E)
     if dout is None:
         return out, block_map, scores
-    dout = np.where(q_valid, _f64(dout), 0.0)  # padded rows are constant 0: no gradient flows from them
     dq, dk, dv = _attention_grads(q, k, v, probs_f, dout, scale)  # the fine branch
     dout_c = dout * gate if gate is not None else dout
     B, H, Sq, D = q.shape
@@ -235,4 +270,6 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
              "dv": dv + _block_mean_grad(dvc, kv_counts, E)}
     if gate is not None:
         grads["dgate"] = dout * out_coarse
+    if ignore:  # padded rows are inputs of nothing
+        grads = {n: _valid_only(g, kv_counts if n in ("dk", "dv") else q_counts, E) for n, g in grads.items()}
     return out, block_map, scores, grads

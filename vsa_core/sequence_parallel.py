@@ -46,7 +46,8 @@ def _num_blocks(name: str, counts) -> int:
 
 
 def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk, group_size: int,
-                         prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None) -> AttnProblem:
+                         prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None,
+                         padding: str = "zeros") -> AttnProblem:
     """Checks this device's shards against the group size and the counts (which describe
     the whole sequence); returns the problem each device runs after the exchange (its
     prefix_blocks / prefix_mode normalised: the whole sequence's, as on one device, since
@@ -84,4 +85,4 @@ def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk
     return describe_attention(after_exchange(q), after_exchange(k), after_exchange(v), block_size=block_size,
                               layout="bshd", kv_counts=kv_counts, q_counts=q_counts, topk=topk,
                               gate=None if gate is None else after_exchange(gate), prefix_blocks=prefix_blocks,
-                              prefix_mode=prefix_mode, softmax_scale=softmax_scale, layout_hint=False)
+                              prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding, layout_hint=False)

@@ -25,6 +25,16 @@ applies the rule again on whatever it reads, so no list can make it read out of
 bounds or weight a block twice. Per-block token counts are clamped to [0, E] where they
 are loaded (a count above E means a full block, below 0 an empty one).
 
+Padding (`vsa_core.problem.PADDINGS`; the constexpr IGNORE_PADDING is padding="ignore"):
+the rows of a block past its count are padding. With padding="zeros" they are read as
+FastVideo reads them: summed into the block means (whose gradient reaches them), padded
+query rows computed like any row, padded KV rows masked as keys (a select on the scores)
+but still multiplied in (P @ V with P = 0 there), so they must hold finite values (zeros,
+for the means to be the valid tokens' means). With IGNORE_PADDING they are never read into
+a result: every load of a padded row is replaced by 0 with a select after the load (also
+after a TMA load), so NaN / inf there cannot reach a valid row through 0 * inf, and the
+padded rows of every output are written 0.
+
 `UPCAST` is set under TRITON_INTERPRET=1: the interpreter multiplies the bit
 patterns of bf16 operands in `tl.dot`, so tiles are widened to fp32 there. On a
 GPU it is False and the tensor cores see bf16/fp16 operands, as in FlashAttention.
@@ -75,14 +85,22 @@ def _load_rows(X, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexpr, 
     return tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_s + tl.arange(0, HEAD_DIM)[None, :])
 
 
+@triton.jit
+def _rows_or_zero(x, ok):
+    """x with the rows where `ok` is False replaced by 0: a select, so NaN / inf loaded
+    there are dropped (a product with a zero weight would keep them)."""
+    return tl.where(ok[:, None], x, tl.zeros_like(x))
+
+
 # --------------------------------------------------------------------------------------
 # Block mean pooling
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
-                BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """POOLED[b, h, block] = sum of the block's COUNTS[block] valid token rows / that count.
-    The padded tail is not read: its contents cannot reach the mean."""
+                BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr):
+    """POOLED[b, h, block] = sum of the block's rows / COUNTS[block]: all BLOCK_ELEMS rows
+    (FastVideo's mean; the padded tail holds zeros), or with IGNORE_PADDING the valid rows
+    only (the padded tail is not read)."""
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
@@ -92,7 +110,10 @@ def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n
     for start in range(0, BLOCK_ELEMS, ROWS):
         in_block = start + tl.arange(0, ROWS)
         rows = (block * BLOCK_ELEMS + in_block).to(tl.int64)
-        x = tl.load(base + rows[:, None] * stride_s + d[None, :], mask=(in_block < n_valid)[:, None], other=0.0)
+        if IGNORE_PADDING:
+            x = tl.load(base + rows[:, None] * stride_s + d[None, :], mask=(in_block < n_valid)[:, None], other=0.0)
+        else:
+            x = tl.load(base + rows[:, None] * stride_s + d[None, :])
         total += tl.sum(x.to(tl.float32), axis=0)
     count = n_valid.to(tl.float32)
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
@@ -104,15 +125,14 @@ def block_mean_pool_kernel(
     X, COUNTS, POOLED,
     stride_b, stride_h, stride_s,
     H, n_blocks,
-    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
-    """POOLED[b, h, i] = mean of the COUNTS[i] valid token rows of block i.
-
-    The padded tail is neither read nor given a gradient (FastVideo sums it too and
-    relies on callers zeroing it). A block with no valid token has a zero mean.
+    """POOLED[b, h, i] = the mean of block i (see _pool_block): the sum of its rows divided
+    by COUNTS[i], padded rows summed too unless IGNORE_PADDING. A block with no valid
+    token has a zero mean.
     """
     _pool_block(X, COUNTS, POOLED, tl.program_id(0), tl.program_id(1).to(tl.int64), H, stride_b, stride_h,
-                stride_s, n_blocks, BLOCK_ELEMS, HEAD_DIM, ROWS)
+                stride_s, n_blocks, BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
 
 
 @triton.jit
@@ -120,7 +140,7 @@ def block_mean_pool_qkv_kernel(
     Q, K, V, Q_COUNTS, KV_COUNTS, Q_POOL, K_POOL, V_POOL,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     H, n_q, n_kv,
-    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
     """block_mean_pool_kernel of q, k and v in one launch: program i < n_q pools query
     block i, the next n_kv programs the key blocks, the last n_kv the value blocks
@@ -129,13 +149,13 @@ def block_mean_pool_qkv_kernel(
     bh = tl.program_id(1).to(tl.int64)
     if i < n_q:
         _pool_block(Q, Q_COUNTS, Q_POOL, i, bh, H, stride_qb, stride_qh, stride_qs, n_q,
-                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+                    BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
     elif i < n_q + n_kv:
         _pool_block(K, KV_COUNTS, K_POOL, i - n_q, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
-                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+                    BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
     else:
         _pool_block(V, KV_COUNTS, V_POOL, i - n_q - n_kv, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
-                    BLOCK_ELEMS, HEAD_DIM, ROWS)
+                    BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
 
 
 # --------------------------------------------------------------------------------------
@@ -556,6 +576,7 @@ def sparse_attn_fwd_kernel(
     H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, store_fine, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    IGNORE_PADDING: tl.constexpr = False,
 ):
     """Each query attends to the valid tokens of the KV blocks its block selected.
 
@@ -567,10 +588,12 @@ def sparse_attn_fwd_kernel(
     accuracy: measured on x16 inputs, 3.7e-2 relative error in dQ/dK from a bf16 out,
     7e-3 from an fp32 one, for 4 extra bytes per element written and read.
     LSE is the fine branch's natural-log logsumexp (-inf for a query with nothing to see).
-    With HAS_COARSE (VSA) the padded rows of each query block (past Q_COUNTS) are written
-    out 0, out_fine 0 and lse +inf: they read no gate, and their probabilities
-    exp(S - lse) in the backward are 0, so they feed no gradient.
-    first_blocks: query blocks of each head scheduled first (`_long_tiles_first`).
+    Padded query rows (past Q_COUNTS) are computed like any row; with IGNORE_PADDING and
+    HAS_COARSE (VSA) they are written out 0, out_fine 0 and lse +inf instead: they read no
+    gate, and their probabilities exp(S - lse) in the backward are 0, so they feed no
+    gradient. Padded KV rows are masked by a select on the scores; with IGNORE_PADDING their
+    V rows are also read as 0. first_blocks: query blocks of each head scheduled first
+    (`_long_tiles_first`).
     """
     pid_m, bh = _long_tiles_first(first_blocks, BLOCK_ELEMS // BLOCK_M)
     b = bh // H
@@ -594,7 +617,7 @@ def sparse_attn_fwd_kernel(
         keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
         n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
-        bias = tl.where(sub + tl.arange(0, BLOCK_N) < n_valid, 0.0, float("-inf"))
+        key_ok = sub + tl.arange(0, BLOCK_N) < n_valid
         row0 = kv_block * BLOCK_ELEMS + sub
         if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
             k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -602,7 +625,9 @@ def sparse_attn_fwd_kernel(
         else:
             k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
             v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-        s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
+        if IGNORE_PADDING:  # P is 0 on the padded keys, but 0 * inf is NaN: V is read as 0 there
+            v = _rows_or_zero(v, key_ok)
+        s = tl.where(key_ok[None, :], _dot(q, tl.trans(k), UPCAST) * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -615,17 +640,23 @@ def sparse_attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     if HAS_COARSE:
-        out = tl.where(q_valid[:, None], out, 0.0)
-        lse = tl.where(q_valid, lse, float("inf"))  # P = exp(S - lse) = 0 there in any backward
+        if IGNORE_PADDING:
+            out = tl.where(q_valid[:, None], out, 0.0)
+            lse = tl.where(q_valid, lse, float("inf"))  # P = exp(S - lse) = 0 there in any backward
     if store_fine != 0:  # a run-time flag: training and inference run the same binary, same out
         tl.store(OUT_FINE + q_ptr, out)
     if HAS_COARSE:
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
         if HAS_GATE:
-            gate = tl.load(GATE + q_ptr, mask=q_valid[:, None], other=0.0).to(tl.float32)
+            if IGNORE_PADDING:
+                gate = tl.load(GATE + q_ptr, mask=q_valid[:, None], other=0.0).to(tl.float32)
+            else:
+                gate = tl.load(GATE + q_ptr).to(tl.float32)
             out += gate * coarse[None, :]
-        else:
+        elif IGNORE_PADDING:
             out += tl.where(q_valid[:, None], coarse[None, :], 0.0)
+        else:
+            out += coarse[None, :]
     tl.store(OUT + q_ptr, out.to(OUT.dtype.element_ty))
     tl.store(LSE + bh * q_len + rows, lse)
 
@@ -636,12 +667,13 @@ def sparse_attn_bwd_preprocess_kernel(
     stride_qb, stride_qh, stride_qs,
     H, q_len, n_q_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
     """Per query block: delta = rowsum(dO * out_fine) for the fine backward and, with the
-    coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate.
-    With the coarse branch (VSA) dO of the block's padded rows (past Q_COUNTS) reads as 0:
-    the output is 0 there whatever the inputs, so no gradient comes from those rows."""
+    coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate, over
+    every row of the block. With the coarse branch (VSA) and IGNORE_PADDING, dO and the
+    gate of the block's padded rows (past Q_COUNTS) read as 0: the output is 0 there
+    whatever the inputs, so no gradient comes from those rows."""
     q_block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -650,7 +682,8 @@ def sparse_attn_bwd_preprocess_kernel(
     n_valid = BLOCK_ELEMS
     if HAS_COARSE:
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
-        n_valid = _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
+        if IGNORE_PADDING:
+            n_valid = _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
     dcoarse = tl.zeros([HEAD_DIM], tl.float32)
     for start in range(0, BLOCK_ELEMS, ROWS):
         in_block = start + tl.arange(0, ROWS)
@@ -676,12 +709,14 @@ def sparse_attn_bwd_dq_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
     """dQ, owned by query tiles (no atomics). With HAS_COARSE it also adds the pooling
-    gradient dq_c[block] / q_count[block] to the block's valid rows, so dQ is written once
-    (padded rows: exactly 0; their lse is +inf, so P is 0 there too). first_blocks: query
-    blocks of each head scheduled first (`_long_tiles_first`)."""
+    gradient dq_c[block] / q_count[block] to every row of the block (the mean summed them
+    all), so dQ is written once; with IGNORE_PADDING to the valid rows only, the padded
+    ones written exactly 0 (their lse is +inf, so P is 0 there too). IGNORE_PADDING also
+    reads the padded K rows as 0 and drops dS on the padded keys (dP there reads V).
+    first_blocks: query blocks of each head scheduled first (`_long_tiles_first`)."""
     pid_m, bh = _long_tiles_first(first_blocks, BLOCK_ELEMS // BLOCK_M)
     b = bh // H
     h = bh % H
@@ -703,7 +738,7 @@ def sparse_attn_bwd_dq_kernel(
         keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
         sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
         n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
-        bias = tl.where(sub + tl.arange(0, BLOCK_N) < n_valid, 0.0, float("-inf"))
+        key_ok = sub + tl.arange(0, BLOCK_N) < n_valid
         row0 = kv_block * BLOCK_ELEMS + sub
         if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
             k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -711,34 +746,41 @@ def sparse_attn_bwd_dq_kernel(
         else:
             k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
             v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-        s = _dot(q, tl.trans(k), UPCAST) * qk_scale_log2 + bias[None, :]
+        if IGNORE_PADDING:  # dS is 0 on the padded keys, but dS @ K would multiply inf there
+            k = _rows_or_zero(k, key_ok)
+        s = tl.where(key_ok[None, :], _dot(q, tl.trans(k), UPCAST) * qk_scale_log2, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), UPCAST)
         ds = p * (dp - delta[:, None])
+        if IGNORE_PADDING:  # dP on the padded keys read their V rows (0 * inf there): dropped
+            ds = tl.where(key_ok[None, :], ds, 0.0)
         dq += _dot(ds.to(k.dtype), k, UPCAST)
     dq *= sm_scale
-    if HAS_COARSE:  # the pooling gradient, to the valid rows only; padded rows get exactly 0
+    if HAS_COARSE:  # the pooling gradient: to every row of the block, or to the valid ones only
         n_valid = _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
         count = n_valid.to(tl.float32)
         dq_c = tl.load(DQ_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
         dq += tl.where(count > 0, dq_c / tl.maximum(count, 1.0), 0.0)[None, :]
-        q_in_block = (pid_m % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q_valid = q_in_block < n_valid
-        dq = tl.where(q_valid[:, None], dq, 0.0)
+        if IGNORE_PADDING:  # padded rows are inputs of nothing: exactly 0
+            q_in_block = (pid_m % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+            dq = tl.where((q_in_block < n_valid)[:, None], dq, 0.0)
     tl.store(DQ + q_ptr, dq.to(DQ.dtype.element_ty))
 
 
 @triton.jit
 def sparse_attn_bwd_dkdv_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DK, DV, INV_IDX, INV_NUM, KV_COUNTS, DK_C, DV_C,
+    Q, K, V, DOUT, LSE, DELTA, DK, DV, INV_IDX, INV_NUM, KV_COUNTS, DK_C, DV_C, Q_COUNTS,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     H, q_len, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
     """dK and dV, owned by KV tiles: each walks the query blocks that selected its block
     (the inverse lists). With HAS_COARSE it adds the pooling gradients dk_c/count and
-    dv_c/count, so blocks that no query selected still get their coarse gradient.
+    dv_c/count to every row of the block (padded rows included: the mean summed them), so
+    blocks that no query selected still get their coarse gradient. IGNORE_PADDING reads
+    the padded rows of this block's K, V and (VSA: past Q_COUNTS) of the query tiles' Q, dO
+    as 0, and gives the pooling gradients to the valid rows only (padded rows exactly 0).
     first_blocks: KV blocks of each head scheduled first (`_long_tiles_first`)."""
     pid_n, bh = _long_tiles_first(first_blocks, BLOCK_ELEMS // BLOCK_N)
     b = bh // H
@@ -752,6 +794,9 @@ def sparse_attn_bwd_dkdv_kernel(
     kv_ptr = b * stride_kb + h * stride_kh + kv_rows[:, None] * stride_ks + d[None, :]
     k = tl.load(K + kv_ptr)
     v = tl.load(V + kv_ptr)
+    if IGNORE_PADDING:
+        k = _rows_or_zero(k, valid)
+        v = _rows_or_zero(v, valid)
     inv = INV_IDX + (bh * n_kv_blocks + kv_block) * idx_capacity
     n_tiles = tl.load(INV_NUM + bh * n_kv_blocks + kv_block) * (BLOCK_ELEMS // BLOCK_M)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -766,6 +811,12 @@ def sparse_attn_bwd_dkdv_kernel(
         else:
             q = _load_rows(Q, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
             do = _load_rows(DOUT, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
+        if IGNORE_PADDING:
+            if HAS_COARSE:  # VSA: the query block's padded rows (lse +inf, so P = 0) are read as 0
+                q_ok = (t % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M) < _clamped_count(
+                    Q_COUNTS, q_block, BLOCK_ELEMS)
+                q = _rows_or_zero(q, q_ok)
+                do = _rows_or_zero(do, q_ok)
         lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         delta = tl.load(DELTA + bh * q_len + rows)
@@ -776,11 +827,17 @@ def sparse_attn_bwd_dkdv_kernel(
         dst = pt * (dpt - delta[None, :])
         dk += _dot(dst.to(q.dtype), q, UPCAST)
     dk *= sm_scale
-    if HAS_COARSE:  # the pooling gradients, to the valid rows only (padded rows stay exactly 0)
+    if HAS_COARSE:  # the pooling gradients (IGNORE_PADDING: the padded rows stay exactly 0)
         inv_count = tl.where(count > 0, 1.0 / tl.maximum(count.to(tl.float32), 1.0), 0.0)
         c_ptr = (bh * n_kv_blocks + kv_block) * HEAD_DIM + d
-        dk += tl.where(valid[:, None], (tl.load(DK_C + c_ptr) * inv_count)[None, :], 0.0)
-        dv += tl.where(valid[:, None], (tl.load(DV_C + c_ptr) * inv_count)[None, :], 0.0)
+        dk_pool = (tl.load(DK_C + c_ptr) * inv_count)[None, :]
+        dv_pool = (tl.load(DV_C + c_ptr) * inv_count)[None, :]
+        if IGNORE_PADDING:
+            dk += tl.where(valid[:, None], dk_pool, 0.0)
+            dv += tl.where(valid[:, None], dv_pool, 0.0)
+        else:
+            dk += dk_pool
+            dv += dv_pool
     tl.store(DK + kv_ptr, dk.to(DK.dtype.element_ty))
     tl.store(DV + kv_ptr, dv.to(DV.dtype.element_ty))
 
@@ -887,13 +944,13 @@ def mix_coarse_kernel(
     stride_b, stride_h, stride_s,
     H, q_len, n_q_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-    HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr,
+    HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
     """OUT holds the fine output on entry; on exit out_fine + gate * out_c (or + out_c).
     STORE_FINE also keeps the fine output in fp32 for the backward's delta.
-    Padded query rows (past Q_COUNTS) as in sparse_attn_fwd_kernel: out 0, out_fine 0 and
-    LSE +inf, so that the library's backward gives them probability 0 (no gradient from
-    them to K and V, none to them) whatever their q and dO hold."""
+    Padded query rows (past Q_COUNTS) as in sparse_attn_fwd_kernel: like any row, or with
+    IGNORE_PADDING out 0, out_fine 0 and LSE +inf, so that the library's backward gives
+    them probability 0 (no gradient from them to K and V, none to them)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -902,7 +959,10 @@ def mix_coarse_kernel(
     in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     q_block = (pid * ROWS) // BLOCK_ELEMS
-    valid = in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
+    if IGNORE_PADDING:
+        valid = in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
+    else:  # every row of the block is computed
+        valid = in_block < BLOCK_ELEMS
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     fine = tl.where(valid[:, None], tl.load(OUT + ptr).to(tl.float32), 0.0)
     if STORE_FINE:
@@ -913,8 +973,9 @@ def mix_coarse_kernel(
     else:
         out = fine + tl.where(valid[:, None], coarse[None, :], 0.0)
     tl.store(OUT + ptr, out.to(OUT.dtype.element_ty))
-    at = LSE + bh * q_len + rows
-    tl.store(at, tl.where(valid, tl.load(at), float("inf")))
+    if IGNORE_PADDING:
+        at = LSE + bh * q_len + rows
+        tl.store(at, tl.where(valid, tl.load(at), float("inf")))
 
 
 @triton.jit
@@ -945,11 +1006,12 @@ def add_block_grad_kernel(
     X, POOL, COUNTS,
     stride_b, stride_h, stride_s,
     H, n_blocks,
-    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
-    """X[token] += POOL[its block] / COUNTS[block] for the block's valid tokens, in place:
-    the mean pooling's gradient. Padded rows (past COUNTS) are written exactly 0,
-    whatever the library left there: they are inputs of nothing."""
+    """X[token] += POOL[its block] / COUNTS[block] for every token of the block (the mean
+    summed them all), in place: the mean pooling's gradient. With IGNORE_PADDING the
+    padded rows (past COUNTS) are written exactly 0 instead, whatever the library left
+    there: they are inputs of nothing."""
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -963,5 +1025,29 @@ def add_block_grad_kernel(
     g = tl.load(POOL + (bh * n_blocks + block) * HEAD_DIM + d)
     g = tl.where(count > 0, g / tl.maximum(count, 1.0), 0.0)
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
-    x = tl.where((in_block < n_valid)[:, None], tl.load(X + ptr).to(tl.float32) + g[None, :], 0.0)
+    x = tl.load(X + ptr).to(tl.float32) + g[None, :]
+    if IGNORE_PADDING:
+        x = tl.where((in_block < n_valid)[:, None], x, 0.0)
     tl.store(X + ptr, x.to(X.dtype.element_ty))
+
+
+@triton.jit
+def valid_rows_copy_kernel(
+    X, Y, COUNTS,
+    stride_b, stride_h, stride_s,
+    H,
+    BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Y = X with the padded rows of each block (past COUNTS) written 0 (selected, so NaN
+    and inf there do not pass): what a library kernel that multiplies padded rows by zero
+    weights reads under padding="ignore"."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, HEAD_DIM)
+    in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    ok = in_block < _clamped_count(COUNTS, (pid * ROWS) // BLOCK_ELEMS, BLOCK_ELEMS)
+    ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
+    tl.store(Y + ptr, _rows_or_zero(tl.load(X + ptr), ok))

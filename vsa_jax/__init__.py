@@ -55,12 +55,12 @@ def _require_arrays(**arrays):
 
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-         backend, layout, prefix_blocks, prefix_mode, softmax_scale) -> jax.Array:
+         backend, layout, prefix_blocks, prefix_mode, softmax_scale, padding) -> jax.Array:
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
-                    softmax_scale=softmax_scale).problem
+                    softmax_scale=softmax_scale, padding=padding).problem
     prefix = (p.prefix_blocks, p.prefix_mode)
     impl = _ops.backend_for(backend, p, q)
     E = block_elements(block_size)
@@ -72,7 +72,7 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
 
     def op(q, k, v, kv_counts, q_counts, gate):
         return _ops.vsa(q, k, v, kv_counts, q_counts, gate, None, None, int(topk), E, layout, impl, prefix=prefix,
-                        softmax_scale=p.softmax_scale)
+                        softmax_scale=p.softmax_scale, padding=p.padding)
     return _split_call(op, layout, E, ("q", "k", "v", "variable_block_sizes", "q_variable_block_sizes",
                                        "compress_attn_weight"), args, kinds, layout)
 
@@ -89,7 +89,7 @@ def _split_call(op, layout, block_elems, names, args, kinds, out_kinds):
 def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes, q_variable_block_sizes,
                       topk: int, block_size=64, compress_attn_weight: Optional[jax.Array] = None, *,
                       backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt",
-                      softmax_scale: Optional[float] = None) -> jax.Array:
+                      softmax_scale: Optional[float] = None, padding: str = "zeros") -> jax.Array:
     """Video Sparse Attention on `[B, H, S, D]` arrays (a drop-in for FastVideo's).
 
     q: `[B, H, Sq, D]`; k, v: `[B, H, Skv, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`),
@@ -107,9 +107,20 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
-    Padding cannot change the result: whatever finite values the padded rows of q, k, v and
-    the gate hold, the valid outputs and gradients stay the same; padded output rows are 0
-    and padded rows get 0 gradients (NaN or inf there can still reach valid rows: zero them).
+
+    `padding`, what the rows of a block past its count mean:
+    - "zeros" (the default): FastVideo's function exactly, gradients included. The padded
+      rows of q, k, v and the gate must hold zeros (`to_tiled` writes them): a block mean
+      is the sum of all E rows divided by the valid count, so its gradient reaches every
+      row of the block; padded query rows are computed like any row (their output is
+      out_fine + gate * out_coarse, and `dout` there counts); padded KV rows are masked as
+      keys and get only the pooling gradient.
+    - "ignore": the padded rows are never read, whatever they hold (NaN and inf included:
+      a reused or uninitialised buffer); the padded output rows are exactly 0 (`dout` there
+      is ignored) and every padded row of the gradients is exactly 0. The cute and cudnn
+      backends then copy the tensors they read with the padded rows zeroed (K, V forward;
+      Q, K, V, dout backward).
+    With zeros in the padding both give the same valid output rows.
 
     `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
     non-empty block is then selected); empty blocks (count 0) are never selected, so a
@@ -131,56 +142,62 @@ def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_s
     flash-attn and SDPA) multiplies the scores q k^T before the softmax. One scale serves
     both branches, as in FastVideo: the coarse attention between the block means (and so the
     scores the top-k ranks) and the fine attention.
-    `topk`, `block_size`, `backend`, `prefix_blocks`, `prefix_mode` and `softmax_scale` are
-    static (Python values, not traced).
+    `topk`, `block_size`, `backend`, `prefix_blocks`, `prefix_mode`, `softmax_scale` and `padding`
+    are static (Python values, not traced).
     """
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bhsd", prefix_blocks, prefix_mode, softmax_scale)
+                backend, "bhsd", prefix_blocks, prefix_mode, softmax_scale, padding)
 
 
 def video_sparse_attn_bshd(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes,
                            q_variable_block_sizes, topk: int, block_size=64,
                            compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
                            prefix_blocks: int = 0, prefix_mode: str = "exempt",
-                           softmax_scale: Optional[float] = None) -> jax.Array:
+                           softmax_scale: Optional[float] = None, padding: str = "zeros") -> jax.Array:
     """`video_sparse_attn` on `[B, S, H, D]` arrays (no transpose is made)."""
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bshd", prefix_blocks, prefix_mode, softmax_scale)
+                backend, "bshd", prefix_blocks, prefix_mode, softmax_scale, padding)
 
 
 def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.Array, variable_block_sizes,
                       block_size=64, *, layout: str = "bhsd", backend: str = "auto",
-                      softmax_scale: Optional[float] = None) -> Tuple[jax.Array, jax.Array]:
+                      softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
     """Attention of each query block to the KV blocks set in `block_map` (bool
     `[B, H, nQ, nKV]`), restricted to their valid tokens, on the scores q k^T times
     `softmax_scale` (a positive finite Python float, static; None: 1/sqrt(D)). Returns (out,
     lse): lse is the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for
-    a query block with nothing selected). Gradients flow through out (lse is not differentiable)."""
+    a query block with nothing selected). Gradients flow through out (lse is not differentiable).
+    Every query row is computed; the padded KV rows (past `variable_block_sizes`) are
+    masked as keys and get zero gradients. `padding="zeros"` (FastVideo's kernels) still
+    multiplies them by zero weights, so they must be finite; "ignore" never reads them
+    (NaN / inf there change nothing)."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
-                             backend=backend, softmax_scale=softmax_scale).problem
+                             backend=backend, softmax_scale=softmax_scale, padding=padding).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _bsa(q, k, v, kv_counts, jnp.asarray(block_map), None, None, p.block_elems, layout, impl, p.softmax_scale)
+    return _bsa(q, k, v, kv_counts, jnp.asarray(block_map), None, None, p.block_elems, layout, impl, p.softmax_scale,
+                p.padding)
 
 
-def _bsa(q, k, v, kv_counts, block_map, block_indices, block_counts, block_elems, layout, impl, softmax_scale):
+def _bsa(q, k, v, kv_counts, block_map, block_indices, block_counts, block_elems, layout, impl, softmax_scale,
+         padding):
     """block-sparse attention with the selection as a map or as lists; split over devices like _vsa."""
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, block_map, block_indices, block_counts)
     kinds = (layout, layout, layout, "replicated", "bh", "bh", "bh")
 
     def op(q, k, v, kv_counts, block_map, sel_idx, sel_num):
         return _ops.bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl,
-                        softmax_scale=softmax_scale)
+                        softmax_scale=softmax_scale, padding=padding)
     return _split_call(op, layout, block_elems, ("q", "k", "v", "variable_block_sizes", "block_map",
                                                  "block_indices", "block_counts"), args, kinds, (layout, "bh"))
 
 
 def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
                                    block_counts: jax.Array, variable_block_sizes, block_size=64, *,
-                                   layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None
-                                   ) -> Tuple[jax.Array, jax.Array]:
+                                   layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None,
+                                   padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
     """`block_sparse_attn` with the selection given as lists: `block_indices`
     `[B, H, nQ, capacity]` int32 holds, for each query block, `block_counts[b, h, i]`
     strictly ascending KV block indices (entries past the count are ignored);
@@ -197,12 +214,12 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, layout=layout, backend=backend,
-                             softmax_scale=softmax_scale).problem
+                             softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     return _bsa(q, k, v, kv_counts, None, jnp.asarray(block_indices), jnp.asarray(block_counts), p.block_elems,
-                layout, impl, p.softmax_scale)
+                layout, impl, p.softmax_scale, p.padding)
 
 
 # ---- packed variable-length sequences ------------------------------------------------------
@@ -218,8 +235,8 @@ def _packed(x) -> jax.Array:
 def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
                              variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
                              compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
-                             prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None
-                             ) -> jax.Array:
+                             prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
+                             padding: str = "zeros") -> jax.Array:
     """VSA over packed variable-length sequences, one call for all of them.
 
     q, compress_attn_weight: `[total_q, H, D]`; k, v: `[total_k, H, D]`: the sequences one
@@ -234,13 +251,14 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     they are concrete.
     `prefix_blocks`: an int (every sequence's first blocks, static) or one count per
     sequence (an integer array [N], which may be traced like the offsets; a sequence with a
-    prefix has as many query as KV blocks); `prefix_mode` and `softmax_scale` as in
+    prefix has as many query as KV blocks); `prefix_mode`, `softmax_scale` and `padding` as in
     `video_sparse_attn`.
     """
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale).problem
+                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale,
+                    padding=padding).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
@@ -249,36 +267,38 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
     out = _ops.vsa(_packed(q), _packed(k), _packed(v), kv_counts, q_counts, gate, cu_q, cu_k, int(topk),
                    p.block_elems, "bshd", impl, seq_prefix, (p.prefix_blocks, p.prefix_mode),
-                   softmax_scale=p.softmax_scale)
+                   softmax_scale=p.softmax_scale, padding=p.padding)
     return out[0]
 
 
 def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
                              block_map: jax.Array, variable_block_sizes, block_size=64, *, backend: str = "auto",
-                             softmax_scale: Optional[float] = None) -> Tuple[jax.Array, jax.Array]:
+                             softmax_scale: Optional[float] = None,
+                             padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
     """Block-sparse attention over packed sequences (the packing of `video_sparse_attn_varlen`)
     with the selection as a bool `[H, nQ, nKV]` map over the packed blocks (nQ = total_q / E,
     nKV = total_k / E). A query block may select only blocks of its own sequence: with
     concrete arguments anything else raises ValueError; under jit such entries are ignored
     (never attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`); `softmax_scale`
-    as in `block_sparse_attn`."""
+    and `padding` as in `block_sparse_attn`."""
     _require_arrays(q=q, k=k, v=v, block_map=block_map)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             softmax_scale=softmax_scale).problem
+                             softmax_scale=softmax_scale, padding=padding).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
     out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, _packed(block_map), None, None, p.block_elems,
-                        "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale)
+                        "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale, padding=p.padding)
     return out[0], lse[0]
 
 
 def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
                                           block_indices: jax.Array, block_counts: jax.Array, variable_block_sizes,
                                           block_size=64, *, backend: str = "auto",
-                                          softmax_scale: Optional[float] = None) -> Tuple[jax.Array, jax.Array]:
+                                          softmax_scale: Optional[float] = None, padding: str = "zeros"
+                                          ) -> Tuple[jax.Array, jax.Array]:
     """`block_sparse_attn_varlen` with the selection as lists: `block_indices` int32
     `[H, nQ, capacity]` holds, for each query block of the packed stream, `block_counts[h, i]`
     ascending indices of KV blocks of the packed stream (of its own sequence; entries past
@@ -286,13 +306,14 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
     _require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
-                             cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale).problem
+                             cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, padding=padding).problem
     impl = _ops.backend_for(backend, p, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
     out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, None, _packed(block_indices),
-                        _packed(block_counts), p.block_elems, "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale)
+                        _packed(block_counts), p.block_elems, "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale,
+                        padding=p.padding)
     return out[0], lse[0]
 
 

@@ -217,7 +217,7 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
 
 
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True, cu_q=None,
-             list_capacity=None, prefix=(0, "exempt"), seq_prefix=None, softmax_scale=None):
+             list_capacity=None, prefix=(0, "exempt"), seq_prefix=None, softmax_scale=None, padding="zeros"):
     """The problem inside the custom_vjp (at trace time). The frontend checked the call
     (`vsa_core.api.prepare_*`); here it is rebuilt from the shapes and statics, a cache hit
     (`op_problem`): under vsa_jax.spmd the shapes are a device's shard, not the caller's.
@@ -225,7 +225,7 @@ def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, sele
     return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
                       has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity,
                       prefix_blocks=prefix[0], prefix_mode=prefix[1], seq_prefix=seq_prefix,
-                      softmax_scale=softmax_scale)
+                      softmax_scale=softmax_scale, padding=padding)
 
 
 def as_prefix(p: AttnProblem, prefix_blocks, cu_q, cu_k):
@@ -264,31 +264,31 @@ def check_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=No
 
 # ---- VSA ----------------------------------------------------------------------------------
 # topk, block_elems, layout, the resolved backend module, prefix = (prefix_blocks,
-# prefix_mode) and softmax_scale (the problem's resolved float) are static (hashable).
+# prefix_mode), softmax_scale (the problem's resolved float) and padding are static (hashable).
 # cu_q / cu_k: the packed sequences' int32 offsets (None when not packed), traced like the
 # counts; seq_prefix: their per-sequence prefix counts (int32 [N], or None).
 def vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl, seq_prefix=None,
-        prefix=(0, "exempt"), *, softmax_scale: Optional[float] = None):
+        prefix=(0, "exempt"), *, softmax_scale: Optional[float] = None, padding="zeros"):
     q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix = _vary_alike(q, k, v, kv_counts, q_counts, gate,
                                                                             cu_q, cu_k, seq_prefix)
     return _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl,
-                tuple(prefix), resolve_softmax_scale(softmax_scale, q.shape[-1]))
+                tuple(prefix), resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14, 15))
 def _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix,
-         softmax_scale):
+         softmax_scale, padding):
     """Primal (no gradient asked for): the inference forward, nothing kept for a backward."""
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale)
+                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale, padding=padding)
     return _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)["out"]
 
 
 def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix,
-             softmax_scale):
+             softmax_scale, padding):
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale)
+                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale, padding=padding)
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)
     # the backward reads everything but the top-k scores workspace ([B, H, nQ, nKV] fp32); the
@@ -297,10 +297,10 @@ def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, b
     return res["out"], (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, saved)
 
 
-def _vsa_bwd(topk, block_elems, layout, impl, prefix, softmax_scale, residuals, dout):
+def _vsa_bwd(topk, block_elems, layout, impl, prefix, softmax_scale, padding, residuals, dout):
     q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, res = residuals
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale)
+                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale, padding=padding)
     grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts,
                  gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **res)
     # None: no cotangent for the integer counts, offsets and prefix counts (JAX makes them float0
@@ -312,21 +312,23 @@ _vsa.defvjp(_vsa_fwd, _vsa_bwd)
 
 
 # ---- block-sparse attention with a given selection ----------------------------------------
-def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale):
+def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding):
     selection = "block_map" if block_map is not None else "indices"
     capacity = sel_idx.shape[-1] if block_map is None else None
     return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
-                    list_capacity=capacity, softmax_scale=softmax_scale)
+                    list_capacity=capacity, softmax_scale=softmax_scale, padding=padding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, softmax_scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, softmax_scale,
+         padding):
     return _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl,
-                    softmax_scale)[0]
+                    softmax_scale, padding)[0]
 
 
-def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, softmax_scale):
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale)
+def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, softmax_scale,
+             padding):
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
     lists = {"given_idx": sel_idx, "given_num": sel_num}  # the forward writes the lists it runs to sel_idx
     res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lists)
@@ -336,10 +338,10 @@ def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_
                                       res["lse"])
 
 
-def _bsa_bwd(block_elems, layout, impl, softmax_scale, residuals, cotangents):
+def _bsa_bwd(block_elems, layout, impl, softmax_scale, padding, residuals, cotangents):
     q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, out, lse = residuals
     dout, _ = cotangents  # lse is not differentiable (block_sparse_attn stops its gradient)
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale)
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
     grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
                  sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     return grads["dq"], grads["dk"], grads["dv"], None, None, None, None, None, None
@@ -349,9 +351,9 @@ _bsa.defvjp(_bsa_fwd, _bsa_bwd)
 
 
 def bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl, cu_q=None, cu_k=None, *,
-        softmax_scale: Optional[float] = None):
+        softmax_scale: Optional[float] = None, padding="zeros"):
     q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k = _vary_alike(
         q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k)
     out, lse = _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl,
-                    resolve_softmax_scale(softmax_scale, q.shape[-1]))
+                    resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)
     return out, jax.lax.stop_gradient(lse)

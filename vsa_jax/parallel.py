@@ -68,7 +68,7 @@ def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable
                               q_variable_block_sizes, topk: int, block_size=64,
                               compress_attn_weight: Optional[jax.Array] = None, *, axis_name,
                               backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt",
-                              softmax_scale: Optional[float] = None) -> jax.Array:
+                              softmax_scale: Optional[float] = None, padding: str = "zeros") -> jax.Array:
     """`video_sparse_attn_bshd` with the sequence sharded over mesh axis `axis_name`; call it
     inside `jax.shard_map` (or any context where `axis_name` is bound).
 
@@ -82,13 +82,14 @@ def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable
     devices' shards). After the exchange each device holds whole sequences of its heads, so
     the selection is the one-device selection.
     `softmax_scale` as in `video_sparse_attn` (one scale for the coarse and the fine branch).
+    `padding` as in `video_sparse_attn`.
     """
     _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     group_size = jax.lax.axis_size(axis_name)
     check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
                          block_size=block_size, topk=topk, group_size=group_size, prefix_blocks=prefix_blocks,
-                         prefix_mode=prefix_mode, softmax_scale=softmax_scale)
-    statics = dict(prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale)
+                         prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
+    statics = dict(prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
     if group_size == 1:
         return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
                                       compress_attn_weight, backend=backend, **statics)
@@ -122,11 +123,13 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
                                       compress_attn_weight: Optional[jax.Array] = None, *, mesh: Mesh,
                                       axis_name: str, batch_axis_name: Optional[str] = None,
                                       backend: str = "auto", prefix_blocks: int = 0,
-                                      prefix_mode: str = "exempt", softmax_scale: Optional[float] = None) -> jax.Array:
+                                      prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
+                                      padding: str = "zeros") -> jax.Array:
     """`video_sparse_attn_bshd` on global `[B, S, H, D]` arrays, run sequence-parallel over
     mesh axis `axis_name` (the sequence split into equal contiguous shards along it, e.g.
     arrays placed with `NamedSharding(mesh, P(None, axis_name))`; others are resharded).
-    `batch_axis_name`: a mesh axis that also splits the batch (data parallelism), or None.
+    `batch_axis_name`: a mesh axis that also splits the batch (data parallelism), or None;
+    `padding` as in `video_sparse_attn`.
     Returns the global output, sharded like the inputs. Works eagerly, under jax.jit and
     jax.grad; a thin wrapper of `jax.shard_map` over `ulysses_video_sparse_attn`.
     `prefix_blocks` / `prefix_mode` / `softmax_scale`: as in `ulysses_video_sparse_attn`."""
@@ -147,7 +150,7 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
     tokens, replicated = P(batch_axis_name, axis_name), P()
     attend = functools.partial(ulysses_video_sparse_attn, topk=topk, block_size=block_size, axis_name=axis_name,
                                backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
-                               softmax_scale=softmax_scale)
+                               softmax_scale=softmax_scale, padding=padding)
     if compress_attn_weight is None:
         def run(q, k, v, kv_counts, q_counts):
             return attend(q, k, v, kv_counts, q_counts)

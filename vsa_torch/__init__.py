@@ -41,13 +41,13 @@ def _require_tensors(**tensors):
 
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-         backend, layout, prefix_blocks, prefix_mode, softmax_scale) -> Tensor:
+         backend, layout, prefix_blocks, prefix_mode, softmax_scale, padding) -> Tensor:
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
     q_variable_block_sizes = _ops.counts_tensor("q_variable_block_sizes", q_variable_block_sizes)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
-                    softmax_scale=softmax_scale).problem
+                    softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     E = p.block_elems
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
@@ -56,13 +56,13 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     # p.topk: clamped to the number of KV blocks (any Python int is accepted)
     return _ops.vsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, q_counts, gate,
                             p.topk, E, layout, backend, prefix_blocks=p.prefix_blocks, prefix_mode=p.prefix_mode,
-                            softmax_scale=p.softmax_scale)
+                            softmax_scale=p.softmax_scale, padding=p.padding)
 
 
 def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes, topk: int,
                       block_size=64, compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto",
-                      prefix_blocks: int = 0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None
-                      ) -> Tensor:
+                      prefix_blocks: int = 0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
+                      padding: str = "zeros") -> Tensor:
     """Video Sparse Attention on `[B, H, S, D]` tensors (a drop-in for FastVideo's).
 
     q: `[B, H, Sq, D]`; k, v: `[B, H, Skv, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`),
@@ -80,9 +80,20 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_v
     `topk` KV blocks with the highest coarse scores; fine branch: attention restricted
     to the selected blocks' valid tokens. Returns out_coarse * compress_attn_weight +
     out_fine (out_coarse + out_fine without a gate). Differentiable in q, k, v and the gate.
-    Padding cannot change the result: whatever finite values the padded rows of q, k, v and
-    the gate hold, the valid outputs and gradients stay the same; padded output rows are 0
-    and padded rows get 0 gradients (NaN or inf there can still reach valid rows: zero them).
+
+    `padding`, what the rows of a block past its count mean:
+    - "zeros" (the default): FastVideo's function exactly, gradients included. The padded
+      rows of q, k, v and the gate must hold zeros (`to_tiled` writes them): a block mean
+      is the sum of all E rows divided by the valid count, so its gradient reaches every
+      row of the block; padded query rows are computed like any row (their output is
+      out_fine + gate * out_coarse, and `dout` there counts); padded KV rows are masked as
+      keys and get only the pooling gradient.
+    - "ignore": the padded rows are never read, whatever they hold (NaN and inf included:
+      a reused or uninitialised buffer); the padded output rows are exactly 0 (`dout` there
+      is ignored) and every padded row of the gradients is exactly 0. The cute and cudnn
+      backends then copy the tensors they read with the padded rows zeroed (K, V forward;
+      Q, K, V, dout backward).
+    With zeros in the padding both give the same valid output rows.
 
     `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
     non-empty block is then selected); empty blocks (count 0) are never selected, so a
@@ -106,40 +117,45 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_v
     so the scores the top-k ranks) and the fine attention.
     """
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bhsd", prefix_blocks, prefix_mode, softmax_scale)
+                backend, "bhsd", prefix_blocks, prefix_mode, softmax_scale, padding)
 
 
 def video_sparse_attn_bshd(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes,
                            topk: int, block_size=64, compress_attn_weight: Optional[Tensor] = None, *,
                            backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt",
-                           softmax_scale: Optional[float] = None) -> Tensor:
+                           softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tensor:
     """`video_sparse_attn` on `[B, S, H, D]` tensors (no transpose is made)."""
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                backend, "bshd", prefix_blocks, prefix_mode, softmax_scale)
+                backend, "bshd", prefix_blocks, prefix_mode, softmax_scale, padding)
 
 
 def block_sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_map: Tensor, variable_block_sizes, block_size=64,
-                      *, layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None
-                      ) -> Tuple[Tensor, Tensor]:
+                      *, layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None,
+                      padding: str = "zeros") -> Tuple[Tensor, Tensor]:
     """Attention of each query block to the KV blocks set in `block_map` (bool
     `[B, H, nQ, nKV]`), restricted to their valid tokens, on the scores q k^T times
     `softmax_scale` (a positive finite Python float; None: 1/sqrt(D)). Returns (out, lse):
     lse is the natural-log logsumexp of the scaled scores, fp32 `[B, H, Sq]` (-inf for a
-    query block with nothing selected). Gradients flow through out (lse is not differentiable)."""
+    query block with nothing selected). Gradients flow through out (lse is not differentiable).
+    Every query row is computed; the padded KV rows (past `variable_block_sizes`) are
+    masked as keys and get zero gradients. `padding="zeros"` (FastVideo's kernels) still
+    multiplies them by zero weights, so they must be finite; "ignore" never reads them
+    (NaN / inf there change nothing)."""
     _require_tensors(q=q, k=k, v=v, block_map=block_map)
     variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
-                             backend=backend, softmax_scale=softmax_scale).problem
+                             backend=backend, softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_devices(q, k=k, v=v, block_map=block_map)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     return _ops.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, block_map.contiguous(),
-                            None, None, p.block_elems, layout, backend, softmax_scale=p.softmax_scale)
+                            None, None, p.block_elems, layout, backend, softmax_scale=p.softmax_scale,
+                            padding=p.padding)
 
 
 def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_counts: Tensor,
                                    variable_block_sizes, block_size=64, *, layout: str = "bhsd",
-                                   backend: str = "auto", softmax_scale: Optional[float] = None
-                                   ) -> Tuple[Tensor, Tensor]:
+                                   backend: str = "auto", softmax_scale: Optional[float] = None,
+                                   padding: str = "zeros") -> Tuple[Tensor, Tensor]:
     """`block_sparse_attn` with the selection given as lists: `block_indices`
     `[B, H, nQ, capacity]` int32 holds, for each query block, `block_counts[b, h, i]`
     strictly ascending KV block indices (entries past the count are ignored);
@@ -156,14 +172,14 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
     variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, layout=layout, backend=backend,
-                             softmax_scale=softmax_scale).problem
+                             softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     if not torch.compiler.is_compiling():  # compiled: the kernels bound the lists instead
         _ops.check_index_lists_once(block_indices, block_counts, p.n_kv_blocks)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     return _ops.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, None,
                             block_indices.contiguous(), block_counts.contiguous(), p.block_elems, layout, backend,
-                            softmax_scale=p.softmax_scale)
+                            softmax_scale=p.softmax_scale, padding=p.padding)
 
 
 # ---- packed variable-length sequences ------------------------------------------------------
@@ -179,8 +195,8 @@ def _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k):
 def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
                              compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto",
-                             prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None
-                             ) -> Tensor:
+                             prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
+                             padding: str = "zeros") -> Tensor:
     """VSA over packed variable-length sequences, one call for all of them.
 
     q, compress_attn_weight: `[total_q, H, D]`; k, v: `[total_k, H, D]`: the sequences one
@@ -193,7 +209,7 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     device (no host sync in the kernels; eager calls check their values once per tensor).
     `prefix_blocks`: an int (every sequence's first blocks) or one count per sequence (an
     integer tensor [N], read on the device like the offsets; a sequence with a prefix has
-    as many query as KV blocks); `prefix_mode` and `softmax_scale` as in `video_sparse_attn`.
+    as many query as KV blocks); `prefix_mode`, `softmax_scale` and `padding` as in `video_sparse_attn`.
     """
     _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k)
@@ -201,7 +217,8 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
         prefix_blocks = torch.as_tensor(prefix_blocks)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale).problem
+                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale,
+                    padding=padding).problem
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
@@ -210,37 +227,39 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
     out = _ops.vsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, q_counts,
                            gate, p.topk, p.block_elems, "bshd", backend, cu_q, cu_k, seq_prefix, p.prefix_blocks,
-                           p.prefix_mode, softmax_scale=p.softmax_scale)
+                           p.prefix_mode, softmax_scale=p.softmax_scale, padding=p.padding)
     return out[0]
 
 
 def block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              block_map: Tensor, variable_block_sizes, block_size=64, *, backend: str = "auto",
-                             softmax_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+                             softmax_scale: Optional[float] = None,
+                             padding: str = "zeros") -> Tuple[Tensor, Tensor]:
     """Block-sparse attention over packed sequences (the packing of `video_sparse_attn_varlen`)
     with the selection as a bool `[H, nQ, nKV]` map over the packed blocks (nQ = total_q / E,
     nKV = total_k / E). A query block may select only blocks of its own sequence: eagerly
     anything else raises ValueError; under torch.compile such entries are ignored (never
-    attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`); `softmax_scale` as in
-    `block_sparse_attn`."""
+    attended). Returns (out `[total_q, H, D]`, lse fp32 `[H, total_q]`); `softmax_scale` and
+    `padding` as in `block_sparse_attn`."""
     _require_tensors(q=q, k=k, v=v, block_map=block_map, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             softmax_scale=softmax_scale).problem
+                             softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_devices(q, k=k, v=v, block_map=block_map)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection_once(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
     out, lse = _ops.bsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts,
                                 block_map.contiguous()[None], None, None, p.block_elems, "bshd", backend, cu_q, cu_k,
-                                softmax_scale=p.softmax_scale)
+                                softmax_scale=p.softmax_scale, padding=p.padding)
     return out[0], lse[0]
 
 
 def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                                           cu_seqlens_k: Tensor, block_indices: Tensor, block_counts: Tensor,
                                           variable_block_sizes, block_size=64, *, backend: str = "auto",
-                                          softmax_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+                                          softmax_scale: Optional[float] = None, padding: str = "zeros"
+                                          ) -> Tuple[Tensor, Tensor]:
     """`block_sparse_attn_varlen` with the selection as lists: `block_indices` int32
     `[H, nQ, capacity]` holds, for each query block of the packed stream, `block_counts[h, i]`
     ascending indices of KV blocks of the packed stream (of its own sequence; entries past
@@ -249,7 +268,7 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
-                             cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale).problem
+                             cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
@@ -257,7 +276,7 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
                               block_counts=block_counts)
     out, lse = _ops.bsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, None,
                                 block_indices.contiguous()[None], block_counts.contiguous()[None], p.block_elems,
-                                "bshd", backend, cu_q, cu_k, softmax_scale=p.softmax_scale)
+                                "bshd", backend, cu_q, cu_k, softmax_scale=p.softmax_scale, padding=p.padding)
     return out[0], lse[0]
 
 

@@ -59,7 +59,7 @@ def _alloc(specs: dict, like: Tensor) -> dict:
 def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True,
              cu_q: Optional[Tensor] = None, list_capacity: Optional[int] = None, prefix_blocks: int = 0,
              prefix_mode: str = "exempt", seq_prefix: Optional[Tensor] = None,
-             softmax_scale: Optional[float] = None) -> AttnProblem:
+             softmax_scale: Optional[float] = None, padding: str = "zeros") -> AttnProblem:
     """The problem inside an op. The frontend checked the call and built it once
     (`vsa_core.api.prepare_*`); a custom op takes only tensors and scalars, so here it is
     rebuilt from the shapes and statics: a cache hit (`op_problem`), not a second check.
@@ -67,7 +67,7 @@ def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, sele
     return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
                       has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity,
                       prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                      softmax_scale=softmax_scale)
+                      softmax_scale=softmax_scale, padding=padding)
 
 
 # Value checks read the values on the host. A device tensor already checked and not
@@ -159,17 +159,17 @@ def _vsa_outputs(p: AttnProblem, q: Tensor) -> dict:
 
 
 # seq_prefix: packed sequences' per-sequence prefix counts (int32 [N]); prefix_blocks /
-# prefix_mode: the static prefix; softmax_scale: the problem's resolved scale (a float; see
-# AttnProblem). No defaults: the dispatcher leaves out
+# prefix_mode: the static prefix; softmax_scale: the problem's resolved scale (a float);
+# padding: "zeros" / "ignore" (see AttnProblem). No defaults: the dispatcher leaves out
 # trailing arguments equal to their defaults, which autograd's input structure then lacks.
 @torch.library.custom_op("vsa::video_sparse_attn_fwd", mutates_args=())
 def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor, gate: Optional[Tensor],
              cu_q: Optional[Tensor], cu_k: Optional[Tensor], topk: int, block_elems: int, layout: str, backend: str,
              training: bool, seq_prefix: Optional[Tensor], prefix_blocks: int, prefix_mode: str,
-             softmax_scale: float) -> List[Tensor]:
+             softmax_scale: float, padding: str) -> List[Tensor]:
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q,
                  prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                 softmax_scale=softmax_scale)
+                 softmax_scale=softmax_scale, padding=padding)
     impl = resolve_backend(backend, p, device_info(q))
     out = _vsa_outputs(p, q)
     core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
@@ -180,10 +180,10 @@ def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tenso
 
 @_vsa_fwd.register_fake
 def _(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training, seq_prefix,
-      prefix_blocks, prefix_mode, softmax_scale):
+      prefix_blocks, prefix_mode, softmax_scale, padding):
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q,
                  prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                 softmax_scale=softmax_scale)
+                 softmax_scale=softmax_scale, padding=padding)
     out = _vsa_outputs(p, q)
     return [out[n] for n in _VSA_OUTPUTS]
 
@@ -192,10 +192,10 @@ def _(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout,
 def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor,
              gate: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor], residuals: List[Tensor],
              topk: int, block_elems: int, layout: str, backend: str, seq_prefix: Optional[Tensor], prefix_blocks: int,
-             prefix_mode: str, softmax_scale: float) -> List[Tensor]:
+             prefix_mode: str, softmax_scale: float, padding: str) -> List[Tensor]:
     p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", cu_q=cu_q,
                  prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                 softmax_scale=softmax_scale)
+                 softmax_scale=softmax_scale, padding=padding)
     impl = resolve_backend(backend, p, device_info(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
@@ -206,19 +206,19 @@ def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q
 
 @_vsa_bwd.register_fake
 def _(dout, q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, topk, block_elems, layout, backend,
-      seq_prefix, prefix_blocks, prefix_mode, softmax_scale):
+      seq_prefix, prefix_blocks, prefix_mode, softmax_scale, padding):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(q) if gate is not None else q.new_empty(0)]
 
 
 def _vsa_setup(ctx, inputs, output):
     (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training, seq_prefix,
-     prefix_blocks, prefix_mode, softmax_scale) = inputs
+     prefix_blocks, prefix_mode, softmax_scale, padding) = inputs
     saved = dict(zip(_VSA_OUTPUTS, output))
     ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix,
                           *(saved[n] for n in _VSA_SAVED))
     ctx.static = (topk, block_elems, layout, backend)
-    ctx.prefix = (prefix_blocks, prefix_mode, softmax_scale)
+    ctx.prefix = (prefix_blocks, prefix_mode, softmax_scale, padding)
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -226,27 +226,28 @@ def _vsa_backward(ctx, grads):
     q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, *residuals = ctx.saved_tensors
     dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, *ctx.static,
                                  seq_prefix, *ctx.prefix)
-    return (dq, dk, dv, None, None, (dgate if gate is not None else None)) + (None,) * 11
+    return (dq, dk, dv, None, None, (dgate if gate is not None else None)) + (None,) * 12
 
 
 torch.library.register_autograd("vsa::video_sparse_attn_fwd", _vsa_backward, setup_context=_vsa_setup)
 
 
 # ---- block-sparse attention with a given selection --------------------------------------
-def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale) -> AttnProblem:
+def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale,
+                 padding) -> AttnProblem:
     selection = "block_map" if block_map is not None else "indices"
     capacity = sel_idx.shape[-1] if block_map is None else None
     return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
-                    list_capacity=capacity, softmax_scale=softmax_scale)
+                    list_capacity=capacity, softmax_scale=softmax_scale, padding=padding)
 
 
 @torch.library.custom_op("vsa::block_sparse_attn_fwd", mutates_args=())
 def _bsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
              sel_idx: Optional[Tensor], sel_num: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor],
-             block_elems: int, layout: str, backend: str, softmax_scale: float) -> List[Tensor]:
+             block_elems: int, layout: str, backend: str, softmax_scale: float, padding: str) -> List[Tensor]:
     """Returns out, lse and the lists the forward ran: from a block map, or the given lists
     as the kernels' rule reads them (ascending, in range; packed: own sequence only)."""
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale)
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
     impl = resolve_backend(backend, p, device_info(q))
     out = _alloc(p.forward_buffers(), q)
     bufs = dict(q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -258,8 +259,9 @@ def _bsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Opti
 
 
 @_bsa_fwd.register_fake
-def _(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend, softmax_scale):
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale)
+def _(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend, softmax_scale,
+      padding):
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
     out = _alloc(p.forward_buffers(), q)
     return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
 
@@ -267,8 +269,9 @@ def _(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, 
 @torch.library.custom_op("vsa::block_sparse_attn_bwd", mutates_args=())
 def _bsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
              sel_idx: Tensor, sel_num: Tensor, out: Tensor, lse: Tensor, cu_q: Optional[Tensor],
-             cu_k: Optional[Tensor], block_elems: int, layout: str, backend: str, softmax_scale: float) -> List[Tensor]:
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale)
+             cu_k: Optional[Tensor], block_elems: int, layout: str, backend: str, softmax_scale: float,
+             padding: str) -> List[Tensor]:
+    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
     impl = resolve_backend(backend, p, device_info(q))
     grads = _alloc(p.backward_buffers(), q)
     core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
@@ -279,22 +282,23 @@ def _bsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, b
 
 @_bsa_bwd.register_fake
 def _(dout, q, k, v, kv_counts, block_map, sel_idx, sel_num, out, lse, cu_q, cu_k, block_elems, layout, backend,
-      softmax_scale):
+      softmax_scale, padding):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
 def _bsa_setup(ctx, inputs, output):
-    q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend, softmax_scale = inputs
+    (q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend, softmax_scale,
+     padding) = inputs
     if len(output) == 4:  # the lists the forward ran: the backward runs the same
         sel_idx, sel_num = output[2], output[3]
     ctx.save_for_backward(q, k, v, kv_counts, block_map, sel_idx, sel_num, output[0], output[1], cu_q, cu_k)
-    ctx.static = (block_elems, layout, backend, softmax_scale)
+    ctx.static = (block_elems, layout, backend, softmax_scale, padding)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _bsa_backward(ctx, grads):
     dq, dk, dv = _bsa_bwd(grads[0], *ctx.saved_tensors, *ctx.static)
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * 11
 
 
 torch.library.register_autograd("vsa::block_sparse_attn_fwd", _bsa_backward, setup_context=_bsa_setup)
@@ -341,10 +345,10 @@ def check_devices(like: Tensor, **tensors) -> None:
 
 def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, cu_q=None, cu_k=None,
                 seq_prefix=None, prefix_blocks: int = 0, prefix_mode: str = "exempt", *,
-                softmax_scale: Optional[float] = None) -> Tensor:
+                softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tensor:
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
     return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training,
-                    seq_prefix, prefix_blocks, prefix_mode, resolve_softmax_scale(softmax_scale, q.shape[-1]))[0]
+                    seq_prefix, prefix_blocks, prefix_mode, resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)[0]
 
 
 def as_prefix(p: AttnProblem, prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: Tensor) -> Optional[Tensor]:
@@ -364,9 +368,9 @@ def as_prefix(p: AttnProblem, prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: T
 
 
 def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend, cu_q=None,
-                cu_k=None, *, softmax_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+                cu_k=None, *, softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tuple[Tensor, Tensor]:
     res = _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend,
-                   resolve_softmax_scale(softmax_scale, q.shape[-1]))
+                   resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)
     return res[0], res[1]
 
 

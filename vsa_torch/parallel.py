@@ -132,7 +132,7 @@ class _UlyssesVSA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gate, kv_counts, q_counts, topk, block_elems, backend, group, chunks, training,
-                prefix_blocks, prefix_mode, softmax_scale):
+                prefix_blocks, prefix_mode, softmax_scale, padding):
         P = dist.get_world_size(group)
         inputs = [q, k, v] + ([gate] if gate is not None else [])
         incoming = [_Exchange(inputs, group, P, c, to_heads=True) for c in chunks]
@@ -142,7 +142,7 @@ class _UlyssesVSA(torch.autograd.Function):
             qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
             gh = gh[0] if gh else None
             results = _ops._vsa_fwd(qh, kh, vh, kv_counts, q_counts, gh, None, None, topk, block_elems, "bshd", backend,
-                                    training, None, prefix_blocks, prefix_mode, softmax_scale)
+                                    training, None, prefix_blocks, prefix_mode, softmax_scale, padding)
             outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
             if training:
                 named = dict(zip(_ops._VSA_OUTPUTS, results))
@@ -151,13 +151,14 @@ class _UlyssesVSA(torch.autograd.Function):
             _store_heads(out, exchange.finish()[0], c)
         ctx.save_for_backward(kv_counts, q_counts, *saved)
         ctx.static = (topk, block_elems, backend, group, chunks, gate is not None, prefix_blocks, prefix_mode,
-                      softmax_scale)
+                      softmax_scale, padding)
         ctx.kv_shape = k.shape
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        topk, block_elems, backend, group, chunks, has_gate, prefix_blocks, prefix_mode, softmax_scale = ctx.static
+        (topk, block_elems, backend, group, chunks, has_gate, prefix_blocks, prefix_mode, softmax_scale,
+         padding) = ctx.static
         kv_counts, q_counts, *saved = ctx.saved_tensors
         P = dist.get_world_size(group)
         per_chunk = 3 + has_gate + len(_ops._VSA_SAVED)
@@ -170,13 +171,13 @@ class _UlyssesVSA(torch.autograd.Function):
             gh, residuals = (rest[0], rest[1:]) if has_gate else (None, rest)
             dq, dk, dv, dgate = _ops._vsa_bwd(douth, qh, kh, vh, kv_counts, q_counts, gh, None, None, residuals, topk,
                                               block_elems, "bshd", backend, None, prefix_blocks, prefix_mode,
-                                              softmax_scale)
+                                              softmax_scale, padding)
             outgoing.append(_Exchange([dq, dk, dv] + ([dgate] if has_gate else []), group, P, c, to_heads=False))
         for c, exchange in zip(chunks, outgoing):
             for dest, recv in zip(grads, exchange.finish()):
                 _store_heads(dest, recv, c)
         dgate = grads[3] if has_gate else None
-        return (grads[0], grads[1], grads[2], dgate) + (None,) * 11
+        return (grads[0], grads[1], grads[2], dgate) + (None,) * 12
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
                               topk: int, block_size=64, compress_attn_weight: Optional[Tensor] = None, *,
                               group: Optional[dist.ProcessGroup] = None, backend: str = "auto",
                               prefix_blocks: int = 0, prefix_mode: str = "exempt",
-                              softmax_scale: Optional[float] = None) -> Tensor:
+                              softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tensor:
     """`video_sparse_attn_bshd` with the sequence sharded over a process group.
 
     q, k, v and the gate are this rank's contiguous shard `[B, S/P, H, D]` of the
@@ -200,7 +201,8 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     block's token count; q and k may have different lengths). The counts describe the
     whole sequence and are the same on every rank. H must be divisible by P. Returns
     this rank's shard `[B, S/P, H, D]` of the output; differentiable in q, k, v and the gate.
-    `group`: the process group (default: the whole world).
+    `group`: the process group (default: the whole world); `padding` as in `video_sparse_attn`
+    (the padded rows travel with the shards; they are read by the rank that computes them).
     `prefix_blocks` / `prefix_mode`: mixed-modality prefix blocks at the start of the whole
     sequence, as in `video_sparse_attn` (Sq == Skv; the prefix may span several ranks'
     shards). After the exchange each rank holds whole sequences of its heads, so the
@@ -211,11 +213,11 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     P = _group_size(group)
     p = check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
                              block_size=block_size, topk=topk, group_size=P, prefix_blocks=prefix_blocks,
-                             prefix_mode=prefix_mode, softmax_scale=softmax_scale)
+                             prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
     if P == 1:
         return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
                                       compress_attn_weight, backend=backend, prefix_blocks=prefix_blocks,
-                                      prefix_mode=prefix_mode, softmax_scale=softmax_scale)
+                                      prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
     gate = compress_attn_weight
     _ops.check_devices(q, k=k, v=v, compress_attn_weight=gate)
     E = block_elements(block_size)
@@ -225,4 +227,5 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     chunks = head_chunks(q.shape[2] // P)
     return _UlyssesVSA.apply(q.contiguous(), k.contiguous(), v.contiguous(),
                              None if gate is None else gate.contiguous(), kv_counts, q_counts, int(topk), E,
-                             backend, group, chunks, training, p.prefix_blocks, p.prefix_mode, p.softmax_scale)
+                             backend, group, chunks, training, p.prefix_blocks, p.prefix_mode, p.softmax_scale,
+                             p.padding)

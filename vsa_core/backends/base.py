@@ -31,11 +31,13 @@ Buffer = Any  # a launch view of a caller's buffer: a torch tensor or a vsa_core
 class FineForward:
     """Buffers of the fine forward. Writes `out` and `lse`; with the coarse branch
     (`out_coarse` given) `out` is out_fine + gate * out_coarse, and `out_fine` (training
-    only) keeps the fine output in fp32 for the backward. With the coarse branch (VSA) the
-    padded query rows (past `q_counts`) must end with out 0, out_fine 0 and lse +inf (the
-    Triton kernel writes them so; the library backends through `triton_backend.mix_coarse`):
-    the output there is 0 whatever q holds, and any backward's P = exp(S - lse) is 0 there,
-    so those rows feed no gradient to K and V."""
+    only) keeps the fine output in fp32 for the backward. Padding (`p.padding`): under
+    "zeros" the padded query rows (past `q_counts`) are computed like any row; under
+    "ignore" no padded row of q, k, v or the gate may reach a result (NaN / inf included),
+    and with the coarse branch (VSA) the padded query rows must end with out 0, out_fine 0
+    and lse +inf (the Triton kernel writes them so; the library backends through
+    `triton_backend.mix_coarse`, after handing their library `valid_rows_copy`s): any
+    backward's P = exp(S - lse) is then 0 there, so those rows feed no gradient."""
 
     q: Buffer
     k: Buffer
@@ -55,9 +57,11 @@ class FineForward:
 class FineBackward:
     """Buffers of the fine backward. Writes dq, dk, dv (with the coarse branch also
     adding the pooling gradients dq_pool / dk_pool / dv_pool spread over each block's
-    tokens). `delta` = rowsum(dout * out_fine) comes from the core's preprocess (0 on the
-    padded query rows of a VSA call, whose dout is ignored); a backend may overwrite it (a
-    workspace). The padded rows of dq, dk, dv (past q_counts / kv_counts) must end exactly
+    tokens: every token of the block under padding "zeros", the valid ones under "ignore").
+    `delta` = rowsum(dout * out_fine) comes from the core's preprocess (under "ignore" 0 on
+    the padded query rows of a VSA call, whose dout is ignored); a backend may overwrite it
+    (a workspace). Under "ignore" nothing of the padded rows of q, k, v, dout may reach a
+    result, and the padded rows of dq, dk, dv (past q_counts / kv_counts) must end exactly
     0 (the library backends: `triton_backend.add_block_grad` writes them so)."""
 
     q: Buffer

@@ -30,8 +30,8 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   out 0 and lse -inf (the kernel's "empty-safe" finaliser; without it such rows are NaN).
 - lse: natural-log fp32 [B, H, Sq], -inf where a row sees nothing: our contract as is.
   The backward takes it back in the same form (it converts to log2 itself). With the
-  coarse branch, `mix_coarse` sets the padded query rows' lse to +inf (out and out_fine to
-  0 there), so the backward's probabilities are 0 on those rows and their dO is not used.
+  coarse branch and padding="ignore", `mix_coarse` sets the padded query rows' lse to +inf
+  (out and out_fine to 0 there), so the backward's probabilities are 0 on those rows.
 - coarse mixing (VSA): like the CuTe backend, `mix_coarse` turns the fine output in
   `out` into out_fine + gate * out_c in place and, training, keeps the fine output in
   fp32 (`out_fine`, holding exactly the values written in q's dtype).
@@ -41,7 +41,13 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   rowsum(dO * out_fine) up to summation order: FlashAttention's recipe from a bf16 O,
   as in the CuTe backend. This allocates one O-sized tensor per backward.
 - pooling gradients (VSA): cuDNN writes dq/dk/dv of the fine branch; then
-  `add_block_grad` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count in place.
+  `add_block_grad` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count in place
+  (padding="ignore": to the valid rows only, 0 to the padded ones).
+- padding="ignore": the kernels mask the padded keys (past block_sizes) in the scores but
+  multiply the padded rows of V, K, Q and dO by zero weights in P @ V, dS @ K, dS^T @ Q and
+  P^T @ dO (0 * inf is NaN), so under "ignore" they read copies with the padded rows
+  written 0 (`valid_rows_copy`): K and V in the forward, Q, K, V and dO in the backward; one
+  extra read and write of each per call. padding="zeros" copies nothing.
 - streams: every cuDNN BSA launch goes to `torch.cuda.current_stream()` of the current
   device, which is the caller's (under JAX, `_torch_views.caller_stream` makes XLA's stream
   torch's current one; the backend's arguments are torch views of XLA's buffers).
@@ -68,7 +74,7 @@ from typing import Optional
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
 from .base import FineBackward, FineForward
-from .triton_backend import add_block_grad, mix_coarse
+from .triton_backend import add_block_grad, mix_coarse, valid_rows_copy
 
 name = "cudnn"
 TESTED_VERSION = "1.32.0"
@@ -146,6 +152,7 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     bsa_fwd, _ = _cudnn()
     _check_aligned(q=q, k=k, v=v, out=out)
+    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))  # padding="ignore" only
     direct = p.block_elems == 64  # the blk64 forward writes into given out/lse; blk128 allocates its own
     o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], _block_sizes(p, kv_counts), q2k_block_nums=sel_num,
                    allow_empty_block_nums=True, softmax_scale=p.softmax_scale, return_lse=True,
@@ -171,6 +178,9 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
     sel_idx, sel_num, kv_counts, q_counts = a.sel_idx, a.sel_num, a.kv_counts, a.q_counts
     out_coarse, out_fine, dq_pool, dk_pool, dv_pool = a.out_coarse, a.out_fine, a.dq_pool, a.dk_pool, a.dv_pool
     _, bsa_bwd = _cudnn()
+    if q_counts is not None:  # padding="ignore": what cuDNN multiplies by zero weights is read as 0
+        q, dout = (valid_rows_copy(p, x, q_counts, p.q_len) for x in (q, dout))
+    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))
     if out_coarse is not None:
         if out_fine is None:
             raise ValueError("the cudnn backend's VSA backward needs the forward's fp32 fine output `out_fine`")

@@ -23,9 +23,9 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
   BHSD tensors go in as `.transpose(1, 2)` views: no copy, either layout. Outputs
   (out, dq, dk, dv) are written straight into our buffers through the same views.
 - lse: FA4 writes (B, H, Sq) fp32 natural-log lse, -inf for a row that sees nothing
-  (out 0 there): exactly our `lse` buffer, passed as `lse=`. With the coarse branch,
-  `mix_coarse` then sets the padded query rows' lse to +inf (and their out to 0), so FA4's
-  backward gives them probability exp2(S - inf) = 0: their q and dO, whatever they hold,
+  (out 0 there): exactly our `lse` buffer, passed as `lse=`. With the coarse branch and
+  padding="ignore", `mix_coarse` then sets the padded query rows' lse to +inf (and their
+  out to 0), so FA4's backward gives them probability exp2(S - inf) = 0: their q and dO
   reach no gradient (FA4 resets only a -inf lse, to 0, before the backward).
 - Coarse mixing: FA4 writes only the fine output, in the input dtype. It goes into
   `out`, then `mix_coarse_kernel` turns `out` into out_fine + gate * out_c in place
@@ -40,8 +40,14 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
   delta. Without the coarse branch out is the fine output and dlse is left out.
 - Pooling gradients (VSA): FA4 writes dq/dk/dv of the fine branch; then
   `add_block_grad_kernel` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count
-  in place to the valid rows and writes 0 to the padded ones (one more bf16 rounding than
-  the Triton backend's fused add).
+  in place (one more bf16 rounding than the Triton backend's fused add); padding="ignore":
+  to the valid rows only, 0 written to the padded ones.
+- padding="ignore": FA4 masks the padded keys with a select on the scores, but multiplies
+  the padded rows of V (P @ V), K (dS @ K), Q (dS^T @ Q) and dO (P^T @ dO) by zero weights,
+  and 0 * inf is NaN. So under "ignore" it reads copies with the padded rows written 0
+  (`valid_rows_copy`): K and V in the forward, Q, K, V and dO in the backward. That is one
+  extra read and write of each of those tensors per call (allocated on the current
+  stream like the lists); padding="zeros" copies nothing.
 - Streams: FA4's kernels are compiled against TVM-FFI's environment stream, and
   each call with torch CUDA tensors sets that to torch's current stream of the
   tensors' device (tvm_ffi function.pxi, DLPack exchange API `current_work_stream`),
@@ -70,7 +76,7 @@ from .. import triton_kernels as K
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo
 from .base import FineBackward, FineForward
-from .triton_backend import add_block_grad, mix_coarse
+from .triton_backend import add_block_grad, mix_coarse, valid_rows_copy
 
 name = "cute"
 INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, "
@@ -211,6 +217,9 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
     forward_lists(p, sel_idx, sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
     lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
                         full_block_idx=idx[0], block_size=(p.block_elems, KV_TILE))
+    # padding="ignore": FA4 multiplies the padded V rows by P = 0 (0 * inf = NaN); padded
+    # query rows stay in their own rows, which mix_coarse overwrites
+    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))
     with _FA4_LOCK:
         fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=p.softmax_scale,
                mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
@@ -244,6 +253,9 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
     backward_lists(p, inv_idx, inv_num, kv_counts, idx, num[0], num[1])
     lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx, full_block_cnt=num[0],
                         full_block_idx=idx, block_size=(p.block_elems, KV_TILE))
+    if q_counts is not None:  # padding="ignore": what FA4 multiplies by zero weights is read as 0
+        q, dout = (valid_rows_copy(p, x, q_counts, p.q_len) for x in (q, dout))
+    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))
     dlse = None
     if out_coarse is not None:
         # `out` holds out_fine + gate * out_c: make FA4's rowsum(out * dO) - dlse equal our delta

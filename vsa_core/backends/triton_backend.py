@@ -134,7 +134,7 @@ def _tiles(p: AttnProblem, x, seq_len: int):
                             [1, 1, 16, p.head_dim])
 
 
-_KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len"]
+_KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len", "IGNORE_PADDING"]
 
 _sparse_fwd = _TunedKernel(
     K.sparse_attn_fwd_kernel,
@@ -185,12 +185,17 @@ def _bh(p: AttnProblem) -> int:
     return p.batch * p.heads
 
 
+def _ignore(p: AttnProblem) -> bool:
+    """The kernels' IGNORE_PADDING: padding="ignore" (padded rows never read into a result)."""
+    return p.padding == "ignore"
+
+
 def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
     sb, sh, ss = p.token_strides(seq_len)
     n_blocks = seq_len // p.block_elems
     kernels_for(x).block_mean_pool_kernel[(n_blocks, _bh(p))](
         x, counts, pooled, sb, sh, ss, p.heads, n_blocks,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems))
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems), IGNORE_PADDING=_ignore(p))
 
 
 # Pooling: (token rows per load, num_warps). It reads q, k and v once: few warps per block with
@@ -204,7 +209,8 @@ def block_mean_pool_qkv(p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_
     kernels_for(q).block_mean_pool_qkv_kernel[(p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p))](
         q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
         *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems), num_warps=warps)
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems), IGNORE_PADDING=_ignore(p),
+        num_warps=warps)
 
 
 def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
@@ -322,18 +328,18 @@ def sparse_forward(p: AttnProblem, a: FineForward):
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
         int(out_fine is not None), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
-        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=USE_TMA)
+        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=USE_TMA, IGNORE_PADDING=_ignore(p))
 
 
 def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
                         dout_coarse=None, q_counts=None):
     """delta for the fine backward; with the coarse branch also dgate and dout_coarse
-    (and dout of the padded query rows, past q_counts, read as 0)."""
+    (padding="ignore": dout of the padded query rows, past q_counts, read as 0)."""
     kernels_for(dout).sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
         dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, q_counts, *p.token_strides(p.q_len),
         p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
-        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None)
+        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
@@ -344,18 +350,18 @@ def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, s
         q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=USE_TMA)
+        USE_TMA=USE_TMA, IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward_dkdv(p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
-                         dk_pool=None, dv_pool=None):
+                         dk_pool=None, dv_pool=None, q_counts=None):
     _sparse_bwd_dkdv(
         lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
         _tiles(p, q, p.q_len), k, v, _tiles(p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num, kv_counts,
-        dk_pool, dv_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
+        dk_pool, dv_pool, q_counts, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=USE_TMA)
+        USE_TMA=USE_TMA, IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):
@@ -364,7 +370,7 @@ def sparse_backward(p: AttnProblem, a: FineBackward):
     sparse_backward_dq(p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dq, a.sel_idx, a.sel_num, a.kv_counts,
                        a.q_counts, a.dq_pool)
     sparse_backward_dkdv(p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dk, a.dv, a.inv_idx, a.inv_num, a.kv_counts,
-                         a.dk_pool, a.dv_pool)
+                         a.dk_pool, a.dv_pool, a.q_counts)
 
 
 def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):
@@ -380,20 +386,35 @@ def _epilogue_rows(p: AttnProblem) -> int:
 def mix_coarse(p: AttnProblem, out, lse, out_coarse, q_counts, gate=None, out_fine=None) -> None:
     """`out` holds the library's fine output: turns it into out_fine + gate * out_c (or
     + out_c) in place; with `out_fine`, keeps the fine output in fp32 for the backward.
-    The padded query rows (past q_counts) get out 0, out_fine 0 and lse +inf (in place
-    in the library's `lse`), so the library's backward takes nothing from them."""
+    padding="ignore": the padded query rows (past q_counts) get out 0, out_fine 0 and lse
+    +inf (in place in the library's `lse`), so the library's backward takes nothing from them."""
     rows = _epilogue_rows(p)
     K.mix_coarse_kernel[(p.q_len // rows, _bh(p))](
         out, lse, gate, out_coarse, out_fine, q_counts, *p.token_strides(p.q_len), p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows,
-        HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, num_warps=4)
+        HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, IGNORE_PADDING=_ignore(p), num_warps=4)
 
 
 def add_block_grad(p: AttnProblem, x, pooled, counts, seq_len: int) -> None:
-    """x[token] += pooled[its block] / counts[block] for the block's valid tokens, in place:
-    the mean pooling's gradient added to a library's fine-stage gradient; padded tokens
-    (past counts) are set to exactly 0."""
+    """x[token] += pooled[its block] / counts[block] for every token of the block, in place:
+    the mean pooling's gradient added to a library's fine-stage gradient; padding="ignore":
+    to the valid tokens only, the padded ones (past counts) set to exactly 0."""
     rows = _epilogue_rows(p)
     K.add_block_grad_kernel[(seq_len // rows, _bh(p))](
         x, pooled, counts, *p.token_strides(seq_len), p.heads, seq_len // p.block_elems,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, IGNORE_PADDING=_ignore(p), num_warps=4)
+
+
+def valid_rows_copy(p: AttnProblem, x, counts, seq_len: int):
+    """A copy of token tensor x (the problem's layout) with the padded rows of each block
+    (past counts) written 0, or x itself under padding="zeros": what a library kernel reads
+    under padding="ignore", since it multiplies padded rows by zero weights (0 * inf is
+    NaN). Allocated like x (torch: the backends that call libraries hold torch tensors)."""
+    if not _ignore(p):
+        return x
+    y = x.new_empty(x.shape)
+    rows = _epilogue_rows(p)
+    K.valid_rows_copy_kernel[(seq_len // rows, _bh(p))](
+        x, y, counts, *p.token_strides(seq_len), p.heads,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
+    return y
