@@ -94,7 +94,7 @@ def test_varlen_is_the_per_sequence_call(fv):
         m[..., 0] = True
     qs = [rng.standard_normal((int(s.sum()), H, D)).astype(np.float32) for s in q_sizes]
     ks, vs = ([rng.standard_normal((int(s.sum()), H, D)).astype(np.float32) for s in kv_sizes] for _ in range(2))
-    lists = [_map_to_index(torch.from_numpy(m)) for m in maps]
+    lists = [_map_to_index(torch.from_numpy(m).to(TORCH_DEVICE)) for m in maps]  # on q's device, as FastVideo takes them
 
     def cu(sizes):
         return torch.tensor(np.concatenate([[0], np.cumsum([s.sum() for s in sizes])]), dtype=torch.int32)

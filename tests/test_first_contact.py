@@ -100,12 +100,11 @@ def test_cpu_call_leaves_triton_language_to_the_gpu_compiler():
     script = "\n".join([
         "import sys, numpy as np, torch, vsa_torch",
         f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})",
-        "from coarse_smem import shared_bytes",
-        "from vsa_core import triton_kernels as K",
+        "from coarse_smem import compile_report",
         "q, k = (torch.randn(1, 1, 128, 64, dtype=torch.bfloat16) for _ in range(2))",
         "c = np.array([64, 64])",
         "vsa_torch.video_sparse_attn(q, k, k.clone(), c, c, 1, 64)",
-        "print('shared', shared_bytes(K.coarse_attn_fwd_kernel, 64, 64, 16, 8, 1, 'ieee', 90))",
+        "print('shared', compile_report('fwd', 64, (64, 16), 8, 1, 'ieee', 90)[0])",
     ])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
