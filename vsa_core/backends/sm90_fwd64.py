@@ -1,7 +1,8 @@
 """Our own block-sparse attention forward for 64-token blocks on sm_90 (Hopper), in CuTe DSL.
 
-Not registered as a backend yet: `sparse_forward64` is a launcher on torch tensors that the
-lead wires behind `FineStageBackend` after a GPU check (benchmarks/sm90_fwd64_check.py).
+Not registered as a backend yet (it trails cuDNN's kernel, which `auto` takes at 64-token blocks):
+`sparse_forward64` is a launcher on torch tensors; benchmarks/sm90_fwd64_check.py checks every
+variant against float64 and times it against cuDNN BSA and our Triton kernel.
 
 What it computes (the contract of `base.FineForward` and of `triton_kernels.sparse_attn_fwd_kernel`):
 each 64-row query block attends to the valid tokens (`kv_counts[n]`, clamped to [0, 64]) of the
@@ -38,8 +39,8 @@ to global memory (any strides), lse from the row-owning threads.
 (4 arrivals: one per consumer warp after its wait_group), and 2-3 consumer warpgroups
 (setmaxnreg up) running the same main loop, each on its own query block and list; `pingpong`
 alternates two consumers' GEMM issue by named barriers. `q_in_regs` keeps Q in registers
-(QK^T as a register-A wgmma, only K read from shared memory). Which one is fastest is for
-the GPU to say (benchmarks/sm90_fwd64_check.py); registers, spills and shared memory per
+(QK^T as a register-A wgmma, only K read from shared memory). The timings of every variant are
+in benchmarks/results/ (sm90_fwd64_check); registers, spills and shared memory per
 variant: benchmarks/sm90_fwd64_compile.py (all compile for sm_90a with 0 spills).
 
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
