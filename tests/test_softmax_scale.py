@@ -100,6 +100,8 @@ def test_reference_none_is_inverse_sqrt_d():
         np.testing.assert_array_equal(a[i], b[i])
     for n in a[3]:
         np.testing.assert_array_equal(a[3][n], b[3][n])
+    with pytest.raises(ValueError, match="softmax_scale must be a positive finite Python float"):
+        R.video_sparse_attn_reference(*args, softmax_scale=-1.0)
 
 
 # ---- VSA, both frontends, against the float64 reference ----------------------------------------
@@ -375,22 +377,26 @@ def test_prefix_matches_float64_reference():
 
 # ---- torch.compile --------------------------------------------------------------------------------------
 def test_torch_compile_fullgraph_matches_eager():
-    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=2, topk=1, softmax_scale=0.3)
+    """The scale as an argument of the compiled function: Dynamo traces a float argument
+    symbolically once its value changes (torch's default specialize_float=False), so the
+    checks must trace too (comparisons, no math.isfinite); each value equals eager."""
+    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=2, topk=1)
     x = make_inputs(case, seed=9, margin=None)
     counts = [torch.from_numpy(x[n]).to(DEVICE) for n in ("kv_counts", "q_counts")]
 
-    def attend(q, k, v):
-        return vsa_torch.video_sparse_attn(q, k, v, *counts, case.topk, case.block, softmax_scale=case.softmax_scale)
+    def attend(q, k, v, softmax_scale):
+        return vsa_torch.video_sparse_attn(q, k, v, *counts, case.topk, case.block, softmax_scale=softmax_scale)
 
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
     dout = torch.from_numpy(x["dout"]).to(DEVICE, BF16)
-    results = []
-    for fn in (attend, compiled):
-        q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v"))
-        out = fn(q, k, v)
-        results.append([out.detach(), *torch.autograd.grad(out, (q, k, v), dout)])
-    for eager, comp in zip(*results):
-        torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+    for s in (0.3, 2.0 / 8):
+        results = []
+        for fn in (attend, compiled):
+            q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v"))
+            out = fn(q, k, v, s)
+            results.append([out.detach(), *torch.autograd.grad(out, (q, k, v), dout)])
+        for eager, comp in zip(*results):
+            torch.testing.assert_close(comp, eager, rtol=0, atol=0)
 
 
 # ---- Ulysses ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from .problem import PREFIX_MODES, resolve_softmax_scale
+from .problem import PREFIX_MODES, check_softmax_scale, resolve_softmax_scale
 
 
 def _f64(x) -> np.ndarray:
@@ -83,6 +83,12 @@ def _t(x):
     return np.swapaxes(x, -1, -2)
 
 
+def _scale(softmax_scale, head_dim: int) -> float:
+    """The scores' scale, checked as the frontends check it: 1/sqrt(D) for None."""
+    check_softmax_scale(softmax_scale)
+    return resolve_softmax_scale(softmax_scale, head_dim)
+
+
 def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, *, softmax_scale=None) -> np.ndarray:
     """Block-mean scores times `softmax_scale` (None: 1/sqrt(D)) [B, H, nQ, nKV], -inf for
     empty KV blocks."""
@@ -90,7 +96,7 @@ def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, *,
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
     qc = _block_mean(q, q_counts, block_elems, round_to)
     kc = _block_mean(k, kv_counts, block_elems, round_to)
-    s = qc @ _t(kc) * resolve_softmax_scale(softmax_scale, q.shape[-1])
+    s = qc @ _t(kc) * _scale(softmax_scale, q.shape[-1])
     return np.where((kv_counts == 0)[None, None, None, :], -np.inf, s)
 
 
@@ -175,7 +181,7 @@ def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int,
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     kv_counts = np.asarray(kv_counts, np.int64)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    scale = _scale(softmax_scale, q.shape[-1])
     probs, out, lse = _fine(q, k, v, block_map, kv_counts, block_elems, scale)
     if dout is None:
         return out, lse
@@ -205,7 +211,7 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     q, k, v = _f64(q), _f64(k), _f64(v)
     gate = None if gate is None else _f64(gate)
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
-    E, scale = block_elems, resolve_softmax_scale(softmax_scale, q.shape[-1])
+    E, scale = block_elems, _scale(softmax_scale, q.shape[-1])
     q_valid = valid_tokens(q_counts, E)[:, None]
     qc = _block_mean(q, q_counts, E, round_to)
     kc = _block_mean(k, kv_counts, E, round_to)
