@@ -424,6 +424,31 @@ def test_ulysses_jax_on_mesh():
     assert_bitwise(jax.jit(out_and_grads(attend, case))(*args), want, "ulysses with softmax_scale")
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_jax_jit_over_sharded_arrays(monkeypatch):
+    """jit over arrays sharded over the heads (vsa_jax.spmd splits the call per device): every
+    device's problem holds the scale; bitwise the one-device call."""
+    from jax.sharding import NamedSharding
+    from test_jax_spmd import assert_bitwise, mesh_of, out_and_grads_fn, split_spec
+    from test_jax_vsa import jax_args
+    from vsa_jax import ops as jax_ops
+    case = Case(batch=2, heads=2, n_q_blocks=2, n_kv_blocks=3, softmax_scale=0.3)
+    x = make_inputs(case, _seed("spmd"))
+    args = jax_args(case, x)
+    fn = jax.jit(out_and_grads_fn(case, x["kv_counts"], x["q_counts"]))
+    want = [np.asarray(a) for a in fn(*args)]
+    seen, real_run = [], jax_ops._run
+
+    def spy_run(stage, p, impl, **inputs):
+        seen.append(p)
+        return real_run(stage, p, impl, **inputs)
+    monkeypatch.setattr(jax_ops, "_run", spy_run)
+    mesh, spec = mesh_of(), split_spec(case.layout, "heads")
+    got = fn(*(jax.device_put(a, NamedSharding(mesh, spec)) for a in args))
+    assert seen and {(p.heads, p.softmax_scale) for p in seen} == {(1, 0.3)}
+    assert_bitwise(got, want, "jit over the heads")
+
+
 @pytest.mark.skipif(GPU, reason="the CPU run (Triton interpreter); test_parallel_torch's NCCL test covers GPUs")
 def test_ulysses_torch_gloo(tmp_path, monkeypatch):
     """2 ranks on gloo: bitwise the one-device call with the same scale, and the float64 reference."""
