@@ -7,8 +7,10 @@ branch, keyword-only on every public attention function of both frontends, None 
   scores that all scale alike), so the scale reaches both branches and every gradient;
 - both frontends against the float64 reference with s = 0.3 and 2/sqrt(D) (out, dq, dk, dv,
   dgate): VSA (BHSD, BSHD, fp16), block-sparse attention (map and lists, lse included),
-  varlen (VSA and block-sparse), a prefix, Ulysses (JAX on 2 host devices, torch on gloo);
-  torch == JAX bit for bit where both run on the same kind of device;
+  varlen (VSA and block-sparse), a prefix, Ulysses (JAX on 2 host devices, torch on gloo),
+  jit over sharded arrays; torch == JAX bit for bit where both run on the same kind of device;
+- torch.compile with the scale as an argument of the compiled function; the JAX native path's
+  launch plan carries it into every attention kernel;
 - None is 1/sqrt(D) bit for bit (the same problem, so the same kernels and the same caches);
 - bad values raise TypeError / ValueError naming softmax_scale, in identical words in both
   frontends, from every function;
