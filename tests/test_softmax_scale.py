@@ -7,8 +7,10 @@ branch, keyword-only on every public attention function of both frontends, None 
   scores that all scale alike), so the scale reaches both branches and every gradient;
 - both frontends against the float64 reference with s = 0.3 and 2/sqrt(D) (out, dq, dk, dv,
   dgate): VSA (BHSD, BSHD, fp16), block-sparse attention (map and lists, lse included),
-  varlen (VSA and block-sparse), a prefix, Ulysses (JAX on 2 host devices, torch on gloo);
-  torch == JAX bit for bit where both run on the same kind of device;
+  varlen (VSA and block-sparse), a prefix, Ulysses (JAX on 2 host devices, torch on gloo),
+  jit over sharded arrays; torch == JAX bit for bit where both run on the same kind of device;
+- torch.compile with the scale as an argument of the compiled function; the JAX native path's
+  launch plan carries it into every attention kernel;
 - None is 1/sqrt(D) bit for bit (the same problem, so the same kernels and the same caches);
 - bad values raise TypeError / ValueError naming softmax_scale, in identical words in both
   frontends, from every function;
@@ -100,6 +102,8 @@ def test_reference_none_is_inverse_sqrt_d():
         np.testing.assert_array_equal(a[i], b[i])
     for n in a[3]:
         np.testing.assert_array_equal(a[3][n], b[3][n])
+    with pytest.raises(ValueError, match="softmax_scale must be a positive finite Python float"):
+        R.video_sparse_attn_reference(*args, softmax_scale=-1.0)
 
 
 # ---- VSA, both frontends, against the float64 reference ----------------------------------------
@@ -375,22 +379,26 @@ def test_prefix_matches_float64_reference():
 
 # ---- torch.compile --------------------------------------------------------------------------------------
 def test_torch_compile_fullgraph_matches_eager():
-    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=2, topk=1, softmax_scale=0.3)
+    """The scale as an argument of the compiled function: Dynamo traces a float argument
+    symbolically once its value changes (torch's default specialize_float=False), so the
+    checks must trace too (comparisons, no math.isfinite); each value equals eager."""
+    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=2, topk=1)
     x = make_inputs(case, seed=9, margin=None)
     counts = [torch.from_numpy(x[n]).to(DEVICE) for n in ("kv_counts", "q_counts")]
 
-    def attend(q, k, v):
-        return vsa_torch.video_sparse_attn(q, k, v, *counts, case.topk, case.block, softmax_scale=case.softmax_scale)
+    def attend(q, k, v, softmax_scale):
+        return vsa_torch.video_sparse_attn(q, k, v, *counts, case.topk, case.block, softmax_scale=softmax_scale)
 
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
     dout = torch.from_numpy(x["dout"]).to(DEVICE, BF16)
-    results = []
-    for fn in (attend, compiled):
-        q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v"))
-        out = fn(q, k, v)
-        results.append([out.detach(), *torch.autograd.grad(out, (q, k, v), dout)])
-    for eager, comp in zip(*results):
-        torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+    for s in (0.3, 2.0 / 8):
+        results = []
+        for fn in (attend, compiled):
+            q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v"))
+            out = fn(q, k, v, s)
+            results.append([out.detach(), *torch.autograd.grad(out, (q, k, v), dout)])
+        for eager, comp in zip(*results):
+            torch.testing.assert_close(comp, eager, rtol=0, atol=0)
 
 
 # ---- Ulysses ---------------------------------------------------------------------------------------------
@@ -416,6 +424,31 @@ def test_ulysses_jax_on_mesh():
             q, k, v, x["kv_counts"], x["q_counts"], case.topk, case.block, gate, mesh=mesh, axis_name="sp",
             softmax_scale=case.softmax_scale)
     assert_bitwise(jax.jit(out_and_grads(attend, case))(*args), want, "ulysses with softmax_scale")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_jax_jit_over_sharded_arrays(monkeypatch):
+    """jit over arrays sharded over the heads (vsa_jax.spmd splits the call per device): every
+    device's problem holds the scale; bitwise the one-device call."""
+    from jax.sharding import NamedSharding
+    from test_jax_spmd import assert_bitwise, mesh_of, out_and_grads_fn, split_spec
+    from test_jax_vsa import jax_args
+    from vsa_jax import ops as jax_ops
+    case = Case(batch=2, heads=2, n_q_blocks=2, n_kv_blocks=3, softmax_scale=0.3)
+    x = make_inputs(case, _seed("spmd"))
+    args = jax_args(case, x)
+    fn = jax.jit(out_and_grads_fn(case, x["kv_counts"], x["q_counts"]))
+    want = [np.asarray(a) for a in fn(*args)]
+    seen, real_run = [], jax_ops._run
+
+    def spy_run(stage, p, impl, **inputs):
+        seen.append(p)
+        return real_run(stage, p, impl, **inputs)
+    monkeypatch.setattr(jax_ops, "_run", spy_run)
+    mesh, spec = mesh_of(), split_spec(case.layout, "heads")
+    got = fn(*(jax.device_put(a, NamedSharding(mesh, spec)) for a in args))
+    assert seen and {(p.heads, p.softmax_scale) for p in seen} == {(1, 0.3)}
+    assert_bitwise(got, want, "jit over the heads")
 
 
 @pytest.mark.skipif(GPU, reason="the CPU run (Triton interpreter); test_parallel_torch's NCCL test covers GPUs")

@@ -63,16 +63,20 @@ def check_softmax_scale(softmax_scale) -> None:
     """None, or a positive finite Python float / int (static: not an array, not a bool)."""
     if softmax_scale is None:
         return
-    what = f"softmax_scale must be a positive finite Python float (None: 1/sqrt(D)), got {softmax_scale!r}"
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer,
                                                                                        np.floating)):
-        raise TypeError(what)
+        raise TypeError(_bad_scale(softmax_scale))
     try:
         value = float(softmax_scale)
     except OverflowError:  # an int beyond float range
         value = math.inf
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(what)
+    # comparisons rather than math.isfinite: under torch.compile the value may be symbolic
+    if not 0 < value < math.inf:  # NaN fails both
+        raise ValueError(_bad_scale(softmax_scale))
+
+
+def _bad_scale(softmax_scale) -> str:
+    return f"softmax_scale must be a positive finite Python float (None: 1/sqrt(D)), got {softmax_scale!r}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from .problem import PREFIX_MODES, check_padding, resolve_softmax_scale
+from .problem import PREFIX_MODES, check_padding, check_softmax_scale, resolve_softmax_scale
 
 
 def _f64(x) -> np.ndarray:
@@ -93,6 +93,12 @@ def _t(x):
     return np.swapaxes(x, -1, -2)
 
 
+def _scale(softmax_scale, head_dim: int) -> float:
+    """The scores' scale, checked as the frontends check it: 1/sqrt(D) for None."""
+    check_softmax_scale(softmax_scale)
+    return resolve_softmax_scale(softmax_scale, head_dim)
+
+
 def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, padding: str = "zeros", *,
                   softmax_scale=None) -> np.ndarray:
     """Block-mean scores times `softmax_scale` (None: 1/sqrt(D)) [B, H, nQ, nKV], -inf for
@@ -104,7 +110,7 @@ def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, pa
         q, k = _valid_only(q, q_counts, block_elems), _valid_only(k, kv_counts, block_elems)
     qc = _block_mean(q, q_counts, block_elems, round_to)
     kc = _block_mean(k, kv_counts, block_elems, round_to)
-    s = qc @ _t(kc) * resolve_softmax_scale(softmax_scale, q.shape[-1])
+    s = qc @ _t(kc) * _scale(softmax_scale, q.shape[-1])
     return np.where((kv_counts <= 0)[None, None, None, :], -np.inf, s)
 
 
@@ -194,7 +200,7 @@ def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int,
     check_padding(padding)
     q, k, v = _f64(q), _f64(k), _f64(v)
     kv_counts = np.asarray(kv_counts, np.int64)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    scale = _scale(softmax_scale, q.shape[-1])
     if padding == "ignore":
         k, v = _valid_only(k, kv_counts, block_elems), _valid_only(v, kv_counts, block_elems)
     probs, out, lse = _fine(q, k, v, block_map, kv_counts, block_elems, scale)
@@ -237,7 +243,7 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     gate = None if gate is None else _f64(gate)
     dout = None if dout is None else _f64(dout)
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
-    E, scale = block_elems, resolve_softmax_scale(softmax_scale, q.shape[-1])
+    E, scale = block_elems, _scale(softmax_scale, q.shape[-1])
     ignore = padding == "ignore"
     if ignore:  # what "ignore" reads: the valid rows, the padded ones as 0
         q, gate, dout = (_valid_only(x, q_counts, E) for x in (q, gate, dout))

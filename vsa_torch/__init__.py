@@ -111,10 +111,11 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_v
     block attends, with "exempt", every prefix block plus its top-`topk` video blocks, with
     "compete", its top-(`topk` + `prefix_blocks`) blocks of all. Coarse branch and gate as
     without a prefix (`vsa_core.reference.prefix_topk_mask`).
-    `softmax_scale` (a positive finite Python float, static; None: 1/sqrt(D), as in
-    FastVideo, flash-attn and SDPA) multiplies the scores q k^T before the softmax. One scale
-    serves both branches, as in FastVideo: the coarse attention between the block means (and
-    so the scores the top-k ranks) and the fine attention.
+    `softmax_scale` (a positive finite Python float, static: under torch.compile each value
+    compiles its own graph; None: 1/sqrt(D), as in FastVideo, flash-attn and SDPA) multiplies
+    the scores q k^T before the softmax. One scale serves both branches, as in FastVideo: the
+    coarse attention between the block means (and so the scores the top-k ranks) and the fine
+    attention.
     """
     return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                 backend, "bhsd", prefix_blocks, prefix_mode, softmax_scale, padding)
