@@ -450,3 +450,130 @@ class DqPostprocess:
         out.store((acc.load() * scale).to(self.dtype))
         gdQ = cute.local_tile(gdQ4[None, None, h, b], (BLOCK, D), (qb, 0))
         cute.autovec_copy(out, thr.partition_C(gdQ))
+
+
+# ---- host launcher ------------------------------------------------------------------------------
+_COMPILED = {}
+
+
+def _dtype(t):
+    import torch
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
+
+
+def _cute_tensor(t, align=16):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def _layout_of(x):
+    """"bhsd" / "bshd" when the [B, H, S, D] view x is that contiguous layout (what the Triton
+    preprocess addresses), else None."""
+    B, H, S, D = x.shape
+    if x.stride() == (H * S * D, S * D, D, 1):
+        return "bhsd"
+    if x.stride() == (S * H * D, D, H * D, 1):
+        return "bshd"
+    return None
+
+
+def backward_delta(out, dout, delta=None):
+    """delta = rowsum(dout * out) [B, H, Sq] fp32 by the Triton preprocess (our kernel for it), or by
+    torch for views the preprocess does not address (strides other than BHSD / BSHD contiguous)."""
+    import torch
+    from ..problem import AttnProblem
+    from . import triton_backend
+
+    B, H, Sq, D = dout.shape
+    if delta is None:
+        delta = torch.empty(B, H, Sq, dtype=torch.float32, device=dout.device)
+    layout = _layout_of(dout)
+    if layout is None or _layout_of(out) != layout:
+        delta.copy_((dout.float() * out.float()).sum(-1))
+        return delta
+    p = AttnProblem(batch=B, heads=H, q_len=Sq, kv_len=Sq, head_dim=D, block_elems=BLOCK,
+                    dtype=str(dout.dtype).replace("torch.", ""), layout=layout, selection="indices")
+    raw = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    triton_backend.backward_preprocess(p, raw(out), raw(dout), delta)
+    return delta
+
+
+def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_counts, **options):
+    """Runs the backward once on torch CUDA tensors, on torch's current stream; `delta` (optional) is
+    computed from out and dout when not given (`prepare_backward64` has the arguments)."""
+    delta = options.pop("delta", None)
+    if delta is None:
+        delta = backward_delta(out, dout)
+    prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, **options)()
+
+
+def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, *,
+                       softmax_scale: Optional[float] = None, stages: int = 2, dq_accum=None):
+    """Checks the arguments, compiles on first use of a configuration, and returns a callable that
+    launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
+    main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
+    leaves the per-call host conversion out).
+
+    q, k, v, dout, dq, dk, dv (bf16 / fp16): [B, H, S, D] views, BHSD or a BSHD tensor transposed;
+    lse, delta [B, H, Sq] fp32; inv_idx [B, H, nKV, capacity], inv_num [B, H, nKV], kv_counts [nKV]
+    int32. dq_accum: an fp32 workspace [B, H, nQ, 64 * D] (allocated here when not given)."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    toks = dict(q=q, k=k, v=v, dout=dout, dq=dq, dk=dk, dv=dv)
+    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in toks.values()):
+        raise ValueError("sm90_bwd64 needs q, k, v, dout, dq, dk, dv of one dtype, bf16 or fp16 (got "
+                         + ", ".join(f"{n} {t.dtype}" for n, t in toks.items()) + ")")
+    if (D not in (64, 128) or k.shape != (B, H, Skv, D) or v.shape != k.shape or dk.shape != k.shape
+            or dv.shape != k.shape or dout.shape != q.shape or dq.shape != q.shape):
+        raise ValueError("sm90_bwd64 needs q/dout/dq [B, H, Sq, D] and k/v/dk/dv [B, H, Skv, D] with D 64 or 128 (got "
+                         + ", ".join(f"{n} {tuple(t.shape)}" for n, t in toks.items()) + ")")
+    if Sq % BLOCK or Skv % BLOCK:
+        raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
+    nq, nkv = Sq // BLOCK, Skv // BLOCK
+    if dq_accum is None:
+        dq_accum = torch.empty(B, H, nq, BLOCK * D, dtype=torch.float32, device=q.device)
+    expect = dict(lse=((B, H, Sq), torch.float32), delta=((B, H, Sq), torch.float32),
+                  dq_accum=((B, H, nq, BLOCK * D), torch.float32),
+                  inv_idx=((B, H, nkv, inv_idx.shape[-1]), torch.int32), inv_num=((B, H, nkv), torch.int32),
+                  kv_counts=((nkv,), torch.int32))
+    given = dict(lse=lse, delta=delta, dq_accum=dq_accum, inv_idx=inv_idx, inv_num=inv_num, kv_counts=kv_counts)
+    for name, (shape, dtype) in expect.items():
+        t = given[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"sm90_bwd64 needs {name} {list(shape)} {dtype} (got {list(t.shape)} {t.dtype})")
+    for name in ("lse", "delta", "dq_accum"):
+        t = given[name]
+        if t.stride(-1) != 1 or any(st % 4 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"sm90_bwd64 needs {name} with a contiguous last dimension, strides in multiples of 4 "
+                             "elements and a 16-byte aligned start (bulk copies)")
+    if dq_accum.stride(2) != BLOCK * D:
+        raise ValueError("sm90_bwd64 needs dq_accum's query blocks contiguous ([B, H, nQ, 64 * D])")
+    for name, t in toks.items():
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"sm90_bwd64 needs {name} with a contiguous head dim, strides in multiples of 8 "
+                             "elements and a 16-byte aligned start (TMA)")
+    scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
+    lists = [inv_idx.contiguous(), inv_num.contiguous(), kv_counts.contiguous()]
+    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists]
+    main_c = [_cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
+    post_c = [_cute_tensor(dq_accum), _cute_tensor(dq)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
+    key = (q.dtype, D, stages)
+    fns = _COMPILED.get(key)
+    if fns is None:
+        fns = (cute.compile(BlockSparseBwd64Sm90(_dtype(q), D, stages), *main_c, scale, fake_stream),
+               cute.compile(DqPostprocess(_dtype(q), D), *post_c, scale, fake_stream))
+        _COMPILED[key] = fns
+    main_fn, post_fn = fns
+
+    def launch():
+        dq_accum.zero_()
+        main_fn(*main_c, scale, stream)
+        post_fn(*post_c, scale, stream)
+
+    launch.keep_alive = main_args + [dq]  # the contiguous copies the views point into
+    return launch
