@@ -43,6 +43,8 @@ The workspace holds each thread's accumulator registers in chunks of four floats
 interleaved (conflict-free 16-byte shared stores, a linear bulk copy); `_DqPostprocess` turns it
 into dq (times the scale, the input dtype, any strides) with the same accumulator partition.
 The order of the atomic reductions varies run to run: dq is not bitwise deterministic; dk, dv are.
+Registers, spills and shared memory per variant: benchmarks/sm90_bwd64_compile.py (0 spills; two
+CTAs per SM at stages=2).
 
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
@@ -157,6 +159,7 @@ class BlockSparseBwd64Sm90:
         tile_bytes = BLOCK * head_dim * 2
         # K, V; Q + dO per stage; dS; lse + delta per stage; barriers
         self.smem_bytes = tile_bytes * (2 + 2 * stages) + BLOCK * BLOCK * 2 + 2 * 4 * BLOCK * stages + 1024
+        # dK, dV and dQ accumulators alone take 192 registers a thread at D128: two warpgroups per SM
         self.ctas_per_sm = ctas_per_sm or max(1, min(2, (227 * 1024) // self.smem_bytes))
 
     # ---- host side (traced once per compile) ----------------------------------------------------
