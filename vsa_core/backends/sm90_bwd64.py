@@ -298,6 +298,8 @@ class BlockSparseBwd64Sm90:
         stat = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)  # lse2, then delta, per column
         accdK.fill(0.0)
         accdV.fill(0.0)
+        # dK and dV accumulate over the whole list (the field is state of the TiledMma, not per call)
+        mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
         n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
