@@ -25,7 +25,7 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import Case, assert_close, make_inputs
+from common import Case, assert_close, make_inputs, selection_is_clear
 from frontends import run_jax_vjp, run_torch
 from vsa_core import reference as R
 from vsa_core.backends import BackendUnavailableError, triton_backend
@@ -119,26 +119,12 @@ def test_selection_kernel_matches_reference(mode, ties):
 
 
 # ---- both frontends against the float64 reference -------------------------------------------
-def prefix_margin(inputs: dict, case: Case, P: int, mode: str) -> float:
-    """Smallest gap, over the video rows, between the last selected and the first unselected
-    ranked score (float64 scores of the rounded block means): near-ties could let a correct
-    kernel pick another block than the reference."""
-    q, k = (R.round_to_dtype(inputs[n], case.dtype) for n in ("q", "k"))
-    s = R.coarse_scores(q, k, inputs["kv_counts"], inputs["q_counts"], case.E, case.dtype)[..., P:, :]
-    if mode == "exempt":
-        s = s[..., P:]
-    ordered = -np.sort(-s, axis=-1)
-    k = min(case.topk, case.n_kv_blocks) + (P if mode == "compete" else 0)
-    if k >= ordered.shape[-1] or ordered.shape[-2] == 0:
-        return np.inf
-    gap = ordered[..., k - 1] - ordered[..., k]
-    return float(np.nanmin(np.where(np.isfinite(gap), gap, np.inf)))
-
-
-def draw(case: Case, P: int, mode: str, seed: int, margin: float = 1e-4) -> dict:
+def draw(case: Case, P: int, mode: str, seed: int, margin: float = 1.0) -> dict:
+    """Inputs on which every kernel selects what the reference does (`selection_is_clear`,
+    the prefix rule's ranked cells)."""
     for attempt in range(50):
         x = make_inputs(case, seed * 100 + attempt, margin=None)
-        if prefix_margin(x, case, P, mode) > margin:
+        if selection_is_clear(x, case, margin=margin, prefix_blocks=P, prefix_mode=mode):
             return x
     raise RuntimeError("could not draw inputs with an unambiguous selection")
 
