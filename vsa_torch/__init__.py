@@ -9,8 +9,8 @@ token order (see `build_vsa_metadata` / `to_tiled` / `from_tiled`), bf16 or fp16
 or 128; S is a multiple of the block's token count E (64, 128 or 256).
 
 CPU tensors run the same Triton kernels under Triton's interpreter (slow; for tests and
-small checks; a warning says so once per process). The top-k ranking uses the fp32
-coarse scores (FastVideo ranks bf16-rounded scores: near-ties may pick other blocks).
+small checks; a warning says so once per process). The top-k ranks the coarse scores
+rounded to the input dtype, as FastVideo does (ties to the lower block index).
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_v
 
     `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
     non-empty block is then selected); empty blocks (count 0) are never selected, so a
-    row may get fewer than `topk`. Ranking uses the fp32 coarse scores, ties to the
-    lower block index. `block_size`: E as an int, or the (t, h, w) tile of
+    row may get fewer than `topk`. Ranking uses the coarse scores rounded to the input
+    dtype as FastVideo computes them (the block means' dot rounded, times softmax_scale,
+    rounded again), ties to the lower block index. `block_size`: E as an int, or the (t, h, w) tile of
     `build_vsa_metadata` (ints; t*h*w must be 64, 128 or 256). Counts: 1-D integer
     arrays (numpy, torch or lists), values in [0, E].
         `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").
