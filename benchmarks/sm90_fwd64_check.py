@@ -222,16 +222,25 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
-    dev = torch.device("cuda")
+def timing_problem(B=1, H=12, S=39936, D=128, topk=62, dev="cuda"):
+    """The timed problem (also sm90_fwd64_profile's): bf16 q, k, v [B, H, S, D], random lists of
+    exactly `topk` ascending blocks per query block, every block full."""
+    dev = torch.device(dev)
     n = S // E
-    flops = 4.0 * B * H * D * S * topk * E
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(B, H, S, D, generator=gen, device=dev).to(torch.bfloat16) for _ in range(3))
     idx = torch.rand(B, H, n, n, generator=gen, device=dev).topk(topk, dim=-1).indices.sort(dim=-1).values
     idx = idx.to(torch.int32).contiguous()
     num = torch.full((B, H, n), topk, dtype=torch.int32, device=dev)
     counts = torch.full((n,), E, dtype=torch.int32, device=dev)
+    return q, k, v, idx, num, counts
+
+
+def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
+    dev = torch.device("cuda")
+    n = S // E
+    flops = 4.0 * B * H * D * S * topk * E
+    q, k, v, idx, num, counts = timing_problem(B, H, S, D, topk)
     say(f"\n== timing: B{B} H{H} S{S} D{D} E{E} top-{topk}/{n}, bf16 (median ms; TFLOPS on sparse FLOPs)")
     rows, outs = [], {}
 
