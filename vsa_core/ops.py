@@ -1,7 +1,7 @@
 """The operators as sequences of launches on caller-provided buffers.
 
 This is the single entry point both frontends call. Each function takes the
-problem (from `vsa_core.api.prepare_*` / `op_problem`), the resolved backend, a dict of buffers
+problem (from `vsa_core.api.prepare_*` / `vsa_core.spec.op_problem`), the resolved backend, a dict of buffers
 (inputs, outputs and workspaces named as in `AttnProblem.forward_buffers` /
 `backward_buffers`), the stream to launch on and the frontend's `BufferAdapter`
 (`vsa_core.runtime`: how its buffers and stream reach the launchers; the default takes

@@ -36,7 +36,7 @@ from vsa_core import __version__
 from vsa_core.backends import BackendUnavailableError
 from vsa_core.metadata import VSAMetadata, build_vsa_metadata, variable_block_sizes
 from vsa_core.api import prepare_block_sparse, prepare_vsa
-from vsa_core.problem import block_elements
+from vsa_core.spec import AXES, PUBLIC_NAMES, forward_inputs
 
 from . import ops as _ops
 from . import spmd as _spmd
@@ -61,29 +61,30 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
                     softmax_scale=softmax_scale, padding=padding).problem
-    prefix = (p.prefix_blocks, p.prefix_mode)
-    impl = _ops.backend_for(backend, p, q)
-    E = block_elements(block_size)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, E)
-    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, E)
+    statics = _ops.statics_for(p, backend, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
     gate = None if compress_attn_weight is None else jnp.asarray(compress_attn_weight)
-    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, q_counts, gate)
-    kinds = (layout, layout, layout, "replicated", "replicated", layout)
-
-    def op(q, k, v, kv_counts, q_counts, gate):
-        return _ops.vsa(q, k, v, kv_counts, q_counts, gate, None, None, int(topk), E, layout, impl, prefix=prefix,
-                        softmax_scale=p.softmax_scale, padding=p.padding)
-    return _split_call(op, layout, E, ("q", "k", "v", "variable_block_sizes", "q_variable_block_sizes",
-                                       "compress_attn_weight"), args, kinds, layout)
+    return _split_call(statics, dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v), kv_counts=kv_counts,
+                                     q_counts=q_counts, gate=gate))[0]
 
 
-def _split_call(op, layout, block_elems, names, args, kinds, out_kinds):
-    """op(*args), split over the devices when the arrays are sharded over batch / heads
-    (see vsa_jax.spmd); on one device (or inside a shard_map) the plain call."""
-    split = _spmd.plan_split(layout, block_elems, {n: (x, kind) for n, x, kind in zip(names, args, kinds)})
+# the spmd split's kind of each axes class of `vsa_core.spec.AXES`
+_SPLIT_KINDS = {"bh": "bh", "blocks": "replicated"}
+
+
+def _split_call(statics, named):
+    """(out, lse) of the op, split over the devices when the arrays are sharded over batch /
+    heads (see vsa_jax.spmd); on one device (or inside a shard_map) the plain call."""
+    names = forward_inputs(statics)
+    kinds = tuple(_SPLIT_KINDS.get(AXES[n], statics.layout) for n in names)
+    args = tuple(named[n] for n in names)
+    split = _spmd.plan_split(statics.layout, statics.block_elems,
+                             {PUBLIC_NAMES[n]: (x, kind) for n, x, kind in zip(names, args, kinds)})
     if split is None:
-        return op(*args)
-    return _spmd.run_split(op, split, args, kinds, out_kinds)
+        return _ops.attend(statics, named)
+    return _spmd.run_split(lambda *xs: _ops.attend(statics, dict(zip(names, xs))), split, args, kinds,
+                           (statics.layout, "bh"))
 
 
 def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes, q_variable_block_sizes,
@@ -175,23 +176,16 @@ def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.A
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
                              backend=backend, softmax_scale=softmax_scale, padding=padding).problem
-    impl = _ops.backend_for(backend, p, q)
+    statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _bsa(q, k, v, kv_counts, jnp.asarray(block_map), None, None, p.block_elems, layout, impl, p.softmax_scale,
-                p.padding)
+    return _bsa(statics, q, k, v, kv_counts, block_map=jnp.asarray(block_map))
 
 
-def _bsa(q, k, v, kv_counts, block_map, block_indices, block_counts, block_elems, layout, impl, softmax_scale,
-         padding):
+def _bsa(statics, q, k, v, kv_counts, **selection):
     """block-sparse attention with the selection as a map or as lists; split over devices like _vsa."""
-    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_counts, block_map, block_indices, block_counts)
-    kinds = (layout, layout, layout, "replicated", "bh", "bh", "bh")
-
-    def op(q, k, v, kv_counts, block_map, sel_idx, sel_num):
-        return _ops.bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl,
-                        softmax_scale=softmax_scale, padding=padding)
-    return _split_call(op, layout, block_elems, ("q", "k", "v", "variable_block_sizes", "block_map",
-                                                 "block_indices", "block_counts"), args, kinds, (layout, "bh"))
+    out, lse = _split_call(statics, dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v), kv_counts=kv_counts,
+                                         **selection))
+    return out, jax.lax.stop_gradient(lse)
 
 
 def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
@@ -216,10 +210,10 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
                              block_counts=block_counts, layout=layout, backend=backend,
                              softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
-    impl = _ops.backend_for(backend, p, q)
+    statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _bsa(q, k, v, kv_counts, None, jnp.asarray(block_indices), jnp.asarray(block_counts), p.block_elems,
-                layout, impl, p.softmax_scale, p.padding)
+    return _bsa(statics, q, k, v, kv_counts, given_idx=jnp.asarray(block_indices),
+                given_num=jnp.asarray(block_counts))
 
 
 # ---- packed variable-length sequences ------------------------------------------------------
@@ -259,15 +253,15 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
                     backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale,
                     padding=padding).problem
-    impl = _ops.backend_for(backend, p, q)
+    statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
     seq_prefix = _ops.as_prefix(p, prefix_blocks, cu_seqlens_q, cu_seqlens_k)
     gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
-    out = _ops.vsa(_packed(q), _packed(k), _packed(v), kv_counts, q_counts, gate, cu_q, cu_k, int(topk),
-                   p.block_elems, "bshd", impl, seq_prefix, (p.prefix_blocks, p.prefix_mode),
-                   softmax_scale=p.softmax_scale, padding=p.padding)
+    out, _ = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
+                                       q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                       seq_prefix=seq_prefix))
     return out[0]
 
 
@@ -285,13 +279,13 @@ def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              softmax_scale=softmax_scale, padding=padding).problem
-    impl = _ops.backend_for(backend, p, q)
+    statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
-    out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, _packed(block_map), None, None, p.block_elems,
-                        "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale, padding=p.padding)
-    return out[0], lse[0]
+    out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
+                                         block_map=_packed(block_map), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    return out[0], jax.lax.stop_gradient(lse[0])
 
 
 def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
@@ -307,14 +301,14 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, padding=padding).problem
-    impl = _ops.backend_for(backend, p, q)
+    statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
-    out, lse = _ops.bsa(_packed(q), _packed(k), _packed(v), kv_counts, None, _packed(block_indices),
-                        _packed(block_counts), p.block_elems, "bshd", impl, cu_q, cu_k, softmax_scale=p.softmax_scale,
-                        padding=p.padding)
-    return out[0], lse[0]
+    out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
+                                         given_idx=_packed(block_indices), given_num=_packed(block_counts),
+                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    return out[0], jax.lax.stop_gradient(lse[0])
 
 
 def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence

@@ -12,6 +12,7 @@ Inputs are only read; nothing is kept past the callback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Optional
@@ -22,11 +23,12 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from vsa_core import ops as core_ops
-from vsa_core.api import op_problem
-from vsa_core.backends import resolve_backend
+from vsa_core.api import op_statics
+from vsa_core.backends import backend_named
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection, resolve_softmax_scale)
+                              check_varlen_selection)
 from vsa_core.runtime import BufferAdapter, DeviceBuffer, DeviceInfo
+from vsa_core.spec import GRADIENTS, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
 
 from . import native as _native
 
@@ -63,10 +65,6 @@ def device_info_of(device) -> DeviceInfo:
         capability = tuple(int(c) for c in str(cc).split(".")[:2]) if cc else None
         return DeviceInfo("cuda", getattr(device, "local_hardware_id", None) or 0, capability)
     return DeviceInfo(device.platform)
-
-
-def backend_for(backend, p: AttnProblem, q):
-    return resolve_backend(backend, p, device_info(q), arrays="JAX arrays on the CPU", gpu="arrays on a GPU")
 
 
 # Value checks read the values on the host. A concrete jax.Array is immutable, so one
@@ -216,18 +214,6 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     return {n: _vary(x, axes) for n, x in results.items()}
 
 
-def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True, cu_q=None,
-             list_capacity=None, prefix=(0, "exempt"), seq_prefix=None, softmax_scale=None, padding="zeros"):
-    """The problem inside the custom_vjp (at trace time). The frontend checked the call
-    (`vsa_core.api.prepare_*`); here it is rebuilt from the shapes and statics, a cache hit
-    (`op_problem`): under vsa_jax.spmd the shapes are a device's shard, not the caller's.
-    Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
-    return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
-                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity,
-                      prefix_blocks=prefix[0], prefix_mode=prefix[1], seq_prefix=seq_prefix,
-                      softmax_scale=softmax_scale, padding=padding)
-
-
 def as_prefix(p: AttnProblem, prefix_blocks, cu_q, cu_k):
     """Packed calls: per-sequence prefix counts (p.seq_prefix; the problem checked their shape
     and dtype) as an int32 jax array, None for an int (static in the problem). Their values
@@ -262,98 +248,50 @@ def check_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=No
     check_varlen_selection(p, host(cu_q), host(cu_k), host(block_map), host(block_indices), host(block_counts))
 
 
-# ---- VSA ----------------------------------------------------------------------------------
-# topk, block_elems, layout, the resolved backend module, prefix = (prefix_blocks,
-# prefix_mode), softmax_scale (the problem's resolved float) and padding are static (hashable).
-# cu_q / cu_k: the packed sequences' int32 offsets (None when not packed), traced like the
-# counts; seq_prefix: their per-sequence prefix counts (int32 [N], or None).
-def vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, impl, seq_prefix=None,
-        prefix=(0, "exempt"), *, softmax_scale: Optional[float] = None, padding="zeros"):
-    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix = _vary_alike(q, k, v, kv_counts, q_counts, gate,
-                                                                            cu_q, cu_k, seq_prefix)
-    return _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl,
-                tuple(prefix), resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)
+# ---- the operator: one custom_vjp for every call -------------------------------------------
+# The arrays are a tuple named by the core's tables (`vsa_core.spec`), the statics the one
+# static argument. It returns (out, lse); lse is not differentiable (the frontends stop its
+# gradient; VSA's callers drop it).
+def statics_for(p: AttnProblem, backend: str, q) -> OpStatics:
+    """The statics of a checked call on q's device (the backend resolved there)."""
+    return op_statics(p, backend, device_info(q), arrays="JAX arrays on the CPU", gpu="arrays on a GPU")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14, 15))
-def _vsa(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix,
-         softmax_scale, padding):
+def attend(statics: OpStatics, named: dict):
+    """(out, lse) of the inputs named as `vsa_core.spec.forward_inputs(statics)` says."""
+    return _attend(statics, _vary_alike(*(named[n] for n in forward_inputs(statics))))
+
+
+def _forward(statics: OpStatics, arrays: tuple, training: bool):
+    s = dataclasses.replace(statics, training=training)
+    named = dict(zip(forward_inputs(s), arrays))
+    p = op_problem(s, named)
+    return s, p, named, _run("forward", p, backend_named(s.backend), **named)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(statics: OpStatics, arrays: tuple):
     """Primal (no gradient asked for): the inference forward, nothing kept for a backward."""
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=False, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale, padding=padding)
-    return _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)["out"]
+    results = _forward(statics, arrays, training=False)[3]
+    return results["out"], results["lse"]
 
 
-def _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, topk, block_elems, layout, impl, prefix,
-             softmax_scale, padding):
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale, padding=padding)
-    res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
-               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix)
-    # the backward reads everything but the top-k scores workspace ([B, H, nQ, nKV] fp32); the
-    # sequence ids are recomputed there (two tiny launches) rather than kept
-    saved = {n: x for n, x in res.items() if n not in ("scores", "q_seq", "kv_seq")}
-    return res["out"], (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, saved)
+def _attend_fwd(statics: OpStatics, arrays: tuple):
+    s, p, named, results = _forward(statics, arrays, training=True)
+    kept = tuple(named[n] for n in backward_inputs(s))
+    return (results["out"], results["lse"]), (kept, tuple(results[n] for n in forward_results(p)))
 
 
-def _vsa_bwd(topk, block_elems, layout, impl, prefix, softmax_scale, padding, residuals, dout):
-    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, res = residuals
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training=True, cu_q=cu_q,
-                 prefix=prefix, seq_prefix=seq_prefix, softmax_scale=softmax_scale, padding=padding)
-    grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts,
-                 gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **res)
-    # None: no cotangent for the integer counts, offsets and prefix counts (JAX makes them float0
-    # zeros) nor an absent gate
-    return grads["dq"], grads["dk"], grads["dv"], None, None, grads.get("dgate"), None, None, None
+def _attend_bwd(statics: OpStatics, residuals, cotangents):
+    s = dataclasses.replace(statics, training=True)
+    kept, results = residuals
+    named = dict(zip(backward_inputs(s), kept))
+    p = op_problem(s, named)
+    grads = _run("backward", p, backend_named(s.backend), dout=cotangents[0], **named,
+                 **dict(zip(forward_results(p), results)))
+    # None: no cotangent for the integer counts, offsets, selections and prefix counts (JAX
+    # makes them float0 zeros)
+    return (tuple(grads[gradients(s)[n]] if n in GRADIENTS else None for n in forward_inputs(s)),)
 
 
-_vsa.defvjp(_vsa_fwd, _vsa_bwd)
-
-
-# ---- block-sparse attention with a given selection ----------------------------------------
-def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding):
-    selection = "block_map" if block_map is not None else "indices"
-    capacity = sel_idx.shape[-1] if block_map is None else None
-    return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
-                    list_capacity=capacity, softmax_scale=softmax_scale, padding=padding)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, softmax_scale,
-         padding):
-    return _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl,
-                    softmax_scale, padding)[0]
-
-
-def _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl, softmax_scale,
-             padding):
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
-    lists = {"given_idx": sel_idx, "given_num": sel_num}  # the forward writes the lists it runs to sel_idx
-    res = _run("forward", p, impl, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
-               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lists)
-    if "sel_idx" in res:  # the lists the forward ran (from the map, or the given ones cleaned by the rule)
-        sel_idx, sel_num = res["sel_idx"], res["sel_num"]
-    return (res["out"], res["lse"]), (q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, res["out"],
-                                      res["lse"])
-
-
-def _bsa_bwd(block_elems, layout, impl, softmax_scale, padding, residuals, cotangents):
-    q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, out, lse = residuals
-    dout, _ = cotangents  # lse is not differentiable (block_sparse_attn stops its gradient)
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
-    grads = _run("backward", p, impl, dout=dout, q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map,
-                 sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    return grads["dq"], grads["dk"], grads["dv"], None, None, None, None, None, None
-
-
-_bsa.defvjp(_bsa_fwd, _bsa_bwd)
-
-
-def bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, impl, cu_q=None, cu_k=None, *,
-        softmax_scale: Optional[float] = None, padding="zeros"):
-    q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k = _vary_alike(
-        q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k)
-    out, lse = _bsa(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, impl,
-                    resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)
-    return out, jax.lax.stop_gradient(lse)
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -53,10 +53,8 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, E)
     gate = compress_attn_weight.contiguous() if compress_attn_weight is not None else None
-    # p.topk: clamped to the number of KV blocks (any Python int is accepted)
-    return _ops.vsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, q_counts, gate,
-                            p.topk, E, layout, backend, prefix_blocks=p.prefix_blocks, prefix_mode=p.prefix_mode,
-                            softmax_scale=p.softmax_scale, padding=p.padding)
+    return _ops.attend(p, backend, dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), kv_counts=kv_counts,
+                                        q_counts=q_counts, gate=gate))[0]
 
 
 def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes, q_variable_block_sizes, topk: int,
@@ -148,9 +146,9 @@ def block_sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_map: Tensor, variab
                              backend=backend, softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_devices(q, k=k, v=v, block_map=block_map)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    return _ops.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, block_map.contiguous(),
-                            None, None, p.block_elems, layout, backend, softmax_scale=p.softmax_scale,
-                            padding=p.padding)
+    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+                                                kv_counts=kv_counts, block_map=block_map.contiguous()))
+    return out, lse
 
 
 def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_counts: Tensor,
@@ -178,9 +176,10 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
     if not torch.compiler.is_compiling():  # compiled: the kernels bound the lists instead
         _ops.check_index_lists_once(block_indices, block_counts, p.n_kv_blocks)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    return _ops.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_counts, None,
-                            block_indices.contiguous(), block_counts.contiguous(), p.block_elems, layout, backend,
-                            softmax_scale=p.softmax_scale, padding=p.padding)
+    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+                                                kv_counts=kv_counts, given_idx=block_indices.contiguous(),
+                                                given_num=block_counts.contiguous()))
+    return out, lse
 
 
 # ---- packed variable-length sequences ------------------------------------------------------
@@ -226,9 +225,9 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
     seq_prefix = _ops.as_prefix(p, prefix_blocks, q, cu_q, cu_k)
     gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
-    out = _ops.vsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, q_counts,
-                           gate, p.topk, p.block_elems, "bshd", backend, cu_q, cu_k, seq_prefix, p.prefix_blocks,
-                           p.prefix_mode, softmax_scale=p.softmax_scale, padding=p.padding)
+    out = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None], v=v.contiguous()[None],
+                                       kv_counts=kv_counts, q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q,
+                                       cu_seqlens_k=cu_k, seq_prefix=seq_prefix))[0]
     return out[0]
 
 
@@ -250,9 +249,10 @@ def block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection_once(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
-    out, lse = _ops.bsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts,
-                                block_map.contiguous()[None], None, None, p.block_elems, "bshd", backend, cu_q, cu_k,
-                                softmax_scale=p.softmax_scale, padding=p.padding)
+    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None],
+                                                v=v.contiguous()[None], kv_counts=kv_counts,
+                                                block_map=block_map.contiguous()[None], cu_seqlens_q=cu_q,
+                                                cu_seqlens_k=cu_k))
     return out[0], lse[0]
 
 
@@ -275,9 +275,11 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
     _ops.check_selection_once(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices,
                               block_counts=block_counts)
-    out, lse = _ops.bsa_forward(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], kv_counts, None,
-                                block_indices.contiguous()[None], block_counts.contiguous()[None], p.block_elems,
-                                "bshd", backend, cu_q, cu_k, softmax_scale=p.softmax_scale, padding=p.padding)
+    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None],
+                                                v=v.contiguous()[None], kv_counts=kv_counts,
+                                                given_idx=block_indices.contiguous()[None],
+                                                given_num=block_counts.contiguous()[None], cu_seqlens_q=cu_q,
+                                                cu_seqlens_k=cu_k))
     return out[0], lse[0]
 
 

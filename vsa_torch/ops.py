@@ -8,6 +8,7 @@ core, and returns them; the core launches on torch's current stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from typing import List, Optional, Tuple
 
@@ -16,20 +17,18 @@ import torch
 from torch import Tensor
 
 from vsa_core import ops as core_ops
-from vsa_core.api import op_problem
-from vsa_core.backends import resolve_backend
+from vsa_core.api import op_statics
+from vsa_core.backends import backend_named
 from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection, resolve_softmax_scale)
+                              check_varlen_selection)
 from vsa_core.runtime import BufferAdapter, DeviceInfo
+from vsa_core.spec import GRADIENTS, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
 
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
 
 
 def device_info(t: Tensor) -> DeviceInfo:
-    if t.device.type == "cuda":
-        idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        return DeviceInfo("cuda", idx, torch.cuda.get_device_capability(idx))
-    return DeviceInfo(t.device.type)
+    return _device_info(t.device.type, t.device.index)
 
 
 class TorchBuffers(BufferAdapter):
@@ -54,20 +53,6 @@ TORCH_BUFFERS = TorchBuffers()
 def _alloc(specs: dict, like: Tensor) -> dict:
     return {name: torch.empty(shape, dtype=like.dtype if dt == "input" else _DTYPES[dt], device=like.device)
             for name, (shape, dt) in specs.items()}
-
-
-def _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, selection, training=True,
-             cu_q: Optional[Tensor] = None, list_capacity: Optional[int] = None, prefix_blocks: int = 0,
-             prefix_mode: str = "exempt", seq_prefix: Optional[Tensor] = None,
-             softmax_scale: Optional[float] = None, padding: str = "zeros") -> AttnProblem:
-    """The problem inside an op. The frontend checked the call and built it once
-    (`vsa_core.api.prepare_*`); a custom op takes only tensors and scalars, so here it is
-    rebuilt from the shapes and statics: a cache hit (`op_problem`), not a second check.
-    Packed sequences (cu_q given) arrive as BSHD with batch 1: the problem gets n_seqs."""
-    return op_problem(q, k, block_elems=block_elems, layout=layout, selection=selection, topk=topk,
-                      has_gate=gate is not None, training=training, cu_seqlens_q=cu_q, list_capacity=list_capacity,
-                      prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                      softmax_scale=softmax_scale, padding=padding)
 
 
 # Value checks read the values on the host. A device tensor already checked and not
@@ -144,164 +129,118 @@ def check_selection_once(p: AttnProblem, cu_q: Tensor, cu_k: Tensor, block_map=N
                                                host(block_counts)))
 
 
-# ---- VSA --------------------------------------------------------------------------------
-_VSA_OUTPUTS = ("out", "lse", "q_pool", "k_pool", "v_pool", "out_coarse", "lse_coarse", "scores",
-                "sel_idx", "sel_num", "sel_mask", "out_fine")
-# what the backward reads: all but the top-k scores workspace ([B, H, nQ, nKV] fp32, 330 MB
-# at 720p with 64-token blocks), which is freed after the forward
-_VSA_SAVED = tuple(n for n in _VSA_OUTPUTS if n != "scores")
+# ---- the operator: one forward and one backward for every call ---------------------------
+# Each takes its arrays as a tensor list named by the core's tables (`vsa_core.spec`) and the
+# call's statics as a string. The list holds only the arrays the call has: autograd through a
+# custom op cannot differentiate a `Tensor?[]` argument, and the statics already say which
+# inputs a call has.
+@torch.library.custom_op("vsa::forward", mutates_args=())
+def _forward(inputs: List[Tensor], statics: str) -> List[Tensor]:
+    """Returns the forward's results (`vsa_core.spec.forward_results`: out first)."""
+    s = OpStatics.decode(statics)
+    named = dict(zip(forward_inputs(s), inputs))
+    p = op_problem(s, named)
+    buffers = _alloc(p.forward_buffers(), named["q"])
+    core_ops.forward(p, backend_named(s.backend), {**named, **buffers}, adapter=TORCH_BUFFERS)
+    return [buffers[n] for n in forward_results(p)]
 
 
-def _vsa_outputs(p: AttnProblem, q: Tensor) -> dict:
-    out = _alloc(p.forward_buffers(), q)
-    out.setdefault("out_fine", q.new_empty(0))  # inference: nothing kept for a backward
-    return out
+@_forward.register_fake
+def _(inputs, statics):
+    s = OpStatics.decode(statics)
+    named = dict(zip(forward_inputs(s), inputs))
+    p = op_problem(s, named)
+    table = p.forward_buffers()
+    return list(_alloc({n: table[n] for n in forward_results(p)}, named["q"]).values())
 
 
-# seq_prefix: packed sequences' per-sequence prefix counts (int32 [N]); prefix_blocks /
-# prefix_mode: the static prefix; softmax_scale: the problem's resolved scale (a float);
-# padding: "zeros" / "ignore" (see AttnProblem). No defaults: the dispatcher leaves out
-# trailing arguments equal to their defaults, which autograd's input structure then lacks.
-@torch.library.custom_op("vsa::video_sparse_attn_fwd", mutates_args=())
-def _vsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor, gate: Optional[Tensor],
-             cu_q: Optional[Tensor], cu_k: Optional[Tensor], topk: int, block_elems: int, layout: str, backend: str,
-             training: bool, seq_prefix: Optional[Tensor], prefix_blocks: int, prefix_mode: str,
-             softmax_scale: float, padding: str) -> List[Tensor]:
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q,
-                 prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                 softmax_scale=softmax_scale, padding=padding)
-    impl = resolve_backend(backend, p, device_info(q))
-    out = _vsa_outputs(p, q)
-    core_ops.forward(p, impl, dict(q=q, k=k, v=v, kv_counts=kv_counts, q_counts=q_counts, gate=gate,
-                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_prefix=seq_prefix,
-                                   **{n: t for n, t in out.items() if n in p.forward_buffers()}), adapter=TORCH_BUFFERS)
-    return [out[n] for n in _VSA_OUTPUTS]
+@torch.library.custom_op("vsa::backward", mutates_args=())
+def _backward(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics: str) -> List[Tensor]:
+    """The gradients (`vsa_core.spec.gradients`) from the inputs the backward reads
+    (`backward_inputs`) and the forward's results."""
+    s = OpStatics.decode(statics)
+    named = dict(zip(backward_inputs(s), inputs))
+    p = op_problem(s, named)
+    grads = _alloc(p.backward_buffers(), named["q"])
+    core_ops.backward(p, backend_named(s.backend), {"dout": dout.contiguous(), **named,
+                                                    **dict(zip(forward_results(p), results)), **grads},
+                      adapter=TORCH_BUFFERS)
+    return [grads[g] for g in gradients(s).values()]
 
 
-@_vsa_fwd.register_fake
-def _(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training, seq_prefix,
-      prefix_blocks, prefix_mode, softmax_scale, padding):
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", training, cu_q,
-                 prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                 softmax_scale=softmax_scale, padding=padding)
-    out = _vsa_outputs(p, q)
-    return [out[n] for n in _VSA_OUTPUTS]
+@_backward.register_fake
+def _(dout, inputs, results, statics):
+    s = OpStatics.decode(statics)
+    named = dict(zip(backward_inputs(s), inputs))
+    return [torch.empty_like(named[n]) for n in gradients(s)]
 
 
-@torch.library.custom_op("vsa::video_sparse_attn_bwd", mutates_args=())
-def _vsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, q_counts: Tensor,
-             gate: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor], residuals: List[Tensor],
-             topk: int, block_elems: int, layout: str, backend: str, seq_prefix: Optional[Tensor], prefix_blocks: int,
-             prefix_mode: str, softmax_scale: float, padding: str) -> List[Tensor]:
-    p = _problem(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, "topk", cu_q=cu_q,
-                 prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, seq_prefix=seq_prefix,
-                 softmax_scale=softmax_scale, padding=padding)
-    impl = resolve_backend(backend, p, device_info(q))
-    grads = _alloc(p.backward_buffers(), q)
-    core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
-                                    q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                    **dict(zip(_VSA_SAVED, residuals)), **grads), adapter=TORCH_BUFFERS)
-    return [grads["dq"], grads["dk"], grads["dv"], grads.get("dgate", q.new_empty(0))]
-
-
-@_vsa_bwd.register_fake
-def _(dout, q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, topk, block_elems, layout, backend,
-      seq_prefix, prefix_blocks, prefix_mode, softmax_scale, padding):
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(q) if gate is not None else q.new_empty(0)]
-
-
-def _vsa_setup(ctx, inputs, output):
-    (q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training, seq_prefix,
-     prefix_blocks, prefix_mode, softmax_scale, padding) = inputs
-    saved = dict(zip(_VSA_OUTPUTS, output))
-    ctx.save_for_backward(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix,
-                          *(saved[n] for n in _VSA_SAVED))
-    ctx.static = (topk, block_elems, layout, backend)
-    ctx.prefix = (prefix_blocks, prefix_mode, softmax_scale, padding)
+def _setup_context(ctx, inputs, output):
+    tensors, statics = inputs
+    s = OpStatics.decode(statics)
+    named = dict(zip(forward_inputs(s), tensors))
+    kept = backward_inputs(s)
+    ctx.save_for_backward(*(named[n] for n in kept), *output)
+    ctx.statics, ctx.n_kept = statics, len(kept)
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _vsa_backward(ctx, grads):
-    q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, seq_prefix, *residuals = ctx.saved_tensors
-    dq, dk, dv, dgate = _vsa_bwd(grads[0], q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, residuals, *ctx.static,
-                                 seq_prefix, *ctx.prefix)
-    return (dq, dk, dv, None, None, (dgate if gate is not None else None)) + (None,) * 12
+def _backward_of_forward(ctx, grads):
+    s = OpStatics.decode(ctx.statics)
+    saved = ctx.saved_tensors
+    computed = dict(zip(gradients(s), _backward(grads[0], list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]),
+                                                ctx.statics)))
+    return [computed.get(n) for n in forward_inputs(s)], None
 
 
-torch.library.register_autograd("vsa::video_sparse_attn_fwd", _vsa_backward, setup_context=_vsa_setup)
+torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_context=_setup_context)
 
 
-# ---- block-sparse attention with a given selection --------------------------------------
-def _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale,
-                 padding) -> AttnProblem:
-    selection = "block_map" if block_map is not None else "indices"
-    capacity = sel_idx.shape[-1] if block_map is None else None
-    return _problem(q, k, v, kv_counts, None, None, None, block_elems, layout, selection, cu_q=cu_q,
-                    list_capacity=capacity, softmax_scale=softmax_scale, padding=padding)
+def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
+    if device_type == "cuda":
+        index = device_index if device_index is not None else torch.cuda.current_device()
+        return DeviceInfo("cuda", index, torch.cuda.get_device_capability(index))
+    return DeviceInfo(device_type)
 
 
-@torch.library.custom_op("vsa::block_sparse_attn_fwd", mutates_args=())
-def _bsa_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
-             sel_idx: Optional[Tensor], sel_num: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor],
-             block_elems: int, layout: str, backend: str, softmax_scale: float, padding: str) -> List[Tensor]:
-    """Returns out, lse and the lists the forward ran: from a block map, or the given lists
-    as the kernels' rule reads them (ascending, in range; packed: own sequence only)."""
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
-    impl = resolve_backend(backend, p, device_info(q))
-    out = _alloc(p.forward_buffers(), q)
-    bufs = dict(q=q, k=k, v=v, kv_counts=kv_counts, block_map=block_map, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                **out)
-    if sel_idx is not None:
-        bufs.update(given_idx=sel_idx, given_num=sel_num)  # the forward writes the lists it runs to sel_idx
-    core_ops.forward(p, impl, bufs, adapter=TORCH_BUFFERS)
-    return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
+# torch.compile traces the frontends but cannot trace backend resolution (it reads the
+# environment, probes libraries, may warn), so the statics come from functions of constants
+# that it calls once while tracing and whose results it keeps as constants.
+@torch.compiler.assume_constant_result
+def _statics_text(problem_fields: tuple, backend: str, device_type: str, device_index: Optional[int],
+                  training: bool) -> str:
+    p = AttnProblem(*problem_fields)
+    return op_statics(p, backend, _device_info(device_type, device_index), training=training).encode()
 
 
-@_bsa_fwd.register_fake
-def _(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend, softmax_scale,
-      padding):
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
-    out = _alloc(p.forward_buffers(), q)
-    return [out[n] for n in ("out", "lse", "sel_idx", "sel_num") if n in out]
+@torch.compiler.assume_constant_result
+def _input_names(statics: str) -> Tuple[str, ...]:
+    return forward_inputs(OpStatics.decode(statics))
 
 
-@torch.library.custom_op("vsa::block_sparse_attn_bwd", mutates_args=())
-def _bsa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, block_map: Optional[Tensor],
-             sel_idx: Tensor, sel_num: Tensor, out: Tensor, lse: Tensor, cu_q: Optional[Tensor],
-             cu_k: Optional[Tensor], block_elems: int, layout: str, backend: str, softmax_scale: float,
-             padding: str) -> List[Tensor]:
-    p = _bsa_problem(q, k, v, kv_counts, block_map, sel_idx, cu_q, block_elems, layout, softmax_scale, padding)
-    impl = resolve_backend(backend, p, device_info(q))
-    grads = _alloc(p.backward_buffers(), q)
-    core_ops.backward(p, impl, dict(dout=dout.contiguous(), q=q, k=k, v=v, kv_counts=kv_counts,
-                                    block_map=block_map, sel_idx=sel_idx, sel_num=sel_num, out=out, lse=lse,
-                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **grads), adapter=TORCH_BUFFERS)
-    return [grads["dq"], grads["dk"], grads["dv"]]
+def statics_for(p: AttnProblem, backend: str, named: dict) -> str:
+    """The encoded statics of a checked call whose inputs are `named` (torch's grad mode and
+    the inputs' requires_grad decide whether the forward keeps what the backward needs)."""
+    q = named["q"]
+    training = torch.is_grad_enabled() and any(named.get(n) is not None and named[n].requires_grad
+                                               for n in GRADIENTS)
+    return _statics_text(dataclasses.astuple(p), backend, q.device.type, q.device.index, training)
 
 
-@_bsa_bwd.register_fake
-def _(dout, q, k, v, kv_counts, block_map, sel_idx, sel_num, out, lse, cu_q, cu_k, block_elems, layout, backend,
-      softmax_scale, padding):
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+def run_forward(statics: str, named: dict) -> List[Tensor]:
+    """The forward (differentiable in out) of the inputs named as `vsa_core.spec.forward_inputs`
+    says; returns `forward_results` (out, lse, ...)."""
+    return _forward([named[n] for n in _input_names(statics)], statics)
 
 
-def _bsa_setup(ctx, inputs, output):
-    (q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend, softmax_scale,
-     padding) = inputs
-    if len(output) == 4:  # the lists the forward ran: the backward runs the same
-        sel_idx, sel_num = output[2], output[3]
-    ctx.save_for_backward(q, k, v, kv_counts, block_map, sel_idx, sel_num, output[0], output[1], cu_q, cu_k)
-    ctx.static = (block_elems, layout, backend, softmax_scale, padding)
-    ctx.mark_non_differentiable(*output[1:])
+def run_backward(statics: str, dout: Tensor, named: dict, results: List[Tensor]) -> List[Tensor]:
+    """The gradients (`vsa_core.spec.gradients`, in input order) of a forward run by `run_forward`."""
+    return _backward(dout, [named[n] for n in backward_inputs(OpStatics.decode(statics))], list(results), statics)
 
 
-def _bsa_backward(ctx, grads):
-    dq, dk, dv = _bsa_bwd(grads[0], *ctx.saved_tensors, *ctx.static)
-    return (dq, dk, dv) + (None,) * 11
-
-
-torch.library.register_autograd("vsa::block_sparse_attn_fwd", _bsa_backward, setup_context=_bsa_setup)
+def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:
+    """`run_forward` of a checked call: its results, out and lse first."""
+    return run_forward(statics_for(p, backend, named), named)
 
 
 def counts_tensor(name: str, counts) -> Tensor:
@@ -343,14 +282,6 @@ def check_devices(like: Tensor, **tensors) -> None:
             raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
 
 
-def vsa_forward(q, k, v, kv_counts, q_counts, gate, topk, block_elems, layout, backend, cu_q=None, cu_k=None,
-                seq_prefix=None, prefix_blocks: int = 0, prefix_mode: str = "exempt", *,
-                softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tensor:
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
-    return _vsa_fwd(q, k, v, kv_counts, q_counts, gate, cu_q, cu_k, topk, block_elems, layout, backend, training,
-                    seq_prefix, prefix_blocks, prefix_mode, resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)[0]
-
-
 def as_prefix(p: AttnProblem, prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: Tensor) -> Optional[Tensor]:
     """Packed calls: per-sequence prefix counts (p.seq_prefix; the problem checked their shape
     and dtype) as int32 on q's device, None for an int (static in the problem). Eagerly their
@@ -365,13 +296,6 @@ def as_prefix(p: AttnProblem, prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: T
                     lambda: check_prefix_values(counts.cpu().numpy() if p.seq_prefix else p.prefix_blocks,
                                                 cu_q.cpu().numpy(), cu_k.cpu().numpy(), p.block_elems))
     return counts.to(device=like.device, dtype=torch.int32).contiguous() if p.seq_prefix else None
-
-
-def bsa_forward(q, k, v, kv_counts, block_map, sel_idx, sel_num, block_elems, layout, backend, cu_q=None,
-                cu_k=None, *, softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tuple[Tensor, Tensor]:
-    res = _bsa_fwd(q, k, v, kv_counts, block_map, sel_idx, sel_num, cu_q, cu_k, block_elems, layout, backend,
-                   resolve_softmax_scale(softmax_scale, q.shape[-1]), padding)
-    return res[0], res[1]
 
 
 def as_offsets(name: str, cu: Tensor, like: Tensor) -> Tensor:

@@ -68,6 +68,11 @@ def check_backend_name(backend) -> None:
         raise ValueError(f"backend must be one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
 
 
+def backend_named(name: str):
+    """The backend module registered as `name` (a resolved name: `OpStatics.backend`)."""
+    return BACKENDS[name]
+
+
 def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo, arrays: str = "CPU tensors",
                     gpu: str = "CUDA tensors"):
     """The backend module that runs `problem` on `device`. CPU arrays warn once per process
