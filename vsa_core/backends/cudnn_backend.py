@@ -49,7 +49,7 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   written 0 (`valid_rows_copy`): K and V in the forward, Q, K, V and dO in the backward; one
   extra read and write of each per call. padding="zeros" copies nothing.
 - streams: every cuDNN BSA launch goes to `torch.cuda.current_stream()` of the current
-  device, which is the caller's (under JAX, `_torch_views.caller_stream` makes XLA's stream
+  device, which is the caller's (under JAX, `runtime.caller_stream` makes XLA's stream
   torch's current one; the backend's arguments are torch views of XLA's buffers).
 
 What it supports (sm_90 only: the architecture this is wired and tested for): forward
@@ -72,7 +72,7 @@ import functools
 from typing import Optional
 
 from ..problem import AttnProblem
-from ..runtime import DeviceInfo
+from ..runtime import DeviceInfo, caller_stream
 from .base import FineBackward, FineForward
 from .triton_backend import add_block_grad, mix_coarse, valid_rows_copy
 
@@ -142,7 +142,7 @@ def _block_sizes(p: AttnProblem, kv_counts):
 
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(p: AttnProblem, a: FineForward):
-    from ._torch_views import as_torch, caller_stream  # torch loads with this backend's first call
+    from ._torch_views import as_torch  # torch loads with this backend's first call
     with caller_stream():
         _sparse_forward(p, as_torch(a))
 
@@ -166,7 +166,7 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):
-    from ._torch_views import as_torch, caller_stream
+    from ._torch_views import as_torch
     with caller_stream():
         _sparse_backward(p, as_torch(a))
 

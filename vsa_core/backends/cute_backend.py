@@ -51,7 +51,7 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
 - Streams: FA4's kernels are compiled against TVM-FFI's environment stream, and
   each call with torch CUDA tensors sets that to torch's current stream of the
   tensors' device (tvm_ffi function.pxi, DLPack exchange API `current_work_stream`),
-  which is the caller's (under JAX, `_torch_views.caller_stream` makes XLA's stream
+  which is the caller's (under JAX, `runtime.caller_stream` makes XLA's stream
   torch's current one). Nothing else to do.
 
 Allocation: unlike the Triton backend, which allocates nothing, this backend
@@ -74,7 +74,7 @@ import triton
 
 from .. import triton_kernels as K
 from ..problem import AttnProblem
-from ..runtime import DeviceInfo
+from ..runtime import DeviceInfo, caller_stream
 from .base import FineBackward, FineForward
 from .triton_backend import add_block_grad, mix_coarse, valid_rows_copy
 
@@ -197,7 +197,7 @@ def _fa4():
 
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(p: AttnProblem, a: FineForward):
-    from ._torch_views import as_torch, caller_stream  # torch loads with this backend's first call
+    from ._torch_views import as_torch  # torch loads with this backend's first call
     with caller_stream():
         _sparse_forward(p, as_torch(a))
 
@@ -229,7 +229,7 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):
-    from ._torch_views import as_torch, caller_stream
+    from ._torch_views import as_torch
     with caller_stream():
         _sparse_backward(p, as_torch(a))
 

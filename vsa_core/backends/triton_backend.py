@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import triton_kernels as K
 from ..interpreter import interpreted_kernels
 from ..problem import AttnProblem
-from ..runtime import INTERPRETING, torch_loaded
+from ..runtime import INTERPRETING, caller_stream, torch_loaded
 from .base import FineBackward, FineForward
 
 name = "triton"
@@ -115,7 +115,6 @@ class _TunedKernel:
             # so the timed kernels and the events share it
             if (self.forced is None and self.tuned is not None and torch_loaded()
                     and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1):
-                from ._torch_views import caller_stream  # torch is loaded already
                 with _AUTOTUNER_LOCK, caller_stream():
                     self.tuned[grid](*args, **kwargs)
                 return
