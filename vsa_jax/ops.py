@@ -295,3 +295,9 @@ def _attend_bwd(statics: OpStatics, residuals, cotangents):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def require_arrays(**arrays):
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(f"{name} must be a jax.Array, got {type(x).__name__}")

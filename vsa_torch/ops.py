@@ -301,3 +301,9 @@ def as_prefix(p: AttnProblem, prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: T
 def as_offsets(name: str, cu: Tensor, like: Tensor) -> Tensor:
     """int32 offsets on q's device (dtype checked by describe_varlen)."""
     return cu.to(device=like.device).contiguous()
+
+
+def require_tensors(**tensors):
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -49,8 +49,8 @@ from torch import Tensor
 
 from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
 
-from . import _require_tensors, video_sparse_attn_bshd
-from .ops import as_counts, check_devices, run_backward, run_forward, statics_for
+from .attention import video_sparse_attn_bshd
+from .ops import as_counts, check_devices, require_tensors, run_backward, run_forward, statics_for
 
 __all__ = ["ulysses_video_sparse_attn"]
 
@@ -196,7 +196,7 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     selection is the one-device selection. `softmax_scale` as in `video_sparse_attn` (one
     scale for the coarse and the fine branch).
     """
-    _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     P = _group_size(group)
     p = check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
                              block_size=block_size, topk=topk, group_size=P, prefix_blocks=prefix_blocks,

@@ -1,0 +1,210 @@
+"""The public functions of vsa_jax: each checks its call in the core (`vsa_core.api`), brings
+its arrays to the operator's form and runs the operator (`vsa_jax.ops`). Their docstrings are
+the core's (`vsa_core.docs`)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vsa_core.metadata import VSAMetadata
+from vsa_core.api import prepare_block_sparse, prepare_vsa
+from vsa_core.docs import documented
+from vsa_core.spec import AXES, PUBLIC_NAMES, forward_inputs
+
+from . import ops as _ops
+from . import spmd as _spmd
+
+
+def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+         backend, layout, prefix_blocks, prefix_mode, softmax_scale, padding) -> jax.Array:
+    _ops.require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
+    p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                    layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
+                    softmax_scale=softmax_scale, padding=padding).problem
+    statics = _ops.statics_for(p, backend, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
+    gate = None if compress_attn_weight is None else jnp.asarray(compress_attn_weight)
+    return _split_call(statics, dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v), kv_counts=kv_counts,
+                                     q_counts=q_counts, gate=gate))[0]
+
+
+# the spmd split's kind of each axes class of `vsa_core.spec.AXES`
+_SPLIT_KINDS = {"bh": "bh", "blocks": "replicated"}
+
+
+def _split_call(statics, named):
+    """(out, lse) of the op, split over the devices when the arrays are sharded over batch /
+    heads (see vsa_jax.spmd); on one device (or inside a shard_map) the plain call."""
+    names = forward_inputs(statics)
+    kinds = tuple(_SPLIT_KINDS.get(AXES[n], statics.layout) for n in names)
+    args = tuple(named[n] for n in names)
+    split = _spmd.plan_split(statics.layout, statics.block_elems,
+                             {PUBLIC_NAMES[n]: (x, kind) for n, x, kind in zip(names, args, kinds)})
+    if split is None:
+        return _ops.attend(statics, named)
+    return _spmd.run_split(lambda *xs: _ops.attend(statics, dict(zip(names, xs))), split, args, kinds,
+                           (statics.layout, "bh"))
+
+
+@documented("jax")
+def video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes, q_variable_block_sizes,
+                      topk: int, block_size=64, compress_attn_weight: Optional[jax.Array] = None, *,
+                      backend: str = "auto", prefix_blocks: int = 0, prefix_mode: str = "exempt",
+                      softmax_scale: Optional[float] = None, padding: str = "zeros") -> jax.Array:
+    return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                backend, "bhsd", prefix_blocks, prefix_mode, softmax_scale, padding)
+
+
+@documented("jax")
+def video_sparse_attn_bshd(q: jax.Array, k: jax.Array, v: jax.Array, variable_block_sizes,
+                           q_variable_block_sizes, topk: int, block_size=64,
+                           compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
+                           prefix_blocks: int = 0, prefix_mode: str = "exempt",
+                           softmax_scale: Optional[float] = None, padding: str = "zeros") -> jax.Array:
+    return _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                backend, "bshd", prefix_blocks, prefix_mode, softmax_scale, padding)
+
+
+@documented("jax")
+def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.Array, variable_block_sizes,
+                      block_size=64, *, layout: str = "bhsd", backend: str = "auto",
+                      softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
+    _ops.require_arrays(q=q, k=k, v=v, block_map=block_map)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
+                             backend=backend, softmax_scale=softmax_scale, padding=padding).problem
+    statics = _ops.statics_for(p, backend, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    return _bsa(statics, q, k, v, kv_counts, block_map=jnp.asarray(block_map))
+
+
+def _bsa(statics, q, k, v, kv_counts, **selection):
+    """block-sparse attention with the selection as a map or as lists; split over devices like _vsa."""
+    out, lse = _split_call(statics, dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v), kv_counts=kv_counts,
+                                         **selection))
+    return out, jax.lax.stop_gradient(lse)
+
+
+@documented("jax")
+def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
+                                   block_counts: jax.Array, variable_block_sizes, block_size=64, *,
+                                   layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None,
+                                   padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
+    _ops.require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    _ops.require_counts(variable_block_sizes=variable_block_sizes)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
+                             block_counts=block_counts, layout=layout, backend=backend,
+                             softmax_scale=softmax_scale, padding=padding).problem
+    _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
+    statics = _ops.statics_for(p, backend, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    return _bsa(statics, q, k, v, kv_counts, given_idx=jnp.asarray(block_indices),
+                given_num=jnp.asarray(block_counts))
+
+
+# ---- packed variable-length sequences ------------------------------------------------------
+def _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k):
+    return (_ops.as_offsets("cu_seqlens_q", cu_seqlens_q, p.q_len, p.block_elems),
+            _ops.as_offsets("cu_seqlens_k", cu_seqlens_k, p.kv_len, p.block_elems))
+
+
+def _packed(x) -> jax.Array:
+    return jnp.asarray(x)[None]  # [total, H, D] -> [1, total, H, D] (BSHD, batch 1): a free reshape
+
+
+@documented("jax")
+def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
+                             variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
+                             compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
+                             prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
+                             padding: str = "zeros") -> jax.Array:
+    _ops.require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
+                    backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale,
+                    padding=padding).problem
+    statics = _ops.statics_for(p, backend, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
+    seq_prefix = _ops.as_prefix(p, prefix_blocks, cu_seqlens_q, cu_seqlens_k)
+    gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
+    out, _ = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
+                                       q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                       seq_prefix=seq_prefix))
+    return out[0]
+
+
+@documented("jax")
+def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
+                             block_map: jax.Array, variable_block_sizes, block_size=64, *, backend: str = "auto",
+                             softmax_scale: Optional[float] = None,
+                             padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
+    _ops.require_arrays(q=q, k=k, v=v, block_map=block_map)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             softmax_scale=softmax_scale, padding=padding).problem
+    statics = _ops.statics_for(p, backend, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
+    _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
+    out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
+                                         block_map=_packed(block_map), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    return out[0], jax.lax.stop_gradient(lse[0])
+
+
+@documented("jax")
+def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
+                                          block_indices: jax.Array, block_counts: jax.Array, variable_block_sizes,
+                                          block_size=64, *, backend: str = "auto",
+                                          softmax_scale: Optional[float] = None, padding: str = "zeros"
+                                          ) -> Tuple[jax.Array, jax.Array]:
+    _ops.require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
+                             block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, padding=padding).problem
+    statics = _ops.statics_for(p, backend, q)
+    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
+    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
+    _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
+    out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
+                                         given_idx=_packed(block_indices), given_num=_packed(block_counts),
+                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    return out[0], jax.lax.stop_gradient(lse[0])
+
+
+@documented("jax")
+def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence
+                       ) -> Tuple[jax.Array, jax.Array]:
+    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
+        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
+                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
+                         f"{len(kv_blocks_per_sequence)}")
+    idx = [jnp.asarray(t)[0] if jnp.ndim(t) == 4 else jnp.asarray(t) for t in block_indices_list]
+    num = [jnp.asarray(t)[0] if jnp.ndim(t) == 3 else jnp.asarray(t) for t in block_counts_list]
+    capacity = max(t.shape[-1] for t in idx)
+    offsets = np.concatenate([[0], np.cumsum([int(n) for n in kv_blocks_per_sequence])[:-1]])
+    packed = [jnp.pad(t.astype(jnp.int32) + int(off), ((0, 0), (0, 0), (0, capacity - t.shape[-1])))
+              for t, off in zip(idx, offsets)]
+    return jnp.concatenate(packed, axis=1), jnp.concatenate([t.astype(jnp.int32) for t in num], axis=1)
+
+
+@documented("jax")
+def to_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
+    dim = meta.token_axis("x", x.shape, dim, tiled=False)  # shapes are static: free under jit
+    shape = list(x.shape)
+    shape[dim] = meta.padded_len
+    slots = (slice(None),) * dim + (meta.non_pad_index,)
+    return jnp.zeros(shape, x.dtype).at[slots].set(jnp.take(x, meta.tiled_from_raw, axis=dim))
+
+
+@documented("jax")
+def from_tiled(x: jax.Array, meta: VSAMetadata, dim: int = -2) -> jax.Array:
+    dim = meta.token_axis("x", x.shape, dim, tiled=True)
+    return jnp.take(x, meta.non_pad_index[meta.raw_from_tiled], axis=dim)
