@@ -27,6 +27,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 from .problem import AttnProblem
 from .runtime import DeviceBuffer, DeviceInfo, Dtype
+from .spec import forward_results
 
 _META = DeviceInfo("meta")  # placeholders: compiled (not interpreted) kernels, nothing launched
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
@@ -368,6 +369,6 @@ def forward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str
 
 
 def backward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str]]:
-    """The VSA backward's inputs: dout, the forward's inputs and what it kept (all but `scores`)."""
-    kept = {n: spec for n, spec in problem.forward_buffers().items() if n != "scores"}
+    """The VSA backward's inputs: dout, the forward's inputs and what it kept (`vsa_core.spec.forward_results`)."""
+    kept = {n: spec for n, spec in problem.forward_buffers().items() if n in forward_results(problem)}
     return {"dout": (problem.token_shape(problem.q_len), "input"), **forward_inputs(problem), **kept}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from typing import List, Optional, Tuple
 
@@ -133,11 +134,17 @@ def check_selection_once(p: AttnProblem, cu_q: Tensor, cu_k: Tensor, block_map=N
 # Each takes its arrays as a tensor list named by the core's tables (`vsa_core.spec`) and the
 # call's statics as a string. The list holds only the arrays the call has: autograd through a
 # custom op cannot differentiate a `Tensor?[]` argument, and the statics already say which
-# inputs a call has.
+# inputs a call has. The softmax scale travels beside the string: torch.compile traces a float
+# argument of the compiled function symbolically, which no string can hold.
+@functools.lru_cache(maxsize=1024)
+def _statics(statics: str, softmax_scale: float) -> OpStatics:
+    return dataclasses.replace(OpStatics.decode(statics), softmax_scale=float(softmax_scale))
+
+
 @torch.library.custom_op("vsa::forward", mutates_args=())
-def _forward(inputs: List[Tensor], statics: str) -> List[Tensor]:
+def _forward(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[Tensor]:
     """Returns the forward's results (`vsa_core.spec.forward_results`: out first)."""
-    s = OpStatics.decode(statics)
+    s = _statics(statics, softmax_scale)
     named = dict(zip(forward_inputs(s), inputs))
     p = op_problem(s, named)
     buffers = _alloc(p.forward_buffers(), named["q"])
@@ -146,8 +153,8 @@ def _forward(inputs: List[Tensor], statics: str) -> List[Tensor]:
 
 
 @_forward.register_fake
-def _(inputs, statics):
-    s = OpStatics.decode(statics)
+def _(inputs, statics, softmax_scale):
+    s = _statics(statics, softmax_scale)
     named = dict(zip(forward_inputs(s), inputs))
     p = op_problem(s, named)
     table = p.forward_buffers()
@@ -155,10 +162,11 @@ def _(inputs, statics):
 
 
 @torch.library.custom_op("vsa::backward", mutates_args=())
-def _backward(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics: str) -> List[Tensor]:
+def _backward(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics: str,
+              softmax_scale: float) -> List[Tensor]:
     """The gradients (`vsa_core.spec.gradients`) from the inputs the backward reads
     (`backward_inputs`) and the forward's results."""
-    s = OpStatics.decode(statics)
+    s = _statics(statics, softmax_scale)
     named = dict(zip(backward_inputs(s), inputs))
     p = op_problem(s, named)
     grads = _alloc(p.backward_buffers(), named["q"])
@@ -169,28 +177,28 @@ def _backward(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics
 
 
 @_backward.register_fake
-def _(dout, inputs, results, statics):
+def _(dout, inputs, results, statics, softmax_scale):
     s = OpStatics.decode(statics)
     named = dict(zip(backward_inputs(s), inputs))
     return [torch.empty_like(named[n]) for n in gradients(s)]
 
 
 def _setup_context(ctx, inputs, output):
-    tensors, statics = inputs
+    tensors, statics, softmax_scale = inputs
     s = OpStatics.decode(statics)
     named = dict(zip(forward_inputs(s), tensors))
     kept = backward_inputs(s)
     ctx.save_for_backward(*(named[n] for n in kept), *output)
-    ctx.statics, ctx.n_kept = statics, len(kept)
+    ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward_of_forward(ctx, grads):
-    s = OpStatics.decode(ctx.statics)
+    s = OpStatics.decode(ctx.call[0])
     saved = ctx.saved_tensors
     computed = dict(zip(gradients(s), _backward(grads[0], list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]),
-                                                ctx.statics)))
-    return [computed.get(n) for n in forward_inputs(s)], None
+                                                *ctx.call)))
+    return [computed.get(n) for n in forward_inputs(s)], None, None
 
 
 torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_context=_setup_context)
@@ -218,24 +226,30 @@ def _input_names(statics: str) -> Tuple[str, ...]:
     return forward_inputs(OpStatics.decode(statics))
 
 
-def statics_for(p: AttnProblem, backend: str, named: dict) -> str:
+_SCALE_FIELD = [f.name for f in dataclasses.fields(AttnProblem)].index("softmax_scale")
+
+
+def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
     """The encoded statics of a checked call whose inputs are `named` (torch's grad mode and
-    the inputs' requires_grad decide whether the forward keeps what the backward needs)."""
+    the inputs' requires_grad decide whether the forward keeps what the backward needs), and
+    its softmax scale (the statics hold a placeholder for it: see `_statics`)."""
     q = named["q"]
     training = torch.is_grad_enabled() and any(named.get(n) is not None and named[n].requires_grad
                                                for n in GRADIENTS)
-    return _statics_text(dataclasses.astuple(p), backend, q.device.type, q.device.index, training)
+    fields = dataclasses.astuple(p)
+    fields = fields[:_SCALE_FIELD] + (None,) + fields[_SCALE_FIELD + 1:]  # resolved to 1/sqrt(D) there
+    return _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
 
 
-def run_forward(statics: str, named: dict) -> List[Tensor]:
+def run_forward(call: Tuple[str, float], named: dict) -> List[Tensor]:
     """The forward (differentiable in out) of the inputs named as `vsa_core.spec.forward_inputs`
-    says; returns `forward_results` (out, lse, ...)."""
-    return _forward([named[n] for n in _input_names(statics)], statics)
+    says; `call`: what `statics_for` returned. Returns `forward_results` (out, lse, ...)."""
+    return _forward([named[n] for n in _input_names(call[0])], *call)
 
 
-def run_backward(statics: str, dout: Tensor, named: dict, results: List[Tensor]) -> List[Tensor]:
+def run_backward(call: Tuple[str, float], dout: Tensor, named: dict, results: List[Tensor]) -> List[Tensor]:
     """The gradients (`vsa_core.spec.gradients`, in input order) of a forward run by `run_forward`."""
-    return _backward(dout, [named[n] for n in backward_inputs(OpStatics.decode(statics))], list(results), statics)
+    return _backward(dout, [named[n] for n in backward_inputs(OpStatics.decode(call[0]))], list(results), *call)
 
 
 def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:

@@ -130,7 +130,7 @@ class _UlyssesVSA(torch.autograd.Function):
     backward exchanges dout, runs VSA's backward per chunk and sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, kv_counts, q_counts, statics, group, chunks):
+    def forward(ctx, q, k, v, gate, kv_counts, q_counts, call, group, chunks):
         P = dist.get_world_size(group)
         inputs = [q, k, v] + ([gate] if gate is not None else [])
         incoming = [_Exchange(inputs, group, P, c, to_heads=True) for c in chunks]
@@ -139,13 +139,13 @@ class _UlyssesVSA(torch.autograd.Function):
         for c, exchange in zip(chunks, incoming):
             qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
             named = dict(q=qh, k=kh, v=vh, kv_counts=kv_counts, q_counts=q_counts, gate=gh[0] if gh else None)
-            results = run_forward(statics, named)
+            results = run_forward(call, named)
             outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
             if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[1:4]):
                 saved.append((named, results))
         for c, exchange in zip(chunks, outgoing):
             _store_heads(out, exchange.finish()[0], c)
-        ctx.statics, ctx.group, ctx.chunks, ctx.saved_chunks = statics, group, chunks, saved
+        ctx.call, ctx.group, ctx.chunks, ctx.saved_chunks = call, group, chunks, saved
         ctx.kv_shape, ctx.has_gate = k.shape, gate is not None
         return out
 
@@ -158,7 +158,7 @@ class _UlyssesVSA(torch.autograd.Function):
         outgoing = []
         for c, exchange, (named, results) in zip(ctx.chunks, incoming, ctx.saved_chunks):
             douth = _sequence_of_heads(exchange.finish()[0])
-            chunk_grads = run_backward(ctx.statics, douth, named, results)
+            chunk_grads = run_backward(ctx.call, douth, named, results)
             outgoing.append(_Exchange(chunk_grads, ctx.group, P, c, to_heads=False))
         for c, exchange in zip(ctx.chunks, outgoing):
             for dest, recv in zip(grads, exchange.finish()):
@@ -209,7 +209,7 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     check_devices(q, k=k, v=v, compress_attn_weight=gate)
     kv_counts = as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     q_counts = as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
-    statics = statics_for(p, backend, dict(q=q, k=k, v=v, gate=gate))
+    call = statics_for(p, backend, dict(q=q, k=k, v=v, gate=gate))
     chunks = head_chunks(q.shape[2] // P)
     return _UlyssesVSA.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                             None if gate is None else gate.contiguous(), kv_counts, q_counts, statics, group, chunks)
+                             None if gate is None else gate.contiguous(), kv_counts, q_counts, call, group, chunks)
