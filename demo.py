@@ -162,9 +162,9 @@ def _selection_gap(meta, args, arrays) -> float:
 
 
 def _inputs(meta, args, tries: int = 50):
-    """Inputs whose top-k choice is clear of rounding: the kernels round the block means to the
-    dtype and rank fp32 scores, so a near-tie lets a correct kernel pick another block than the
-    reference (the scores move by ~1% of the largest one). Redraws until every row's gap is
+    """Inputs whose top-k choice is clear of rounding: the kernels sum the block means in fp32
+    and round them and the ranked scores to the dtype, so a near-tie lets a correct kernel pick
+    another block than the reference (the scores move by ~1% of the largest one). Redraws until every row's gap is
     above 3%; large videos (many rows) may not get there, and then say so."""
     best = None
     for seed in range(tries):

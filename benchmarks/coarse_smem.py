@@ -44,6 +44,8 @@ def compile_report(stage, head_dim, tiles, warps, stages, precision, arch, dtype
                       INPUT_PARTS=1 if dtype == "bf16" else 2)
     if stage != "grads":
         constexprs["VARLEN"] = False
+    if stage == "fwd":  # the scores the selection ranks, rounded to the input dtype
+        constexprs["RANK_DTYPE"] = "bfloat16" if dtype == "bf16" else "float16"
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:

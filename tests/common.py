@@ -21,6 +21,7 @@ except ImportError:
     torch = None
 
 from vsa_core import reference as R
+from vsa_core.problem import resolve_softmax_scale
 
 # ---- strict mode --------------------------------------------------------------------------
 # VSA_REQUIRE_BACKENDS=cute,cudnn,jax (benchmarks/gpu_session.sh sets it): on a machine with a
@@ -147,37 +148,109 @@ def _zero_padding(x: np.ndarray, counts: np.ndarray, E: int) -> None:
 
 
 def _reference_scores(inputs: dict, case: Case, padding: str = "zeros") -> np.ndarray:
-    """float64 coarse scores [B, H, nQ, nKV] of the block means rounded to the case's dtype
-    (-inf for empty KV blocks), as the reference ranks them."""
+    """The coarse scores [B, H, nQ, nKV] the reference ranks (block means and scores rounded to
+    the case's dtype, `R.ranked_scores`; -inf for empty KV blocks)."""
     q, k = (R.round_to_dtype(inputs[n], case.dtype) for n in ("q", "k"))
     return R.coarse_scores(q, k, inputs["kv_counts"], inputs["q_counts"], case.E, case.dtype,
                            padding, softmax_scale=case.softmax_scale)
 
 
-def _selection_margin(inputs: dict, case: Case) -> float:
-    """Smallest gap, over all rows, between the last selected and first unselected
-    coarse score (float64 scores of the rounded block means)."""
-    s = _reference_scores(inputs, case)
-    finite = np.where(np.isfinite(s), s, -np.inf)
-    ordered = -np.sort(-finite, axis=-1)
-    k = min(case.topk, case.n_kv_blocks)
-    if k >= ordered.shape[-1]:
-        return np.inf
-    gap = ordered[..., k - 1] - ordered[..., k]
-    return float(np.nanmin(np.where(np.isfinite(gap), gap, np.inf)))
+U32 = 2.0 ** -24  # fp32 unit roundoff
+
+
+def _ulp(x: np.ndarray, dtype: str) -> np.ndarray:
+    """An upper bound on the spacing of `dtype` values next to x (two ulps of its binade)."""
+    bits = {"bfloat16": 8, "float16": 11}[dtype]
+    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** -24)))
+    return 2.0 ** (e + 2 - bits)
+
+
+def _mean_error(x: np.ndarray, counts: np.ndarray, E: int, dtype: str) -> np.ndarray:
+    """|kernel's block mean - reference's| bound per component [B, H, n, D]: 0 unless the mean
+    lies within the fp32 error of its sum and division ((E + 2) u times the mean of |x|) of a
+    rounding boundary of `dtype`, where the two may round to neighbouring values (one ulp)."""
+    B, H, S, D = x.shape
+    c = np.maximum(np.clip(counts, 0, E), 1).astype(np.float64)[:, None]
+    exact = x.reshape(B, H, S // E, E, D).sum(3) / c
+    err = (E + 2) * U32 * np.abs(x).reshape(B, H, S // E, E, D).sum(3) / c
+    ambiguous = R.round_to_dtype(exact - err, dtype) != R.round_to_dtype(exact + err, dtype)
+    return np.where(ambiguous, _ulp(exact, dtype), 0.0)
+
+
+def ranked_bounds(inputs: dict, case: Case, padding: str = "zeros", margin: float = 1.0):
+    """(lo, hi) [B, H, nQ, nKV]: bounds of the ranked coarse scores a kernel can compute for
+    these inputs (-inf for empty KV blocks), `margin` times the rounding it may differ by
+    from the float64 reference: a block mean may round to the neighbouring value where it
+    is within its fp32 sum's error of a rounding boundary (`_mean_error`), and each dot
+    accumulates in fp32 (2 D u times the sum of its products' magnitudes; the tensor cores'
+    accumulation included). Ranking (`R.ranked_scores`) is monotone in the dot, so the
+    bounds are the ranked scores of the dot's bounds."""
+    E, dt = case.E, case.dtype
+    q, k = (R.round_to_dtype(inputs[n], dt) for n in ("q", "k"))
+    kv_counts, q_counts = inputs["kv_counts"], inputs["q_counts"]
+    if padding == "ignore":  # what "ignore" reads
+        q = np.where(R.valid_tokens(q_counts, E)[:, None], q, 0.0)
+        k = np.where(R.valid_tokens(kv_counts, E)[:, None], k, 0.0)
+    dots = R.coarse_dots(q, k, kv_counts, q_counts, E, dt)
+    qm, km = (np.abs(R._block_mean(x, c, E, dt)) for x, c in ((q, q_counts), (k, kv_counts)))
+    dq, dk = _mean_error(q, q_counts, E, dt), _mean_error(k, kv_counts, E, dt)
+    t = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+    slack = dq @ t(km + dk) + qm @ t(dk) + 2 * case.head_dim * U32 * (qm @ t(km))
+    scale = resolve_softmax_scale(case.softmax_scale, case.head_dim)
+    empty = (np.asarray(kv_counts) <= 0)[None, None, None, :]
+    return tuple(np.where(empty, -np.inf, R.ranked_scores(dots + sign * margin * slack, scale, dt))
+                 for sign in (-1, 1))
+
+
+def _reference_selection(scores: np.ndarray, topk: int, n_kv: int, prefix_blocks: int, prefix_mode: str):
+    """(selection, ranked): the reference's selection of these scores, and which (row, column)
+    cells it ranks (prefix rows are dense; "exempt" forces the prefix columns)."""
+    k = min(topk, n_kv)
+    if not prefix_blocks:
+        return R.topk_mask(scores, k), np.ones(scores.shape[-2:], bool)
+    P, n_q = prefix_blocks, scores.shape[-2]
+    ranked = np.broadcast_to((np.arange(n_q) >= P)[:, None], (n_q, n_kv)).copy()
+    if prefix_mode == "exempt":
+        ranked[:, :P] = False
+    return R.prefix_topk_mask(scores, k, P, prefix_mode), ranked
+
+
+def _certainly_above(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Bool [..., nKV, nKV]: cell (a, b) when block a ranks above block b in its row for every
+    score within the bounds (a's lowest above b's highest, or equal to it at a lower index:
+    ties go to the lower index)."""
+    idx = np.arange(lo.shape[-1])
+    lo_a, hi_b = lo[..., :, None], hi[..., None, :]
+    return (lo_a > hi_b) | ((lo_a == hi_b) & (idx[:, None] < idx[None, :]))
+
+
+def _pairs(selected: np.ndarray, ranked: np.ndarray, finite: np.ndarray) -> np.ndarray:
+    """Bool [..., nKV, nKV]: cell (j, i) for a selected block j and an unselected non-empty
+    block i that the row ranks against each other."""
+    return (selected & ranked)[..., :, None] & (~selected & ranked & finite)[..., None, :]
+
+
+def selection_is_clear(inputs: dict, case: Case, padding: str = "zeros", margin: float = 1.0,
+                       prefix_blocks: int = 0, prefix_mode: str = "exempt") -> bool:
+    """Whether every kernel selects what the reference does on these inputs: each selected
+    block ranks above each unselected one for every score within `ranked_bounds`."""
+    lo, hi = ranked_bounds(inputs, case, padding, margin)
+    selected, ranked = _reference_selection(_reference_scores(inputs, case, padding), case.topk, case.n_kv_blocks,
+                                            prefix_blocks, prefix_mode)
+    return not (_pairs(selected, ranked, np.isfinite(lo)) & ~_certainly_above(lo, hi)).any()
 
 
 DRAWS = 50
 
 
-def make_inputs(case: Case, seed: int, margin: Optional[float] = 1e-4) -> dict:
+def make_inputs(case: Case, seed: int, margin: Optional[float] = 1.0) -> dict:
     """Fresh random inputs (float32 numpy, BHSD). Redraws (up to DRAWS times) until the top-k
-    choice is unambiguous by `margin`, far above the kernels' rounding of the scores (1e-5):
-    near-ties would let a correct kernel pick another block than the reference. Cases with
-    many rows and close scores (E 256 at x1: block means of 256 tokens score within ~1e-2 of
-    each other) may never get there; then the last draw comes back marked `near_ties` with
-    the margin, and `reference` takes the kernel's own selection once it has checked that it
-    is a top-k of the float64 scores up to that margin (`checked_kernel_selection`).
+    choice is the same for every score within `margin` times the rounding a kernel's ranked
+    scores may differ by from the reference's (`ranked_bounds`, `selection_is_clear`): there a
+    correct kernel could pick another block than the reference. Cases with many rows may
+    never get there; then the last draw comes back marked `near_ties` with the margin, and
+    `reference` takes the kernel's own selection once it has checked that it is a top-k of
+    the reference's scores within those bounds (`checked_kernel_selection`).
     `margin=None` takes the first draw: for tests that compare two runs of our own kernels
     (bit for bit) and not the reference."""
     for attempt in range(DRAWS if margin is not None else 1):
@@ -197,7 +270,7 @@ def make_inputs(case: Case, seed: int, margin: Optional[float] = 1e-4) -> dict:
         _zero_padding(x["q"], q_counts, E)
         _zero_padding(x["k"], kv_counts, E)
         _zero_padding(x["v"], kv_counts, E)
-        if margin is None or _selection_margin(x, case) > margin:
+        if margin is None or selection_is_clear(x, case, margin=margin):
             return x
     x["near_ties"] = margin
     return x
@@ -225,24 +298,25 @@ def kernel_selection(case: Case, inputs: dict, device: str, padding: str = "zero
     return b["sel_mask"].bool().cpu().numpy()
 
 
-def check_top_k(scores: np.ndarray, selected: np.ndarray, topk: int, margin: float) -> None:
-    """`selected` picks, in every row, min(topk, finite scores) blocks with finite scores, and
-    no unselected block scores more than `margin` above the lowest selected one."""
-    finite = np.isfinite(scores)
+def check_top_k(bounds, selected: np.ndarray, topk: int) -> None:
+    """`selected` picks, in every row, min(topk, non-empty blocks) non-empty blocks, and no
+    unselected block ranks above a selected one for every score within `bounds` ((lo, hi)
+    from `ranked_bounds`; equal bounds: the exact rule, ties to the lower index)."""
+    lo, hi = bounds
+    finite = np.isfinite(lo)
     want = np.minimum(topk, finite.sum(-1))
     assert (selected.sum(-1) == want).all(), "the kernel selected a wrong number of blocks in some row"
     assert not (selected & ~finite).any(), "the kernel selected an empty block"
-    lowest_in = np.where(selected, scores, np.inf).min(-1)
-    highest_out = np.where(~selected & finite, scores, -np.inf).max(-1)
-    worst = float(np.max(highest_out - lowest_in))
-    assert worst <= margin, f"the kernel's selection passes over a block scoring {worst:.2e} higher (margin {margin})"
+    ranked = np.ones(lo.shape[-2:], bool)
+    passed = _pairs(selected, ranked, finite) & np.swapaxes(_certainly_above(lo, hi), -1, -2)
+    assert not passed.any(), "the kernel's selection passes over a block that ranks above a selected one"
 
 
 def checked_kernel_selection(case: Case, inputs: dict, padding: str = "zeros") -> np.ndarray:
-    """The kernel's selection on these inputs, checked to be a top-k of the float64 scores
-    up to the draw's margin (see make_inputs)."""
+    """The kernel's selection on these inputs, checked to be a top-k of the reference's ranked
+    scores within the draw's margin (see make_inputs)."""
     selected = kernel_selection(case, inputs, "cuda" if _has_gpu() else "cpu", padding)
-    check_top_k(_reference_scores(inputs, case, padding), selected, case.topk, inputs["near_ties"])
+    check_top_k(ranked_bounds(inputs, case, padding, inputs["near_ties"]), selected, case.topk)
     return selected
 
 

@@ -243,9 +243,9 @@ def test_package_basics():
 
 def test_docs_state_clamping_and_ranking_precision():
     readme = (ROOT / "README.md").read_text()
-    assert "clamped" in readme and "fp32 coarse" in readme
+    assert "clamped" in readme and "scores rounded to the input dtype" in readme
     for fn in (vsa_torch.video_sparse_attn, vsa_jax.video_sparse_attn):
-        assert "clamped" in fn.__doc__ and "fp32 coarse scores" in fn.__doc__
+        assert "clamped" in fn.__doc__ and "coarse scores rounded to the input" in fn.__doc__
 
 
 def test_demo_docstring_matches_its_video():

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import (Case, _selection_margin, assert_close, make_inputs, reference, skip_unavailable)
+from common import (Case, assert_close, make_inputs, reference, selection_is_clear, skip_unavailable)
 from frontends import TORCH_DEVICE, run_jax_vjp, run_torch, seed_of
 from test_reference_matrix import _unavailable
 from vsa_core import reference as R
@@ -70,7 +70,7 @@ def zeros_inputs(case: Case, seed: int) -> dict:
     inputs = make_inputs(case, seed=seed)
     for attempt in range(50):
         junk = with_finite_padding(inputs, case.E, seed + 1000 * attempt)
-        if _selection_margin(junk, case) > 1e-4:
+        if selection_is_clear(junk, case):
             return junk
     raise AssertionError("no draw with an unambiguous selection")
 

@@ -358,11 +358,11 @@ def test_block_sparse_varlen_matches_float64_reference():
 # ---- a prefix ------------------------------------------------------------------------------------------
 def test_prefix_matches_float64_reference():
     """Two prefix blocks ("compete"), scale 0.3, both frontends against float64 (the selection
-    ranks the scaled scores: the order is the default one's, the margins grow by s*sqrt(D))."""
+    ranks the scaled scores, rounded after the scale: drawn for this scale's ranking)."""
     from test_prefix import CASE, draw
     case = dataclasses.replace(CASE, softmax_scale=0.3)
     P, mode = 2, "compete"
-    x = draw(CASE, P, mode, _seed("prefix"))
+    x = draw(case, P, mode, _seed("prefix"))
     t = {n: R.round_to_dtype(x[n], case.dtype) for n in ("q", "k", "v", "gate", "dout")}
     out, _, _, grads = R.video_sparse_attn_reference(
         t["q"], t["k"], t["v"], x["kv_counts"], x["q_counts"], case.topk, case.E, gate=t["gate"],

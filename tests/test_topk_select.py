@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from vsa_core import reference as R
 from vsa_core.backends import triton_backend
 from vsa_core.problem import AttnProblem
 
@@ -87,3 +88,53 @@ def test_empty_blocks_are_never_taken_and_k_is_clamped():
     check(s, 10)
     check(s, 8)
     check(s, 3)
+
+
+# ---- the whole selection path: ranked on the scores rounded to the input dtype ----------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_selection_ranks_scores_rounded_to_the_input_dtype(dtype):
+    """Pooling, coarse scores and top-k (the launches every frontend and backend runs) select
+    what the float64 reference ranks: FastVideo's scores, rounded to the input dtype after the
+    dot and again after the scale (`reference.ranked_scores`), ties to the lower KV-block index.
+    Ties on purpose: KV block j holds one random vector in all its tokens (its mean exactly):
+    block 0's with the magnitude of its first j components one ulp larger, their signs those
+    of the query means', so the fp32 scores rise with j by far less than a rounding; most of
+    them round to one value, where the fp32 ranking would take the higher indices instead."""
+    from common import Case, _reference_scores, kernel_selection, selection_is_clear
+
+    case = Case(n_q_blocks=4, n_kv_blocks=8, batch=1, heads=2, topk=3, dtype=dtype, partial_q=False,
+                partial_kv=False)
+    E, D = case.E, case.head_dim
+    adversarial = 0
+    for attempt in range(20):
+        rng = np.random.default_rng([17, len(dtype), attempt])
+        q = rng.standard_normal((1, case.heads, case.n_q_blocks * E, D)).astype(np.float32)
+        q += np.repeat(rng.standard_normal((1, case.heads, 1, D)), q.shape[2], axis=2)  # means with one sign
+        q = R.round_to_dtype(q, dtype)
+        sign = np.sign(q.reshape(1, case.heads, -1, E, D).sum((2, 3)))[:, :, None, :]  # [1, H, 1, D]
+        base = R.round_to_dtype(rng.uniform(0.5, 2.0, (1, case.heads, 1, D)) * sign, dtype)
+        blocks = [np.repeat(_ulps_up(base, j, dtype), E, axis=2) for j in range(case.n_kv_blocks)]
+        k = np.concatenate(blocks, axis=2)
+        x = {"q": q, "k": k, "v": rng.standard_normal(k.shape), "q_counts": np.full(case.n_q_blocks, E),
+             "kv_counts": np.full(case.n_kv_blocks, E)}
+        assert (q != 0).all() and (k != 0).all()
+        if not selection_is_clear(x, case):
+            continue
+        ranked = _reference_scores(x, case)
+        want = R.topk_mask(ranked, case.topk)
+        dots = R.coarse_dots(q, k, x["kv_counts"], x["q_counts"], E, dtype)
+        by_fp32 = R.topk_mask(dots.astype(np.float32) * np.float32(1 / np.sqrt(D)), case.topk)
+        adversarial += int((want != by_fp32).any(-1).sum())
+        np.testing.assert_array_equal(kernel_selection(case, x, DEV), want)
+    assert adversarial > 0, "no draw had a row where the rounded ranking differs from the fp32 one"
+
+
+def _ulps_up(base: np.ndarray, j: int, dtype: str) -> np.ndarray:
+    """base (values of dtype) with the magnitude of its first j components one ulp larger."""
+    if dtype == "float16":
+        m = base.astype(np.float16)
+        m[..., :j] = np.nextafter(m[..., :j], np.copysign(np.float16(np.inf), m[..., :j]))
+        return m.astype(np.float64)
+    bits = base.astype(np.float32).view(np.uint32).copy()
+    bits[..., :j] += np.uint32(1 << 16)  # the next bf16 magnitude (sign bit untouched)
+    return bits.view(np.float32).astype(np.float64)

@@ -280,7 +280,7 @@ def test_help_states_the_contract(frontend):
                  "`variable_block_sizes` counts the valid tokens of each KV block",
                  "`q_variable_block_sizes` those of each query block", "FastVideo's function exactly",
                  "must hold zeros (`to_tiled` writes them)", "never read, whatever they hold",
-                 "clamped", "fp32 coarse scores"):
+                 "clamped", "coarse scores rounded to the input dtype"):
         assert fact in text, (frontend, fact)
     for helper in (fe.to_tiled, fe.from_tiled):
         doc = " ".join(helper.__doc__.split())

@@ -90,8 +90,9 @@ DOCS = {
 
     `topk` (an int >= 1) larger than the number of KV blocks is clamped to it (every
     non-empty block is then selected); empty blocks (count 0) are never selected, so a
-    row may get fewer than `topk`. Ranking uses the fp32 coarse scores, ties to the
-    lower block index. `block_size`: E as an int, or the (t, h, w) tile of
+    row may get fewer than `topk`. Ranking uses the coarse scores rounded to the input
+    dtype as FastVideo computes them (the block means' dot rounded, times softmax_scale,
+    rounded again), ties to the lower block index. `block_size`: E as an int, or the (t, h, w) tile of
     `build_vsa_metadata` (ints; t*h*w must be 64, 128 or 256). Counts: 1-D integer
     {count_kinds}, values in [0, E].
     `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").

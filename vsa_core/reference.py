@@ -22,11 +22,15 @@ def _f64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "").replace("<class '", "").split(".")[-1].rstrip("'>")
+
+
 def round_to_dtype(x, dtype) -> np.ndarray:
     """float64 values rounded to `dtype` ("bfloat16", "float16" or "float32"; a framework
     dtype such as torch.bfloat16 is read by its name), returned as float64. bfloat16
     rounds to nearest even from float32, as the frameworks' casts do."""
-    name = str(dtype).replace("torch.", "").replace("<class '", "").split(".")[-1].rstrip("'>")
+    name = _dtype_name(dtype)
     x = np.asarray(x, np.float64)
     if name in ("float32", "float16"):
         return x.astype(name).astype(np.float64)
@@ -99,10 +103,35 @@ def _scale(softmax_scale, head_dim: int) -> float:
     return resolve_softmax_scale(softmax_scale, head_dim)
 
 
-def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, padding: str = "zeros", *,
-                  softmax_scale=None) -> np.ndarray:
-    """Block-mean scores times `softmax_scale` (None: 1/sqrt(D)) [B, H, nQ, nKV], -inf for
-    empty KV blocks."""
+_LARGEST = {"bfloat16": 3.3895313892515355e38, "float16": 65504.0}
+
+
+def _round_saturating(x, dtype) -> np.ndarray:
+    """round_to_dtype, with values beyond the dtype's largest finite one clamped to it."""
+    top = _LARGEST[dtype]
+    return round_to_dtype(np.clip(x, -top, top), dtype)
+
+
+def ranked_scores(dots, scale: float, dtype=None) -> np.ndarray:
+    """The scores the top-k selection ranks, from the coarse dots q_c . k_c (block means
+    already rounded to the input dtype). For bf16 / fp16 inputs they are FastVideo's
+    scores, `torch.matmul(q_c, k_c^T) / sqrt(D)` in the input dtype: the dot rounded to
+    the dtype (a matmul's fp32 accumulation, then one rounding), times the scale as an fp32
+    number (CUDA torch divides by a Python float as a multiply by its fp32 reciprocal, the
+    same number for D 64 and 128), rounded to the dtype again; beyond the dtype's range they
+    saturate at its largest finite value (an overflow to -inf would read as an empty
+    block). So scores that differ by less than the rounding tie, and a tie goes to the lower
+    KV-block index (`topk_mask`), as in FastVideo's selection kernel (and CUDA torch.topk,
+    which takes tied values in index order). Any other dtype (None, "float32"): dots * scale."""
+    dots = _f64(dots)
+    name = None if dtype is None else _dtype_name(dtype)
+    if name not in _LARGEST:
+        return dots * scale
+    return _round_saturating(_round_saturating(dots, name) * float(np.float32(scale)), name)
+
+
+def coarse_dots(q, k, kv_counts, q_counts, block_elems: int, round_to=None, padding: str = "zeros"):
+    """q_c k_c^T [B, H, nQ, nKV]: the dots of the block means (rounded to `round_to`), unscaled."""
     check_padding(padding)
     q, k = _f64(q), _f64(k)
     kv_counts, q_counts = np.asarray(kv_counts, np.int64), np.asarray(q_counts, np.int64)
@@ -110,8 +139,17 @@ def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, pa
         q, k = _valid_only(q, q_counts, block_elems), _valid_only(k, kv_counts, block_elems)
     qc = _block_mean(q, q_counts, block_elems, round_to)
     kc = _block_mean(k, kv_counts, block_elems, round_to)
-    s = qc @ _t(kc) * _scale(softmax_scale, q.shape[-1])
-    return np.where((kv_counts <= 0)[None, None, None, :], -np.inf, s)
+    return qc @ _t(kc)
+
+
+def coarse_scores(q, k, kv_counts, q_counts, block_elems: int, round_to=None, padding: str = "zeros", *,
+                  softmax_scale=None) -> np.ndarray:
+    """The scores the selection ranks [B, H, nQ, nKV]: the block means' dots times
+    `softmax_scale` (None: 1/sqrt(D)), rounded as `ranked_scores` says for a bf16 / fp16
+    `round_to`; -inf for empty KV blocks."""
+    dots = coarse_dots(q, k, kv_counts, q_counts, block_elems, round_to, padding)
+    s = ranked_scores(dots, _scale(softmax_scale, np.shape(q)[-1]), round_to)
+    return np.where((np.asarray(kv_counts) <= 0)[None, None, None, :], -np.inf, s)
 
 
 def topk_mask(scores, topk: int) -> np.ndarray:
@@ -213,8 +251,9 @@ def block_sparse_attn_reference(q, k, v, block_map, kv_counts, block_elems: int,
 def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_elems: int,
                                 gate=None, round_to=None, block_map=None, dout=None, prefix_blocks: int = 0,
                                 prefix_mode: str = "exempt", padding: str = "zeros", *, softmax_scale=None):
-    """VSA forward in float64. Returns (out, block_map used, coarse scores); given `dout`,
-    also the gradients {"dq", "dk", "dv"(, "dgate")} of out against it.
+    """VSA forward in float64. Returns (out, block_map used, the coarse scores the selection
+    ranks: `ranked_scores`); given `dout`, also the gradients {"dq", "dk", "dv"(, "dgate")}
+    of out against it.
 
     Padding (block i holds q_counts[i] / kv_counts[i] valid tokens at its start, then
     padding):
@@ -231,7 +270,9 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     never selected and are left out of the coarse softmax (FastVideo divides by 0 there).
 
     `round_to` (e.g. "bfloat16") models the kernels' cast of the block means to the
-    input dtype (the gradient passes that rounding straight through). `block_map`
+    input dtype (the gradient passes that rounding straight through), and the rounding of
+    the scores the selection ranks (`ranked_scores`; the coarse softmax takes them
+    unrounded). `block_map`
     overrides the selection (the tests pass the kernel's selection once they have checked
     it is a valid top-k of these scores). `prefix_blocks` / `prefix_mode`: mixed-modality
     selection (`prefix_topk_mask`); the coarse branch and the gate do not depend on them.
@@ -251,11 +292,11 @@ def video_sparse_attn_reference(q, k, v, kv_counts, q_counts, topk: int, block_e
     qc = _block_mean(q, q_counts, E, round_to)
     kc = _block_mean(k, kv_counts, E, round_to)
     vc = _block_mean(v, kv_counts, E, round_to)
-    scores = qc @ _t(kc) * scale
-    kv_ok = np.broadcast_to((kv_counts > 0)[None, None, None, :], scores.shape)
-    probs_c, _ = _masked_softmax(scores, kv_ok)
+    dots = qc @ _t(kc)
+    kv_ok = np.broadcast_to((kv_counts > 0)[None, None, None, :], dots.shape)
+    probs_c, _ = _masked_softmax(dots * scale, kv_ok)  # the softmax of the unrounded scores
     out_coarse = np.repeat(probs_c @ vc, E, axis=2)
-    scores = np.where(kv_ok, scores, -np.inf)
+    scores = np.where(kv_ok, ranked_scores(dots, scale, round_to), -np.inf)
     if block_map is None and prefix_blocks:
         assert q.shape[2] == k.shape[2], "prefix blocks need Sq == Skv (joint self-attention)"
         block_map = prefix_topk_mask(scores, min(topk, k.shape[2] // E), prefix_blocks, prefix_mode)

@@ -52,6 +52,24 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _round_to(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to nearest (ties to even) in DTYPE ("bfloat16", "float16"; "float32"
+    leaves it), kept as fp32; beyond DTYPE's largest finite value it saturates there (an
+    overflow to -inf would read as an empty block). bf16 is rounded on the bits because
+    Triton's interpreter casts fp32 to bf16 by truncation (the GPU rounds to nearest even),
+    and the block means and the ranked scores must be the same values on both."""
+    if DTYPE == "bfloat16":
+        x = tl.minimum(tl.maximum(x, -3.3895313892515355e38), 3.3895313892515355e38)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & tl.full([], 0xFFFF0000, tl.uint32)
+        return bits.to(tl.float32, bitcast=True)
+    elif DTYPE == "float16":
+        return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
 def _clamped_count(COUNTS, block, BLOCK_ELEMS: tl.constexpr):
     """Valid tokens of `block`, clamped to [0, BLOCK_ELEMS] (callers' values are not trusted)."""
     return tl.minimum(tl.maximum(tl.load(COUNTS + block), 0), BLOCK_ELEMS)
@@ -117,6 +135,8 @@ def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n
         total += tl.sum(x.to(tl.float32), axis=0)
     count = n_valid.to(tl.float32)
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
+    if POOLED.dtype.element_ty == tl.bfloat16:  # rounded to nearest on the interpreter too (_round_to)
+        mean = _round_to(mean, "bfloat16")
     tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
 
 
@@ -215,10 +235,18 @@ def coarse_attn_fwd_kernel(
     n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INPUT_PARTS: tl.constexpr, VARLEN: tl.constexpr = False,
+    RANK_DTYPE: tl.constexpr = "float32",
 ):
     """Softmax attention of pooled queries over pooled keys with empty KV blocks masked.
 
-    Also writes the scaled scores (-inf for empty KV blocks) for the top-k selection.
+    Also writes the scores the top-k selection ranks (-inf for empty KV blocks): the dot
+    q_c . k_c rounded to RANK_DTYPE (the input dtype), times the scale, rounded again
+    (`_round_to`; "float32": the fp32 scaled score). That is FastVideo's score,
+    `torch.matmul(q_c, k_c^T) / sqrt(D)` on the input dtype's block means (a matmul with
+    fp32 accumulation and one rounding to its output dtype, then a division by a Python
+    float that CUDA torch runs as a multiply by the fp32 reciprocal, rounded again): ranking
+    the fp32 scores instead picks another block wherever two scores round to the same value
+    or swap order within one rounding. The softmax here keeps the fp32 scores.
     VARLEN (packed sequences): a KV block of another sequence than the query block's
     (Q_SEQ / KV_SEQ: sequence id per block) is masked like an empty block. INPUT_PARTS: bf16
     parts of a pooled value (1 for bf16 inputs, 2 for fp16; `_coarse_dot`).
@@ -240,11 +268,13 @@ def coarse_attn_fwd_kernel(
         valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
         k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * sm_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
+        dot = _dot(q, tl.trans(k), UPCAST)
+        keep = valid[None, :]
         if VARLEN:  # a KV block of another sequence: masked like an empty block
-            s = tl.where(tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None], s, float("-inf"))
-        tl.store(SCORES + (bh * n_q + rows[:, None]) * n_kv + cols[None, :], s,
+            keep = keep & (tl.load(KV_SEQ + cols, mask=col_ok, other=-1)[None, :] == q_seq[:, None])
+        s = tl.where(keep, dot * sm_scale, float("-inf"))
+        ranked = tl.where(keep, _round_to(_round_to(dot, RANK_DTYPE) * sm_scale, RANK_DTYPE), float("-inf"))
+        tl.store(SCORES + (bh * n_q + rows[:, None]) * n_kv + cols[None, :], ranked,
                  mask=row_ok[:, None] & col_ok[None, :])
         s2 = s * 1.4426950408889634
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))

@@ -20,8 +20,8 @@ bound them instead (out-of-range counts act as clamped to [0, E]; index lists: s
 
 Arrays on the CPU run the same Triton kernels under Triton's interpreter (slow; for
 tests and small checks; a warning says so once per process). `topk` larger than the
-number of KV blocks is clamped to it. The top-k ranking uses the fp32 coarse scores
-(FastVideo ranks bf16-rounded scores: near-ties may pick other blocks).
+number of KV blocks is clamped to it. The top-k ranks the coarse scores rounded to the
+input dtype, as FastVideo does (ties to the lower block index).
 """
 
 from vsa_core import __version__

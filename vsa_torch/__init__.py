@@ -9,8 +9,8 @@ token order (see `build_vsa_metadata` / `to_tiled` / `from_tiled`), bf16 or fp16
 or 128; S is a multiple of the block's token count E (64, 128 or 256).
 
 CPU tensors run the same Triton kernels under Triton's interpreter (slow; for tests and
-small checks; a warning says so once per process). The top-k ranking uses the fp32
-coarse scores (FastVideo ranks bf16-rounded scores: near-ties may pick other blocks).
+small checks; a warning says so once per process). The top-k ranks the coarse scores
+rounded to the input dtype, as FastVideo does (ties to the lower block index).
 """
 
 from vsa_core import __version__

@@ -48,9 +48,15 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   P^T @ dO (0 * inf is NaN), so under "ignore" they read copies with the padded rows
   written 0 (`valid_rows_copy`): K and V in the forward, Q, K, V and dO in the backward; one
   extra read and write of each per call. padding="zeros" copies nothing.
+- a static prefix (`prefix_blocks` > 0, not packed): the dense prefix query rows run as a
+  forward call of their own on a high-priority stream, concurrently with the call over the
+  other rows, so that their long tiles start first instead of forming the tail of cuDNN's
+  grid (`_prefix_first_forward` says why; the backward is one call as without a prefix).
 - streams: every cuDNN BSA launch goes to `torch.cuda.current_stream()` of the current
   device, which is the caller's (under JAX, `runtime.caller_stream` makes XLA's stream
-  torch's current one; the backend's arguments are torch views of XLA's buffers).
+  torch's current one; the backend's arguments are torch views of XLA's buffers), except
+  the prefix rows' forward: a high-priority stream that waits for the caller's before and
+  that the caller's waits for after (also under CUDA graph capture: a fork and a join).
 
 What it supports (sm_90 only: the architecture this is wired and tested for): forward
 bf16/fp16, head dim 64/128, 64- and 128-token blocks; backward bf16 and head dim 128
@@ -63,7 +69,8 @@ refused where the backward cannot run, so training never mixes two backends; inf
 Allocation: unlike the Triton backend, cuDNN's wrappers allocate (on the current stream,
 torch's caching allocator): lse and an expanded copy of block_sizes per forward, the
 K-to-Q lists and an fp32 workspace (dQ/dK/dV accumulators) per backward, plus our O
-copy; none of it is declared in the buffer tables, which stay backend-independent.
+copy; with a static prefix also a copy of the counts and the prefix rows' lists, out and lse
+per forward; none of it is declared in the buffer tables, which stay backend-independent.
 """
 
 from __future__ import annotations
@@ -150,19 +157,67 @@ def sparse_forward(p: AttnProblem, a: FineForward):
 def _sparse_forward(p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
-    bsa_fwd, _ = _cudnn()
     _check_aligned(q=q, k=k, v=v, out=out)
     k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))  # padding="ignore" only
-    direct = p.block_elems == 64  # the blk64 forward writes into given out/lse; blk128 allocates its own
-    o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], _block_sizes(p, kv_counts), q2k_block_nums=sel_num,
+    block_sizes = _block_sizes(p, kv_counts)
+    if p.prefix_blocks and not p.varlen and p.prefix_blocks < p.n_q_blocks:
+        _prefix_first_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
+    else:
+        _bsa_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
+    if out_coarse is not None:
+        mix_coarse(p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
+
+
+def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):
+    """cuDNN BSA's forward of the query rows of q into out / lse (views of ours, or None:
+    it allocates them); returns its (out, lse)."""
+    bsa_fwd, _ = _cudnn()
+    direct = p.block_elems == 64 and out is not None  # the blk64 forward writes into a given out/lse
+    o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], block_sizes, q2k_block_nums=sel_num,
                    allow_empty_block_nums=True, softmax_scale=p.softmax_scale, return_lse=True,
                    out=out if direct else None, lse=lse if direct else None, layout=p.layout, kv_splits=1,
                    sparse_block_size=p.block_elems)
-    if not direct:
+    if out is not None and not direct:
         out.copy_(o)
         lse.copy_(m)
-    if out_coarse is not None:
-        mix_coarse(p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
+    return o, m
+
+
+_PREFIX_STREAMS = {}  # device index -> its high-priority stream for the dense prefix rows
+
+
+def _prefix_first_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):
+    """The forward with a static prefix: its dense query rows (each attends every non-empty
+    KV block, ~nKV / (topk + P) times a video row's work) as a call of their own on a
+    high-priority stream, concurrent with the call over all rows with the prefix rows'
+    counts set to 0. cuDNN's sm_90 grid is (query tile, head, batch), one CTA per tile,
+    dispatched in that order (no persistent scheduler), so in one call every head's prefix
+    tiles start at that head's turn and the last heads' long tiles form the tail; on the
+    high-priority stream they are dispatched first and the video tiles fill the other SMs.
+    The prefix rows are a leading slice of q (a view, no copy); cuDNN copies their lists
+    (B x H x P rows) and allocates their out / lse, which are copied into ours once the main
+    call has written its 0 / -inf there. Buffers of this stream that the side stream reads
+    are freed only after the join (this stream waits for the side one before returning)."""
+    import torch
+    rows = p.prefix_blocks * p.block_elems
+    bhsd = p.layout == "bhsd"
+    prefix = (lambda x: x[:, :, :rows]) if bhsd else (lambda x: x[:, :rows])
+    video_num = sel_num.clone()
+    video_num[:, :, :p.prefix_blocks] = 0  # prefix rows: empty here (out 0, lse -inf), computed on the side
+    main = torch.cuda.current_stream()
+    side = _PREFIX_STREAMS.get(q.device.index)
+    if side is None:
+        side = _PREFIX_STREAMS[q.device.index] = torch.cuda.Stream(q.device, priority=-1)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        o, m = _bsa_forward(p, prefix(q), k, v, None, None, sel_idx[:, :, :p.prefix_blocks],
+                            sel_num[:, :, :p.prefix_blocks], block_sizes)
+    _bsa_forward(p, q, k, v, out, lse, sel_idx, video_num, block_sizes)
+    side.wait_stream(main)  # after the main call's 0 / -inf in the prefix rows
+    with torch.cuda.stream(side):  # o and m stay on the stream that allocated them
+        prefix(out).copy_(o)
+        lse[:, :, :rows].copy_(m)
+    main.wait_stream(side)
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):

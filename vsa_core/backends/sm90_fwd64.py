@@ -410,13 +410,21 @@ class BlockSparseFwd64Sm90:
                 entry = sel[j]
                 count = mKVCounts[self._clamp(entry, n_kv)]
                 k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
-                v_next = self._block(sel, cutlass.min(j - 1 + VS, n - 1), n_kv)
+                # PV_{j-2} retired at the end of the last step: its V slot takes tile j - 2 + VS. Done
+                # here, not right after that wait: a branch behind the wait lets the compilers sink the
+                # softmax below it (seen in the SASS), and the softmax no longer overlaps PV_{j-1}.
+                if j >= 2:
+                    if cutlass.const_expr(self.ws):
+                        self._release(bars["v_empty"], vs0 + (j - 2) % VS)
+                    else:
+                        if warp == 0 and j - 2 + VS < n:
+                            v_next = self._block(sel, j - 2 + VS, n_kv)
+                            self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, v_next, (j - 2) % VS)
                 if cutlass.const_expr(self.pingpong):
                     if j < turns:
                         self._turn_wait(ci)
                 # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
                 self._qk(mma_qk, accS, rQ, rK, k_full, j, ks0)
-                self._rescale_o(O, alpha)
                 v_full.wait(vs0 + (j - 1) % VS, ((j - 1) // VS) % 2)
                 cute.nvgpu.warpgroup.fence()
                 cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (j - 1) % VS], accO)
@@ -432,16 +440,10 @@ class BlockSparseFwd64Sm90:
                     if warp == 0 and j + KS < n:
                         self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, (j + KS) % KS)
                 last = self._softmax_tile(S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c)
-                cute.nvgpu.warpgroup.wait_group(0)
-                # PV_{j-1} retired: its V slot takes tile j - 1 + VS, and P's registers are free
-                if cutlass.const_expr(self.ws):
-                    self._release(bars["v_empty"], vs0 + (j - 1) % VS)
-                else:
-                    if warp == 0 and j - 1 + VS < n:
-                        self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, v_next, (j - 1) % VS)
+                self._rescale_o(O, alpha)
+                cute.nvgpu.warpgroup.wait_group(0)  # PV_{j-1} retired: P's registers are free
                 rP_as_S.store(accS.load().to(self.dtype))
-            # drain: the last tile's PV
-            self._rescale_o(O, alpha)
+            # drain: the last tile's PV (O was rescaled for it at the end of the last step)
             v_full.wait(vs0 + (n - 1) % VS, ((n - 1) // VS) % 2)
             cute.nvgpu.warpgroup.fence()
             cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (n - 1) % VS], accO)
@@ -553,15 +555,18 @@ class BlockSparseFwd64Sm90:
 
     @cute.jit
     def _rescale_o(self, O: cute.Tensor, alpha: cute.Tensor):
-        """O *= alpha per row; with lazy_rescale skipped (a warp-uniform branch) when no row of the
-        warp moved its max."""
-        if cutlass.const_expr(self.lazy_rescale):
-            moved = cutlass.Boolean(False)
-            for ri in cutlass.range_constexpr(cute.size(O, mode=[0])):
-                moved = moved | (alpha[ri] != 1.0)
-            if cute.arch.vote_any_sync(moved):
-                self._rescale(O, alpha)
-        else:
+        """O *= alpha per row once PV_{j-1} (accumulating into O) has retired, skipped when no row
+        of the warp moved its max (a warp-uniform branch, so the wait inside is warp-aligned).
+
+        Placed between the softmax and the step's own wait for PV_{j-1}, the branch also keeps
+        that wait where it is written: ptxas moves a WARPGROUP.DEPBAR up to near the start of its
+        basic block, and without a block boundary here the softmax would run after the wait instead
+        of overlapping PV_{j-1} (seen in the SASS)."""
+        moved = cutlass.Boolean(False)
+        for ri in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            moved = moved | (alpha[ri] != 1.0)
+        if cute.arch.vote_any_sync(moved):
+            cute.nvgpu.warpgroup.wait_group(0)
             self._rescale(O, alpha)
 
     @cute.jit

@@ -214,12 +214,13 @@ def block_mean_pool_qkv(p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_
 
 def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
                    q_seq=None, kv_seq=None):
-    """q_seq / kv_seq (packed sequences): sequence id per block; other sequences' KV blocks
-    are masked like empty ones."""
+    """Coarse attention, and into `scores` the scores the selection ranks (rounded to the
+    input dtype as FastVideo's are: `coarse_attn_fwd_kernel`). q_seq / kv_seq (packed
+    sequences): sequence id per block; other sequences' KV blocks are masked like empty ones."""
     kernels, opts = _coarse_config(p, q_pool, "fwd")
     kernels.coarse_attn_fwd_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
         q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq,
-        p.n_q_blocks, p.n_kv_blocks, p.softmax_scale, VARLEN=q_seq is not None, **opts)
+        p.n_q_blocks, p.n_kv_blocks, p.softmax_scale, VARLEN=q_seq is not None, RANK_DTYPE=p.dtype, **opts)
 
 
 def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,

@@ -1,0 +1,584 @@
+"""Our own block-sparse attention backward for 64-token blocks on sm_90 (Hopper), in CuTe DSL.
+
+Not registered as a backend yet: `sparse_backward64` is a launcher on torch tensors;
+benchmarks/sm90_bwd64_check.py checks it against float64 and the Triton backward and times it.
+
+What it computes (the contract of `base.FineBackward`, the fine branch only, and of
+`triton_kernels.sparse_attn_bwd_dq_kernel` / `sparse_attn_bwd_dkdv_kernel`): with
+P = exp(S * scale - lse) recomputed from the forward's natural-log lse, dP = dO V^T,
+dS = P * (dP - delta) (delta = rowsum(dO * O) from the Triton preprocess),
+dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K over the selected blocks only.
+The lists are the KV-owned ones (`inv_idx` [B, H, nKV, capacity], `inv_num` [B, H, nKV]: for each
+KV block, the ascending query blocks that selected it), read by the list rule of the forward: the
+count is clamped to [0, capacity], an entry counts only if it is in [0, nQ) and greater than the
+last counted entry (a skipped entry still loads a clamped, in-bounds tile and masks all of it, so it
+adds exact zeros). Keys past `kv_counts[n]` (clamped to [0, 64]) are masked (their dK, dV rows are
+exactly 0). A query row whose lse is -inf (it saw nothing) gets P = 0, like lse +inf (the padded
+query rows of a VSA forward under padding="ignore"). Padded rows are multiplied by zero weights, as in
+cuDNN's kernel: under padding="ignore" the caller hands in copies with them zeroed
+(`triton_backend.valid_rows_copy`), and the pooling gradients (VSA) are added afterwards
+(`triton_backend.add_block_grad`).
+
+Design: KV-major, one CTA (one warpgroup, 128 threads) per 64-token KV block, walking its list of
+query blocks. K and V come once by TMA; Q and dO tiles (and the 64 lse / delta values of the
+query block, by bulk copies on the same mbarrier) come per list entry into a ring of `stages`
+slots. Per query block, five wgmma m64 GEMMs with fp32 accumulators:
+  S^T = K Q^T and dP^T = V dO^T (SS: 64 x 64, k = D), issued together;
+  P^T = exp2(S^T c - lse log2 e) with c = scale log2 e (rows past the KV count selected to 0);
+  dV += P^T dO (P^T from the accumulator to bf16 registers, the A operand, without a shuffle: for
+  m64 tiles the accumulator's register order is the A fragment's, as in the forward);
+  dS^T = P^T (dP^T - delta), to bf16 registers (dK += dS^T Q, register A) and to shared memory
+  (dQ = dS K needs it as an operand with query rows: shared memory, read M-major);
+  dQ = dS K (SS), fresh per query block.
+Computing S^T rather than S makes the KV rows the accumulator rows, so dK and dV need no
+transpose of P or dS; Q^T, dO^T and K^T are transposed views of the same shared-memory tiles
+(MN-major wgmma operands), nothing is copied. dK and dV stay in registers across the whole list.
+
+dQ: every (query block, KV block) pair adds its 64 x D fp32 partial sum into an fp32 workspace
+`dq_accum` [B, H, nQ, 64 * D] by one bulk reduction (cp.reduce.async.bulk .add.f32, 32 KiB at
+D128) from shared memory: one instruction per pair instead of 8192 scalar atomics. The staging
+buffer is the query block's own Q + dO slot (64 x D fp32 is exactly the two bf16 tiles), free
+once the GEMMs that read it retired; the slot's refill waits for the reduction to have read it.
+The workspace holds each thread's accumulator registers in chunks of four floats, threads
+interleaved (conflict-free 16-byte shared stores, a linear bulk copy); `_DqPostprocess` turns it
+into dq (times the scale, the input dtype, any strides) with the same accumulator partition.
+The order of the atomic reductions varies run to run: dq is not bitwise deterministic; dk, dv are.
+Registers, spills and shared memory per variant: benchmarks/sm90_bwd64_compile.py (0 spills; two
+CTAs per SM at stages=2).
+
+Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
+contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
+of 8 elements and base addresses 16-byte aligned (TMA); lse, delta [B, H, Sq] fp32 with a
+contiguous last dim and strides in multiples of 4 (bulk copies of 64 values).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass._mlir.dialects import llvm
+
+try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
+    from cutlass.tensor_utils import LayoutEnum
+    from cutlass.memory import SmemAllocator
+except ModuleNotFoundError:  # pragma: no cover
+    from cutlass.utils import LayoutEnum, SmemAllocator
+
+BLOCK = 64          # tokens per query block and per KV block
+LOG2_E = 1.4426950408889634
+THREADS = 128       # one warpgroup
+MAJOR_K = cute.nvgpu.warpgroup.OperandMajorMode.K
+MAJOR_MN = cute.nvgpu.warpgroup.OperandMajorMode.MN
+
+
+# ---- small helpers (copied, not imported: sm90_fwd64 changes independently) -------------------
+def _rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """(row, col) view of an m64 wgmma accumulator fragment ((2, 2, V), M, N): the fragment's
+    modes are (col pair, row half, col group); rows are (row half, M), cols ((pair, group), N)."""
+    l = t.layout
+    s, d = l.shape, l.stride
+    mn = cute.make_layout(((s[0][1], s[1]), ((s[0][0], s[0][2]), s[2])),
+                          stride=((d[0][1], d[1]), ((d[0][0], d[0][2]), d[2])))
+    return cute.make_tensor(t.iterator, mn)
+
+
+def _transposed(t: cute.Tensor) -> cute.Tensor:
+    """The same shared-memory tensor with its first two modes swapped (a view, no copy)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@dsl_user_op
+def _bulk_g2s(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, size: int, *, loc=None,
+              ip=None):
+    """cp.async.bulk global -> shared of `size` bytes, completing on an mbarrier (transaction bytes)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         mbar_ptr.toint(loc=loc, ip=ip).ir_value(), cutlass.Int32(size).ir_value()],
+        "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [$1], [$0], $3, [$2];",
+        "l,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, size: int, *, loc=None, ip=None):
+    """gmem[i] += smem[i] (fp32) over `size` bytes, asynchronously (bulk async-group of this thread)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         cutlass.Int32(size).ir_value()],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _tok_major(t: cute.Tensor, D: int) -> cute.Tensor:
+    """(S, D, H, B) view of a [B, H, S, D] tensor, head dim static and contiguous."""
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        (t.shape[2], D, t.shape[1], t.shape[0]), stride=(t.stride[2], 1, t.stride[1], t.stride[0])))
+
+
+def _staging_layout(D: int):
+    """Thread t's dQ accumulator registers (D / 2 fp32 at m64) in the 64 * D workspace of one query
+    block: (4 consecutive registers, chunk, thread), chunks of 4 threads-interleaved."""
+    v = BLOCK * D // THREADS
+    return cute.make_layout((4, v // 4, THREADS), stride=(1, 4 * THREADS, 4))
+
+
+def _regs_4(acc: cute.Tensor) -> cute.Tensor:
+    """The accumulator's registers in storage order as (4, chunk)."""
+    v = cute.size(acc)
+    return cute.make_tensor(acc.iterator, cute.make_layout((4, v // 4), stride=(1, 4)))
+
+
+def _dq_mma(dt, D: int):
+    """dQ = dS K: A = dS from shared memory, query rows contiguous (M-major); B = K^T (MN-major)."""
+    return hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_MN, MAJOR_MN, cutlass.Float32, (1, 1, 1),
+                                                tiler_mn=(BLOCK, D))
+
+
+class BlockSparseBwd64Sm90:
+    """One compiled configuration of the backward: element type, head dim and the depth of the
+    Q / dO ring (`stages` >= 2: a slot is refilled one query block after it was used, once the
+    dQ reduction staged in it has been read)."""
+
+    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 2,
+                 ctas_per_sm: Optional[int] = None):
+        assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
+        assert head_dim in (64, 128), "head dim 64 or 128"
+        assert stages >= 2, "the dQ staging reuses a Q / dO slot: 2 slots at least"
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.stages = stages
+        tile_bytes = BLOCK * head_dim * 2
+        # K, V; Q + dO per stage; dS; lse + delta per stage; barriers
+        self.smem_bytes = tile_bytes * (2 + 2 * stages) + BLOCK * BLOCK * 2 + 2 * 4 * BLOCK * stages + 1024
+        # dK, dV and dQ accumulators alone take 192 registers a thread at D128: two warpgroups per SM
+        self.ctas_per_sm = ctas_per_sm or max(1, min(2, (227 * 1024) // self.smem_bytes))
+
+    # ---- host side (traced once per compile) ----------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mDQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
+                 softmax_scale: cutlass.Float32, stream):
+        """q, k, v, dout, dk, dv: [B, H, S, D]; lse, delta [B, H, Sq] fp32; dq_accum [B, H, nQ, 64 * D]
+        fp32 (zeroed by the caller); inv_idx [B, H, nKV, cap], inv_num [B, H, nKV], kv_counts [nKV] int32."""
+        D = self.head_dim
+        S = self.stages
+        dt = self.dtype
+        gQ4, gK4, gV4, gdO4 = (_tok_major(t, D) for t in (mQ, mK, mV, mdO))
+        gdK4, gdV4 = _tok_major(mdK, D), _tok_major(mdV, D)
+
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
+        # K in slot 0, V in slot 1; stage s: Q in slot 2s, dO in 2s + 1 (adjacent: the dQ staging)
+        sKV_layout = cute.tile_to_shape(atom, (BLOCK, D, 2), order=(0, 1, 2))
+        sQdO_layout = cute.tile_to_shape(atom, (BLOCK, D, 2 * S), order=(0, 1, 2))
+        ds_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            hopper_helpers.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dt, BLOCK), dt)
+        sdS_layout = cute.tile_to_shape(ds_atom, (BLOCK, BLOCK), order=(1, 0))  # (q, kv), q contiguous
+        self.tile_bytes = cute.size_in_bytes(dt, cute.slice_(sQdO_layout, (None, None, 0)))
+
+        @cute.struct
+        class Storage:
+            kv_full: cute.struct.MemRange[cutlass.Int64, 1]
+            qdo_full: cute.struct.MemRange[cutlass.Int64, S]
+            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
+            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sQdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQdO_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+
+        self.storage = Storage
+        self.smem_bytes = Storage.size_in_bytes()
+
+        RMEM = cute.nvgpu.warpgroup.OperandSource.RMEM
+        mma_s = hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
+                                                      tiler_mn=(BLOCK, BLOCK))
+        mma_kv = hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_MN, cutlass.Float32, (1, 1, 1),
+                                                       tiler_mn=(BLOCK, D), a_source=RMEM)
+        mma_dq = _dq_mma(dt, D)
+
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        one_tile = cute.slice_(sQdO_layout, (None, None, 0))
+        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gQ4, one_tile, (BLOCK, D))
+        tma_do, tdO = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gdO4, one_tile, (BLOCK, D))
+        tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gK4, one_tile, (BLOCK, D))
+        tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gV4, one_tile, (BLOCK, D))
+
+        grid = (mInvIdx.shape[2], mQ.shape[1], mQ.shape[0])
+        self.kernel(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, mDQacc, gdK4, gdV4,
+                    mInvIdx, mInvNum, mKVCounts, mma_s, mma_kv, mma_dq, sKV_layout, sQdO_layout, sdS_layout,
+                    softmax_scale * LOG2_E, softmax_scale).launch(
+            grid=grid, block=(THREADS, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
+
+    # ---- device side ------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tQ: cute.Tensor, tdO: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mDQacc: cute.Tensor, gdK4: cute.Tensor, gdV4: cute.Tensor,
+               mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
+               mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma,
+               sKV_layout: cute.ComposedLayout, sQdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               c: cutlass.Float32, scale: cutlass.Float32):
+        S = self.stages
+        D = self.head_dim
+        dt = self.dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        kvb, h, b = cute.arch.block_idx()
+        n_q = mDQacc.shape[2]
+        cap = mInvIdx.shape[3]
+
+        st = SmemAllocator().allocate(self.storage)
+        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
+        kv_full = pipeline.MbarrierArray(st.kv_full.data_ptr(), num_stages=1, agent=tma_load)
+        qdo_full = pipeline.MbarrierArray(st.qdo_full.data_ptr(), num_stages=S, agent=tma_load)
+        if warp == 0:
+            with cute.arch.elect_one():
+                for atom in (tma_q, tma_do, tma_k, tma_v):
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+        sKV = st.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sQdO = st.sQdO.get_tensor(sQdO_layout.outer, swizzle=sQdO_layout.inner)
+        sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = st.sLSE.get_tensor(cute.make_layout((BLOCK, S)))
+        sDelta = st.sDelta.get_tensor(cute.make_layout((BLOCK, S)))
+        # the dQ staging of stage s: its Q + dO slots as 64 * D fp32
+        stage_f32 = cute.recast_ptr(st.sQdO.data_ptr(), dtype=cutlass.Float32)
+        sStage = cute.make_tensor(stage_f32, cute.append(_staging_layout(D), cute.make_layout(S, stride=BLOCK * D)))
+
+        one = cute.make_layout(1)
+        gK = cute.local_tile(tK[None, None, h, b], (BLOCK, D), (kvb, 0))
+        gV = cute.local_tile(tV[None, None, h, b], (BLOCK, D), (kvb, 0))
+        gQ = cute.local_tile(tQ[None, None, h, b], (BLOCK, D), (None, 0))
+        gdO = cute.local_tile(tdO[None, None, h, b], (BLOCK, D), (None, 0))
+        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gV, 0, 2))
+        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQdO, 0, 2), cute.group_modes(gQ, 0, 2))
+        tdOs, tdOg = cute.nvgpu.cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sQdO, 0, 2),
+                                                      cute.group_modes(gdO, 0, 2))
+        loads = dict(tma_q=tma_q, tma_do=tma_do, tQs=tQs, tQg=tQg, tdOs=tdOs, tdOg=tdOg, sLSE=sLSE, sDelta=sDelta,
+                     mLSE=mLSE, mDelta=mDelta, bar=qdo_full, b=b, h=h)
+
+        # fragments
+        thr_s = mma_s.get_slice(tidx)
+        thr_kv = mma_kv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+        tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))          # [.., 0] K, [.., 1] V
+        tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s] Q, [.., 2s + 1] dO
+        tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # Q^T, dO^T
+        tDQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tDQrK_t = mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sKV)))   # [.., 0] K^T
+        tSsdS = thr_s.partition_C(_transposed(sdS))                    # dS^T as the S accumulator holds it
+
+        accS = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accdP = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accdK = cute.make_rmem_tensor(thr_kv.partition_shape_C((BLOCK, D)), cutlass.Float32)
+        accdV = cute.make_rmem_tensor(thr_kv.partition_shape_C((BLOCK, D)), cutlass.Float32)
+        accdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK, D)), cutlass.Float32)
+        rP = cute.make_rmem_tensor(thr_kv.partition_shape_A((BLOCK, BLOCK)), dt)
+        rdS = cute.make_rmem_tensor(thr_kv.partition_shape_A((BLOCK, BLOCK)), dt)
+        assert cute.size(rP) == cute.size(accS)
+        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)
+        rdS_as_S = cute.make_tensor(rdS.iterator, accS.layout)
+        P = _rows_cols(accS)
+        dS = _rows_cols(accdP)
+        cS_rc = _rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK, BLOCK))))
+        n_rows = cute.size(P, mode=[0])
+        n_cols = cute.size(P, mode=[1])
+        stat = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)  # lse2, then delta, per column
+        accdK.fill(0.0)
+        accdV.fill(0.0)
+        # dK and dV accumulate over the whole list (the field is state of the TiledMma, not per call)
+        mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+        cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
+        count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
+        sel = mInvIdx[b, h, kvb, None]
+        if n > 0:
+            if warp == 0:
+                kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
+                cute.copy(tma_k, tKg, tKs[None, 0], tma_bar_ptr=kv_full.get_barrier(0))
+                cute.copy(tma_v, tVg, tKs[None, 1], tma_bar_ptr=kv_full.get_barrier(0))
+                for s in cutlass.range_constexpr(S):
+                    if s < n:
+                        self._load_q_tile(loads, self._clamp(sel[s], n_q), s)
+            kv_full.wait(0, 0)
+            last = cutlass.Int32(-1)
+            for j in cutlass.range(n, unroll=1):
+                s = j % S
+                entry = sel[j]
+                qb = self._clamp(entry, n_q)
+                valid = cutlass.Int32(0)
+                if (entry > last) & (entry < n_q):
+                    last = entry
+                    valid = count
+                qdo_full.wait(s, (j // S) % 2)
+                # S^T = K Q^T and dP^T = V dO^T, in flight together
+                cute.nvgpu.warpgroup.fence()
+                self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
+                cute.nvgpu.warpgroup.commit_group()
+                self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
+                cute.nvgpu.warpgroup.commit_group()
+                # the previous query block's slot, once its dQ reduction has read it, takes block j - 1 + S
+                if warp == 0:
+                    if j >= 1 and j - 1 + S < n:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
+                for ci in cutlass.range_constexpr(n_cols):
+                    lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
+                    if lse2 == -cutlass.Float32.inf:  # a row that saw nothing: P = 0
+                        lse2 = cutlass.Float32.inf
+                    stat[ci] = lse2
+                cute.nvgpu.warpgroup.wait_group(1)
+                # P^T; KV rows past the count (all of them for a skipped entry) are exactly 0
+                for ri in cutlass.range_constexpr(n_rows):
+                    row_ok = cS_rc[ri, 0][0] < valid
+                    for ci in cutlass.range_constexpr(n_cols):
+                        p = cute.math.exp2(cute.math.fma(P[ri, ci], c, -stat[ci]), fastmath=True)
+                        P[ri, ci] = p if row_ok else cutlass.Float32(0.0)
+                rP_as_S.store(accS.load().to(dt))
+                # dV += P^T dO
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
+                cute.nvgpu.warpgroup.commit_group()
+                for ci in cutlass.range_constexpr(n_cols):
+                    stat[ci] = sDelta[cS_rc[0, ci][1], s]
+                cute.nvgpu.warpgroup.wait_group(1)
+                # dS^T = P^T (dP^T - delta)
+                for ri in cutlass.range_constexpr(n_rows):
+                    for ci in cutlass.range_constexpr(n_cols):
+                        dS[ri, ci] = P[ri, ci] * (dS[ri, ci] - stat[ci])
+                rdS_as_S.store(accdP.load().to(dt))
+                cute.autovec_copy(rdS_as_S, tSsdS)
+                # dK += dS^T Q
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.arch.fence_view_async_shared()  # dS in shared memory, visible to the wgmma
+                cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                # dQ = dS K (this query block's part)
+                cute.nvgpu.warpgroup.fence()
+                self._gemm_k(mma_dq, accdQ, tDQrdS, None, tDQrK_t, 0)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                # every warp's GEMMs that read the slot have retired: it becomes the dQ staging
+                cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                cute.autovec_copy(_regs_4(accdQ), sStage[None, None, tidx, s])
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                if warp == 0:
+                    with cute.arch.elect_one():
+                        _bulk_reduce_add_f32(sStage[None, None, 0, s].iterator,
+                                             mDQacc[b, h, qb, None].iterator, BLOCK * D * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the reductions
+
+        # epilogue: dK (scaled) and dV straight to global memory
+        gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
+        gdV = cute.local_tile(gdV4[None, None, h, b], (BLOCK, D), (kvb, 0))
+        rOut = cute.make_rmem_tensor_like(accdK, dt)
+        rOut.store((accdK.load() * scale).to(dt))
+        cute.autovec_copy(rOut, thr_kv.partition_C(gdK))
+        rOut.store(accdV.load().to(dt))
+        cute.autovec_copy(rOut, thr_kv.partition_C(gdV))
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    @cute.jit
+    def _clamp(self, entry, n_blocks):
+        """An entry clamped into [0, n_blocks): always safe to address (a skipped entry is masked)."""
+        return cutlass.min(cutlass.max(entry, 0), n_blocks - 1)
+
+    @cute.jit
+    def _gemm_k(self, mma, acc, rA, a_slot, rB, b_slot):
+        """acc = A B over the k blocks (a fresh accumulator); a_slot None: A has no slot mode."""
+        for kb in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            if cutlass.const_expr(a_slot is None):
+                cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb, b_slot], acc)
+            else:
+                cute.gemm(mma, acc, rA[None, None, kb, a_slot], rB[None, None, kb, b_slot], acc)
+
+    @cute.jit
+    def _load_q_tile(self, loads, qb, s):
+        """Query block qb's Q, dO tiles and its 64 lse / delta values into stage s (one mbarrier)."""
+        bar = loads["bar"]
+        bar.arrive_and_expect_tx(s, 2 * self.tile_bytes + 2 * BLOCK * 4)
+        cute.copy(loads["tma_q"], loads["tQg"][None, qb], loads["tQs"][None, 2 * s], tma_bar_ptr=bar.get_barrier(s))
+        cute.copy(loads["tma_do"], loads["tdOg"][None, qb], loads["tdOs"][None, 2 * s + 1],
+                  tma_bar_ptr=bar.get_barrier(s))
+        b, h = loads["b"], loads["h"]
+        with cute.arch.elect_one():
+            for name, smem in (("mLSE", "sLSE"), ("mDelta", "sDelta")):
+                g = cute.local_tile(loads[name][b, h, None], (BLOCK,), (qb,))
+                _bulk_g2s(g.iterator, loads[smem][None, s].iterator, bar.get_barrier(s), BLOCK * 4)
+
+
+class DqPostprocess:
+    """dq = scale * dq_accum in the input dtype, any strides: one CTA per query block, each thread
+    reading back its own dQ accumulator registers (the backward's staging order) and storing them
+    through the same accumulator partition."""
+
+    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128):
+        self.dtype = dtype
+        self.head_dim = head_dim
+
+    @cute.jit
+    def __call__(self, mDQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32, stream):
+        D = self.head_dim
+        mma_dq = _dq_mma(self.dtype, D)
+        grid = (mDQacc.shape[2], mdQ.shape[1], mdQ.shape[0])
+        self.kernel(mDQacc, _tok_major(mdQ, D), mma_dq, softmax_scale).launch(
+            grid=grid, block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mDQacc: cute.Tensor, gdQ4: cute.Tensor, mma_dq: cute.TiledMma, scale: cutlass.Float32):
+        D = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        qb, h, b = cute.arch.block_idx()
+        thr = mma_dq.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BLOCK, D)), cutlass.Float32)
+        src = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
+        cute.autovec_copy(src[None, None, tidx], _regs_4(acc))
+        out = cute.make_rmem_tensor_like(acc, self.dtype)
+        out.store((acc.load() * scale).to(self.dtype))
+        gdQ = cute.local_tile(gdQ4[None, None, h, b], (BLOCK, D), (qb, 0))
+        cute.autovec_copy(out, thr.partition_C(gdQ))
+
+
+# ---- host launcher ------------------------------------------------------------------------------
+_COMPILED = {}
+
+
+def _dtype(t):
+    import torch
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
+
+
+def _cute_tensor(t, align=16):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def _layout_of(x):
+    """"bhsd" / "bshd" when the [B, H, S, D] view x is that contiguous layout (what the Triton
+    preprocess addresses), else None."""
+    B, H, S, D = x.shape
+    if x.stride() == (H * S * D, S * D, D, 1):
+        return "bhsd"
+    if x.stride() == (S * H * D, D, H * D, 1):
+        return "bshd"
+    return None
+
+
+def backward_delta(out, dout, delta=None):
+    """delta = rowsum(dout * out) [B, H, Sq] fp32 by the Triton preprocess (our kernel for it), or by
+    torch for views the preprocess does not address (strides other than BHSD / BSHD contiguous)."""
+    import torch
+    from ..problem import AttnProblem
+    from . import triton_backend
+
+    B, H, Sq, D = dout.shape
+    if delta is None:
+        delta = torch.empty(B, H, Sq, dtype=torch.float32, device=dout.device)
+    layout = _layout_of(dout)
+    if layout is None or _layout_of(out) != layout:
+        delta.copy_((dout.float() * out.float()).sum(-1))
+        return delta
+    p = AttnProblem(batch=B, heads=H, q_len=Sq, kv_len=Sq, head_dim=D, block_elems=BLOCK,
+                    dtype=str(dout.dtype).replace("torch.", ""), layout=layout, selection="indices")
+    raw = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    triton_backend.backward_preprocess(p, raw(out), raw(dout), delta)
+    return delta
+
+
+def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_counts, **options):
+    """Runs the backward once on torch CUDA tensors, on torch's current stream; `delta` (optional) is
+    computed from out and dout when not given (`prepare_backward64` has the arguments)."""
+    delta = options.pop("delta", None)
+    if delta is None:
+        delta = backward_delta(out, dout)
+    prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, **options)()
+
+
+def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, *,
+                       softmax_scale: Optional[float] = None, stages: int = 2, dq_accum=None):
+    """Checks the arguments, compiles on first use of a configuration, and returns a callable that
+    launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
+    main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
+    leaves the per-call host conversion out).
+
+    q, k, v, dout, dq, dk, dv (bf16 / fp16): [B, H, S, D] views, BHSD or a BSHD tensor transposed;
+    lse, delta [B, H, Sq] fp32; inv_idx [B, H, nKV, capacity], inv_num [B, H, nKV], kv_counts [nKV]
+    int32. dq_accum: an fp32 workspace [B, H, nQ, 64 * D] (allocated here when not given)."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    toks = dict(q=q, k=k, v=v, dout=dout, dq=dq, dk=dk, dv=dv)
+    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in toks.values()):
+        raise ValueError("sm90_bwd64 needs q, k, v, dout, dq, dk, dv of one dtype, bf16 or fp16 (got "
+                         + ", ".join(f"{n} {t.dtype}" for n, t in toks.items()) + ")")
+    if (D not in (64, 128) or k.shape != (B, H, Skv, D) or v.shape != k.shape or dk.shape != k.shape
+            or dv.shape != k.shape or dout.shape != q.shape or dq.shape != q.shape):
+        raise ValueError("sm90_bwd64 needs q/dout/dq [B, H, Sq, D] and k/v/dk/dv [B, H, Skv, D] with D 64 or 128 (got "
+                         + ", ".join(f"{n} {tuple(t.shape)}" for n, t in toks.items()) + ")")
+    if Sq % BLOCK or Skv % BLOCK:
+        raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
+    nq, nkv = Sq // BLOCK, Skv // BLOCK
+    if dq_accum is None:
+        dq_accum = torch.empty(B, H, nq, BLOCK * D, dtype=torch.float32, device=q.device)
+    expect = dict(lse=((B, H, Sq), torch.float32), delta=((B, H, Sq), torch.float32),
+                  dq_accum=((B, H, nq, BLOCK * D), torch.float32),
+                  inv_idx=((B, H, nkv, inv_idx.shape[-1]), torch.int32), inv_num=((B, H, nkv), torch.int32),
+                  kv_counts=((nkv,), torch.int32))
+    given = dict(lse=lse, delta=delta, dq_accum=dq_accum, inv_idx=inv_idx, inv_num=inv_num, kv_counts=kv_counts)
+    for name, (shape, dtype) in expect.items():
+        t = given[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"sm90_bwd64 needs {name} {list(shape)} {dtype} (got {list(t.shape)} {t.dtype})")
+    for name in ("lse", "delta", "dq_accum"):
+        t = given[name]
+        if t.stride(-1) != 1 or any(st % 4 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"sm90_bwd64 needs {name} with a contiguous last dimension, strides in multiples of 4 "
+                             "elements and a 16-byte aligned start (bulk copies)")
+    if dq_accum.stride(2) != BLOCK * D:
+        raise ValueError("sm90_bwd64 needs dq_accum's query blocks contiguous ([B, H, nQ, 64 * D])")
+    for name, t in toks.items():
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"sm90_bwd64 needs {name} with a contiguous head dim, strides in multiples of 8 "
+                             "elements and a 16-byte aligned start (TMA)")
+    scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
+    lists = [inv_idx.contiguous(), inv_num.contiguous(), kv_counts.contiguous()]
+    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists]
+    main_c = [_cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
+    post_c = [_cute_tensor(dq_accum), _cute_tensor(dq)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
+    key = (q.dtype, D, stages)
+    fns = _COMPILED.get(key)
+    if fns is None:
+        fns = (cute.compile(BlockSparseBwd64Sm90(_dtype(q), D, stages), *main_c, scale, fake_stream),
+               cute.compile(DqPostprocess(_dtype(q), D), *post_c, scale, fake_stream))
+        _COMPILED[key] = fns
+    main_fn, post_fn = fns
+
+    def launch():
+        dq_accum.zero_()
+        main_fn(*main_c, scale, stream)
+        post_fn(*post_c, scale, stream)
+
+    launch.keep_alive = main_args + [dq]  # the contiguous copies the views point into
+    return launch
