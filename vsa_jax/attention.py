@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vsa_core.metadata import VSAMetadata
+from vsa_core import frontend as F
 from vsa_core.api import prepare_block_sparse, prepare_vsa
 from vsa_core.docs import documented
 from vsa_core.spec import AXES, PUBLIC_NAMES, forward_inputs
@@ -101,7 +102,7 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, layout=layout, backend=backend,
                              softmax_scale=softmax_scale, padding=padding).problem
-    _ops.check_index_lists(block_indices, block_counts, p.n_kv_blocks)
+    F.check_index_lists(_ops.JAX, block_indices, block_counts, p.n_kv_blocks)
     statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     return _bsa(statics, q, k, v, kv_counts, given_idx=jnp.asarray(block_indices),
@@ -110,8 +111,8 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
 
 # ---- packed variable-length sequences ------------------------------------------------------
 def _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k):
-    return (_ops.as_offsets("cu_seqlens_q", cu_seqlens_q, p.q_len, p.block_elems),
-            _ops.as_offsets("cu_seqlens_k", cu_seqlens_k, p.kv_len, p.block_elems))
+    return (F.as_offsets(_ops.JAX, "cu_seqlens_q", cu_seqlens_q, None, p.q_len, p.block_elems),
+            F.as_offsets(_ops.JAX, "cu_seqlens_k", cu_seqlens_k, None, p.kv_len, p.block_elems))
 
 
 def _packed(x) -> jax.Array:
@@ -133,7 +134,7 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
-    seq_prefix = _ops.as_prefix(p, prefix_blocks, cu_seqlens_q, cu_seqlens_k)
+    seq_prefix = F.as_prefix(_ops.JAX, p, prefix_blocks, None, cu_seqlens_q, cu_seqlens_k)
     gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
     out, _ = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
                                        q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -153,7 +154,7 @@ def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
-    _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
+    F.check_selection(_ops.JAX, p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
     out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
                                          block_map=_packed(block_map), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
     return out[0], jax.lax.stop_gradient(lse[0])
@@ -172,7 +173,7 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
     statics = _ops.statics_for(p, backend, q)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
-    _ops.check_selection(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
+    F.check_selection(_ops.JAX, p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
     out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
                                          given_idx=_packed(block_indices), given_num=_packed(block_counts),
                                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from typing import Optional
 
 import jax
@@ -22,69 +21,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
+from vsa_core import frontend
 from vsa_core import ops as core_ops
 from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
-from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection)
+from vsa_core.problem import AttnProblem
 from vsa_core.runtime import BufferAdapter, DeviceBuffer, DeviceInfo
 from vsa_core.spec import GRADIENTS, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
 
 from . import native as _native
+from .adapter import JAX, device_info_of  # noqa: F401  (device_info_of: read by tests and the demo)
 
-_DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8}
 _DLPACK_CPU = 1  # kDLCPU
 _CPU = DeviceInfo("cpu")
 
 
 def _shape_dtypes(specs: dict, input_dtype) -> dict:
-    return {name: jax.ShapeDtypeStruct(shape, input_dtype if dt == "input" else _DTYPES[dt])
+    return {name: jax.ShapeDtypeStruct(shape, input_dtype if dt == "input" else jnp.dtype(dt))
             for name, (shape, dt) in specs.items()}
 
 
-# ---- devices, backends, counts (trace time) ----------------------------------------------
-def _is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def device_info(x) -> DeviceInfo:
-    """DeviceInfo of the device q lives on; under tracing (no device yet) the default device."""
-    device = None
-    if isinstance(x, jax.Array) and not _is_tracer(x):
-        device = next(iter(x.devices()))
-    if device is None:
-        device = jax.config.jax_default_device
-        if device is None or isinstance(device, str):
-            device = jax.devices(device)[0]
-    return device_info_of(device)
-
-
-def device_info_of(device) -> DeviceInfo:
-    if device.platform in ("gpu", "cuda"):
-        cc = getattr(device, "compute_capability", None)
-        capability = tuple(int(c) for c in str(cc).split(".")[:2]) if cc else None
-        return DeviceInfo("cuda", getattr(device, "local_hardware_id", None) or 0, capability)
-    return DeviceInfo(device.platform)
-
-
-# Value checks read the values on the host. A concrete jax.Array is immutable, so one
-# already checked (the same object) is not read again: steady-state eager calls do not
-# synchronise. numpy arrays are checked on every call (they can change in place).
-_checked: dict = {}
-
-
-def _check_once(arrays: tuple, what, check) -> None:
-    cacheable = all(isinstance(x, jax.Array) for x in arrays)
-    key = (tuple(id(x) for x in arrays), what)
-    if cacheable:
-        seen = _checked.get(key)
-        if seen is not None and all(r() is x for r, x in zip(seen, arrays)):
-            return
-    check()
-    if cacheable:
-        if len(_checked) > 256:
-            _checked.clear()
-        _checked[key] = tuple(weakref.ref(x) for x in arrays)
+device_info = JAX.device_info
 
 
 def require_counts(**counts) -> None:
@@ -97,27 +54,8 @@ def require_counts(**counts) -> None:
 
 
 def as_counts(name: str, counts, block_elems: int) -> jax.Array:
-    """Any integer array -> int32 jax array. The values ([0, E]) are checked when they
-    are known here (numpy, a concrete jax.Array); under jit they are tracers and only
-    their shape and dtype (checked by describe_attention) are known: the kernels then
-    clamp them to [0, E]."""
-    if not hasattr(counts, "dtype"):
-        counts = np.asarray(counts)
-    if np.dtype(counts.dtype).kind not in "iu":
-        raise TypeError(f"{name} must be an integer array, got dtype {counts.dtype}")
-    if not _is_tracer(counts):
-        _check_once((counts,), (name, block_elems),
-                    lambda: check_count_values(name, np.asarray(counts), block_elems))
-    return jnp.asarray(counts, dtype=jnp.int32)
-
-
-def check_index_lists(block_indices, block_counts, n_kv_blocks: int) -> None:
-    """ValueError naming block_indices / block_counts for bad values, when both are
-    concrete; traced lists are bounded by the kernels instead (see vsa_core.triton_kernels)."""
-    if _is_tracer(block_indices) or _is_tracer(block_counts):
-        return
-    _check_once((block_indices, block_counts), n_kv_blocks,
-                lambda: check_index_values(np.asarray(block_indices), np.asarray(block_counts), n_kv_blocks))
+    """Any integer array -> int32 jax array, the values checked when they are known."""
+    return frontend.as_counts(JAX, name, counts, None, block_elems)
 
 
 # ---- the callbacks ------------------------------------------------------------------------
@@ -214,47 +152,13 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     return {n: _vary(x, axes) for n, x in results.items()}
 
 
-def as_prefix(p: AttnProblem, prefix_blocks, cu_q, cu_k):
-    """Packed calls: per-sequence prefix counts (p.seq_prefix; the problem checked their shape
-    and dtype) as an int32 jax array, None for an int (static in the problem). Their values
-    (an int's too) are checked against the offsets when all are concrete; under jit they are
-    read on the device only."""
-    if not p.has_prefix:
-        return None
-    if not any(_is_tracer(x) for x in (prefix_blocks, cu_q, cu_k)):
-        check_prefix_values(np.asarray(prefix_blocks) if p.seq_prefix else p.prefix_blocks, np.asarray(cu_q),
-                            np.asarray(cu_k), p.block_elems)
-    return jnp.asarray(prefix_blocks, dtype=jnp.int32) if p.seq_prefix else None
-
-
-def as_offsets(name: str, cu, total: int, block_elems: int) -> jax.Array:
-    """Packed offsets as an int32 jax array (dtype and shape checked by describe_varlen). Their
-    values are checked where they are known (numpy, a concrete jax.Array); under jit they are
-    tracers: one compiled call then serves every packing of the same totals."""
-    if not _is_tracer(cu):
-        check_offsets(name, np.asarray(cu), total, block_elems)
-    return jnp.asarray(cu, dtype=jnp.int32)
-
-
-def check_selection(p: AttnProblem, cu_q, cu_k, block_map=None, block_indices=None, block_counts=None) -> None:
-    """A packed selection may list only blocks of each query block's own sequence: checked
-    when everything is concrete; under jit the kernels ignore the other entries."""
-    given = [x for x in (cu_q, cu_k, block_map, block_indices, block_counts) if x is not None]
-    if any(_is_tracer(x) for x in given):
-        return
-
-    def host(x):
-        return None if x is None else np.asarray(x)
-    check_varlen_selection(p, host(cu_q), host(cu_k), host(block_map), host(block_indices), host(block_counts))
-
-
 # ---- the operator: one custom_vjp for every call -------------------------------------------
 # The arrays are a tuple named by the core's tables (`vsa_core.spec`), the statics the one
 # static argument. It returns (out, lse); lse is not differentiable (the frontends stop its
 # gradient; VSA's callers drop it).
 def statics_for(p: AttnProblem, backend: str, q) -> OpStatics:
     """The statics of a checked call on q's device (the backend resolved there)."""
-    return op_statics(p, backend, device_info(q), arrays="JAX arrays on the CPU", gpu="arrays on a GPU")
+    return op_statics(p, backend, device_info(q), arrays=JAX.arrays, gpu=JAX.gpu)
 
 
 def attend(statics: OpStatics, named: dict):

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from vsa_core import frontend as F
 from vsa_core.api import prepare_block_sparse, prepare_vsa
 from vsa_core.docs import documented
 from vsa_core.metadata import VSAMetadata
@@ -77,8 +78,7 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
                              block_counts=block_counts, layout=layout, backend=backend,
                              softmax_scale=softmax_scale, padding=padding).problem
     _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    if not torch.compiler.is_compiling():  # compiled: the kernels bound the lists instead
-        _ops.check_index_lists_once(block_indices, block_counts, p.n_kv_blocks)
+    F.check_index_lists(_ops.TORCH, block_indices, block_counts, p.n_kv_blocks)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
                                                 kv_counts=kv_counts, given_idx=block_indices.contiguous(),
@@ -88,12 +88,8 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
 
 # ---- packed variable-length sequences ------------------------------------------------------
 def _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k):
-    """Offsets on q's device; eagerly their values are checked (once per tensor version)."""
-    cu_q = _ops.as_offsets("cu_seqlens_q", cu_seqlens_q, q)
-    cu_k = _ops.as_offsets("cu_seqlens_k", cu_seqlens_k, q)
-    _ops.check_offsets_once("cu_seqlens_q", cu_seqlens_q, p.q_len, p.block_elems)
-    _ops.check_offsets_once("cu_seqlens_k", cu_seqlens_k, p.kv_len, p.block_elems)
-    return cu_q, cu_k
+    return (F.as_offsets(_ops.TORCH, "cu_seqlens_q", cu_seqlens_q, q, p.q_len, p.block_elems),
+            F.as_offsets(_ops.TORCH, "cu_seqlens_k", cu_seqlens_k, q, p.kv_len, p.block_elems))
 
 
 @documented("torch")
@@ -114,7 +110,7 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
-    seq_prefix = _ops.as_prefix(p, prefix_blocks, q, cu_q, cu_k)
+    seq_prefix = F.as_prefix(_ops.TORCH, p, prefix_blocks, q, cu_seqlens_q, cu_seqlens_k)
     gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
     out = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None], v=v.contiguous()[None],
                                        kv_counts=kv_counts, q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q,
@@ -134,7 +130,7 @@ def block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     _ops.check_devices(q, k=k, v=v, block_map=block_map)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
-    _ops.check_selection_once(p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
+    F.check_selection(_ops.TORCH, p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
     out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None],
                                                 v=v.contiguous()[None], kv_counts=kv_counts,
                                                 block_map=block_map.contiguous()[None], cu_seqlens_q=cu_q,
@@ -156,7 +152,7 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
     _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
     cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
-    _ops.check_selection_once(p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices,
+    F.check_selection(_ops.TORCH, p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices,
                               block_counts=block_counts)
     out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None],
                                                 v=v.contiguous()[None], kv_counts=kv_counts,

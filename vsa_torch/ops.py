@@ -10,26 +10,85 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import weakref
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from vsa_core import frontend
 from vsa_core import ops as core_ops
 from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
-from vsa_core.problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
-                              check_varlen_selection)
+from vsa_core.frontend import FrontendAdapter
+from vsa_core.problem import AttnProblem
 from vsa_core.runtime import BufferAdapter, DeviceInfo
 from vsa_core.spec import GRADIENTS, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
 
-_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
+class TorchFrontend(FrontendAdapter):
+    """torch tensors for the core's checks and coercions (`vsa_core.frontend`)."""
+
+    arrays, gpu = "CPU tensors", "CUDA tensors"
+
+    def concrete(self, *xs) -> bool:
+        return not torch.compiler.is_compiling()  # compiled: the kernels read the values on the device only
+
+    def host(self, x) -> np.ndarray:
+        return x.detach().cpu().numpy()
+
+    def version(self, x):
+        # host tensors are checked on every call: reading them costs no device sync, and one
+        # that aliases numpy memory (torch.from_numpy) can change through numpy without
+        # torch's version counter seeing it
+        return None if x.device.type == "cpu" else x._version
+
+    def as_array(self, x) -> Tensor:
+        return x if isinstance(x, Tensor) else torch.as_tensor(x)
+
+    def is_integer(self, x) -> bool:
+        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+    def int32(self, x: Tensor, like: Tensor) -> Tensor:
+        return x.to(device=like.device, dtype=torch.int32).contiguous()
+
+    def device_info(self, x: Tensor) -> DeviceInfo:
+        return _device_info(x.device.type, x.device.index)
+
+    def count_values(self, x: Tensor) -> np.ndarray:
+        return np.array([int(b) for b in torch.aminmax(x.to(torch.int64))])  # one device sync, not a copy
+
+    def counts_readable(self, name: str, counts: Tensor, like: Tensor) -> bool:
+        if torch.compiler.is_compiling():
+            return False
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            # CUDA-graph capture: a host read of device counts or a copy of host counts to the
+            # device synchronises, which breaks the capture. The values were checked on the
+            # eager warm-up call that capture needs anyway; shapes and dtypes still are.
+            if not counts.is_cuda:
+                raise ValueError(f"{name} must be a CUDA tensor while a CUDA graph is being captured (host "
+                                 f"counts would be copied to the device with a synchronisation), got {counts.device}")
+            return False
+        return True
+
+    def index_lists_valid(self, idx: Tensor, num: Tensor, n_kv_blocks: int) -> Optional[bool]:
+        """On the device the rows are checked there and one flag comes back (one sync per new
+        or modified pair of lists)."""
+        if idx.device.type == "cpu":
+            return None
+        cap = idx.shape[-1]
+        num64 = num.to(torch.int64)
+        live = torch.arange(cap, device=idx.device) < num64.clamp(0, cap)[..., None]
+        bad = ((num64 < 0) | (num64 > cap)).any()
+        bad |= (live & ((idx < 0) | (idx >= n_kv_blocks))).any()
+        bad |= (live[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
+        return not bool(bad)
+
+
+TORCH = TorchFrontend()
 
 
 def device_info(t: Tensor) -> DeviceInfo:
-    return _device_info(t.device.type, t.device.index)
+    return TORCH.device_info(t)
 
 
 class TorchBuffers(BufferAdapter):
@@ -52,82 +111,8 @@ TORCH_BUFFERS = TorchBuffers()
 
 
 def _alloc(specs: dict, like: Tensor) -> dict:
-    return {name: torch.empty(shape, dtype=like.dtype if dt == "input" else _DTYPES[dt], device=like.device)
+    return {name: torch.empty(shape, dtype=like.dtype if dt == "input" else getattr(torch, dt), device=like.device)
             for name, (shape, dt) in specs.items()}
-
-
-# Value checks read the values on the host. A device tensor already checked and not
-# modified since (same object, same version counter) is not read again, so steady-state
-# eager calls do not synchronise. Host tensors are checked on every call: reading them
-# costs no device sync, and one that aliases numpy memory (torch.from_numpy) can change
-# through numpy without torch's version counter seeing it.
-_checked: dict = {}
-
-
-def _check_once(tensors: Tuple[Tensor, ...], what, check) -> None:
-    cacheable = all(t.device.type != "cpu" for t in tensors)
-    key = (tuple(id(t) for t in tensors), what)
-    versions = tuple(t._version for t in tensors)
-    if cacheable:
-        seen = _checked.get(key)
-        if seen is not None and all(r() is t for r, t in zip(seen[0], tensors)) and seen[1] == versions:
-            return
-    check()
-    if cacheable:
-        if len(_checked) > 256:
-            _checked.clear()
-        _checked[key] = (tuple(weakref.ref(t) for t in tensors), versions)
-
-
-def check_counts_once(name: str, counts: Tensor, block_elems: int) -> None:
-    def check():
-        lo, hi = (int(x) for x in torch.aminmax(counts.to(torch.int64)))  # one device sync
-        check_count_values(name, np.array([lo, hi]), block_elems)
-
-    _check_once((counts,), (name, block_elems), check)
-
-
-def check_index_lists_once(block_indices: Tensor, block_counts: Tensor, n_kv_blocks: int) -> None:
-    """ValueError naming block_indices / block_counts for counts outside [0, capacity] and
-    listed entries out of [0, nKV), repeated or out of order. On the device the rows are
-    checked there and one flag comes back (one sync per new or modified pair of lists)."""
-    def check():
-        idx, num = block_indices, block_counts
-        if idx.device.type != "cpu":
-            cap = idx.shape[-1]
-            num64 = num.to(torch.int64)
-            live = torch.arange(cap, device=idx.device) < num64.clamp(0, cap)[..., None]
-            bad = ((num64 < 0) | (num64 > cap)).any()
-            bad |= (live & ((idx < 0) | (idx >= n_kv_blocks))).any()
-            bad |= (live[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
-            if not bool(bad):
-                return
-            idx, num = idx.cpu(), num.cpu()  # bad lists only: find the first offender for the message
-        check_index_values(idx.numpy(), num.numpy(), n_kv_blocks)
-
-    _check_once((block_indices, block_counts), n_kv_blocks, check)
-
-
-def check_offsets_once(name: str, cu: Tensor, total: int, block_elems: int) -> None:
-    """Eager value checks of packed offsets (a host read, once per tensor version); skipped
-    under torch.compile, where the kernels read them on the device only."""
-    if not torch.compiler.is_compiling():
-        _check_once((cu,), (name, total, block_elems),
-                    lambda: check_offsets(name, cu.cpu().numpy(), total, block_elems))
-
-
-def check_selection_once(p: AttnProblem, cu_q: Tensor, cu_k: Tensor, block_map=None, block_indices=None,
-                         block_counts=None) -> None:
-    """Eager: a packed selection may list only blocks of each query block's own sequence."""
-    if torch.compiler.is_compiling():
-        return
-    given = [t for t in (block_map, block_indices, block_counts) if t is not None]
-
-    def host(t):
-        return None if t is None else t.cpu().numpy()
-    _check_once((cu_q, cu_k, *given), ("selection", p),
-                lambda: check_varlen_selection(p, host(cu_q), host(cu_k), host(block_map), host(block_indices),
-                                               host(block_counts)))
 
 
 # ---- the operator: one forward and one backward for every call ---------------------------
@@ -271,50 +256,14 @@ def counts_tensor(name: str, counts) -> Tensor:
 
 
 def as_counts(name: str, counts, like: Tensor, block_elems: int) -> Tensor:
-    """Any integer array -> int32 tensor on q's device, values checked."""
-    if not isinstance(counts, Tensor):
-        counts = torch.as_tensor(counts)
-    if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer array, got dtype {counts.dtype}")
-    if torch.compiler.is_compiling():
-        pass  # traced: values unknown (torch.compile checks nothing on the host per call)
-    elif like.is_cuda and torch.cuda.is_current_stream_capturing():
-        # CUDA-graph capture: a host read of device counts or a copy of host counts to the
-        # device synchronises, which breaks the capture. The values were checked on the
-        # eager warm-up call that capture needs anyway; shapes and dtypes still are.
-        if not counts.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor while a CUDA graph is being captured (host "
-                             f"counts would be copied to the device with a synchronisation), got {counts.device}")
-    else:
-        check_counts_once(name, counts, block_elems)
-    return counts.to(device=like.device, dtype=torch.int32)
+    """Any integer array -> int32 tensor on q's device, values checked (eagerly)."""
+    return frontend.as_counts(TORCH, name, counts, like, block_elems)
 
 
 def check_devices(like: Tensor, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != like.device:
             raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
-
-
-def as_prefix(p: AttnProblem, prefix_blocks, like: Tensor, cu_q: Tensor, cu_k: Tensor) -> Optional[Tensor]:
-    """Packed calls: per-sequence prefix counts (p.seq_prefix; the problem checked their shape
-    and dtype) as int32 on q's device, None for an int (static in the problem). Eagerly their
-    values (an int's too) are checked against the offsets (a host read, once per tensor
-    version); under torch.compile not."""
-    if not p.has_prefix:
-        return None
-    counts = torch.as_tensor(prefix_blocks) if p.seq_prefix else None
-    if not torch.compiler.is_compiling():
-        tensors = (cu_q, cu_k) + ((counts,) if p.seq_prefix else ())
-        _check_once(tensors, ("prefix_blocks", p.prefix_blocks, p.block_elems),
-                    lambda: check_prefix_values(counts.cpu().numpy() if p.seq_prefix else p.prefix_blocks,
-                                                cu_q.cpu().numpy(), cu_k.cpu().numpy(), p.block_elems))
-    return counts.to(device=like.device, dtype=torch.int32).contiguous() if p.seq_prefix else None
-
-
-def as_offsets(name: str, cu: Tensor, like: Tensor) -> Tensor:
-    """int32 offsets on q's device (dtype checked by describe_varlen)."""
-    return cu.to(device=like.device).contiguous()
 
 
 def require_tensors(**tensors):
