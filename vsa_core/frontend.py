@@ -63,6 +63,14 @@ class FrontendAdapter:
     def device_info(self, x) -> DeviceInfo:
         raise NotImplementedError
 
+    def operands(self, packed: bool, **arrays) -> dict:
+        """The arrays as the operator takes them (None kept); packed: [total, ...] as a batch
+        of one, [1, total, ...]."""
+        raise NotImplementedError
+
+    def check_devices(self, like, **arrays) -> None:
+        """Raises for an array on another device than q (`like`), naming it."""
+
     def count_values(self, x) -> np.ndarray:
         """What `check_count_values` reads of counts: by default the values themselves."""
         return self.host(x)
@@ -165,3 +173,39 @@ def device_info(platform: str, index: Optional[int] = 0, capability=None) -> Dev
         capability = str(capability).split(".")[:2]
     return DeviceInfo("cuda", index or 0, tuple(int(c) for c in capability) if capability else None)
 
+
+
+# ---- a checked call's operator inputs ----------------------------------------------------------
+def vsa_inputs(fe: FrontendAdapter, p: AttnProblem, q, k, v, kv_counts, q_counts, gate=None, *, cu_seqlens_q=None,
+               cu_seqlens_k=None, prefix_blocks=0) -> dict:
+    """The operator's inputs (named as `vsa_core.spec.forward_inputs`) of a VSA call that
+    `vsa_core.api.prepare_vsa` checked: the values checked, the integer arrays coerced."""
+    fe.check_devices(q, k=k, v=v, compress_attn_weight=gate)
+    named = dict(kv_counts=as_counts(fe, "variable_block_sizes", kv_counts, q, p.block_elems),
+                 q_counts=as_counts(fe, "q_variable_block_sizes", q_counts, q, p.block_elems))
+    if p.varlen:
+        named.update(_packed_offsets(fe, p, q, cu_seqlens_q, cu_seqlens_k),
+                     seq_prefix=as_prefix(fe, p, prefix_blocks, q, cu_seqlens_q, cu_seqlens_k))
+    return {**fe.operands(p.varlen, q=q, k=k, v=v, gate=gate), **named}
+
+
+def block_sparse_inputs(fe: FrontendAdapter, p: AttnProblem, q, k, v, kv_counts, *, block_map=None,
+                        block_indices=None, block_counts=None, cu_seqlens_q=None, cu_seqlens_k=None) -> dict:
+    """The operator's inputs of a block-sparse call that `vsa_core.api.prepare_block_sparse`
+    checked (the selection a map or index lists)."""
+    fe.check_devices(q, k=k, v=v, block_map=block_map, block_indices=block_indices, block_counts=block_counts)
+    if block_indices is not None and not p.varlen:
+        check_index_lists(fe, block_indices, block_counts, p.n_kv_blocks)
+    named = dict(kv_counts=as_counts(fe, "variable_block_sizes", kv_counts, q, p.block_elems))
+    if p.varlen:
+        named.update(_packed_offsets(fe, p, q, cu_seqlens_q, cu_seqlens_k))
+        check_selection(fe, p, cu_seqlens_q, cu_seqlens_k, block_map=block_map, block_indices=block_indices,
+                        block_counts=block_counts)
+    selection = (dict(block_map=block_map) if block_map is not None
+                 else dict(given_idx=block_indices, given_num=block_counts))
+    return {**fe.operands(p.varlen, q=q, k=k, v=v, **selection), **named}
+
+
+def _packed_offsets(fe: FrontendAdapter, p: AttnProblem, q, cu_seqlens_q, cu_seqlens_k) -> dict:
+    return dict(cu_seqlens_q=as_offsets(fe, "cu_seqlens_q", cu_seqlens_q, q, p.q_len, p.block_elems),
+                cu_seqlens_k=as_offsets(fe, "cu_seqlens_k", cu_seqlens_k, q, p.kv_len, p.block_elems))

@@ -51,6 +51,10 @@ class JaxFrontend(frontend.FrontendAdapter):
     def int32(self, x, like) -> jax.Array:
         return jnp.asarray(x, dtype=jnp.int32)
 
+    def operands(self, packed: bool, **arrays) -> dict:
+        # packed: [total, H, D] -> [1, total, H, D] (BSHD, batch 1), a free reshape
+        return {n: None if x is None else jnp.asarray(x)[None] if packed else jnp.asarray(x) for n, x in arrays.items()}
+
     def device_info(self, x) -> DeviceInfo:
         """DeviceInfo of the device x lives on; under tracing (no device yet) the default device."""
         if isinstance(x, jax.Array) and not is_tracer(x):

@@ -18,6 +18,7 @@ from vsa_core.spec import AXES, PUBLIC_NAMES, forward_inputs
 
 from . import ops as _ops
 from . import spmd as _spmd
+from .adapter import JAX
 
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
@@ -28,11 +29,8 @@ def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size
                     layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
                     softmax_scale=softmax_scale, padding=padding).problem
     statics = _ops.statics_for(p, backend, q)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
-    gate = None if compress_attn_weight is None else jnp.asarray(compress_attn_weight)
-    return _split_call(statics, dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v), kv_counts=kv_counts,
-                                     q_counts=q_counts, gate=gate))[0]
+    return _split_call(statics, F.vsa_inputs(JAX, p, q, k, v, variable_block_sizes, q_variable_block_sizes,
+                                             compress_attn_weight))[0]
 
 
 # the spmd split's kind of each axes class of `vsa_core.spec.AXES`
@@ -80,15 +78,18 @@ def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.A
     _ops.require_counts(variable_block_sizes=variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
                              backend=backend, softmax_scale=softmax_scale, padding=padding).problem
+    return _bsa(p, backend, q, k, v, variable_block_sizes, block_map=block_map)
+
+
+def _bsa(p, backend, q, k, v, kv_counts, **selection) -> Tuple[jax.Array, jax.Array]:
+    """Block-sparse attention with the selection as a map or as lists; split over the devices
+    like _vsa when not packed."""
     statics = _ops.statics_for(p, backend, q)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _bsa(statics, q, k, v, kv_counts, block_map=jnp.asarray(block_map))
-
-
-def _bsa(statics, q, k, v, kv_counts, **selection):
-    """block-sparse attention with the selection as a map or as lists; split over devices like _vsa."""
-    out, lse = _split_call(statics, dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v), kv_counts=kv_counts,
-                                         **selection))
+    named = F.block_sparse_inputs(JAX, p, q, k, v, kv_counts, **selection)
+    if p.varlen:
+        out, lse = _ops.attend(statics, named)
+        return out[0], jax.lax.stop_gradient(lse[0])
+    out, lse = _split_call(statics, named)
     return out, jax.lax.stop_gradient(lse)
 
 
@@ -102,23 +103,10 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, layout=layout, backend=backend,
                              softmax_scale=softmax_scale, padding=padding).problem
-    F.check_index_lists(_ops.JAX, block_indices, block_counts, p.n_kv_blocks)
-    statics = _ops.statics_for(p, backend, q)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    return _bsa(statics, q, k, v, kv_counts, given_idx=jnp.asarray(block_indices),
-                given_num=jnp.asarray(block_counts))
+    return _bsa(p, backend, q, k, v, variable_block_sizes, block_indices=block_indices, block_counts=block_counts)
 
 
 # ---- packed variable-length sequences ------------------------------------------------------
-def _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k):
-    return (F.as_offsets(_ops.JAX, "cu_seqlens_q", cu_seqlens_q, None, p.q_len, p.block_elems),
-            F.as_offsets(_ops.JAX, "cu_seqlens_k", cu_seqlens_k, None, p.kv_len, p.block_elems))
-
-
-def _packed(x) -> jax.Array:
-    return jnp.asarray(x)[None]  # [total, H, D] -> [1, total, H, D] (BSHD, batch 1): a free reshape
-
-
 @documented("jax")
 def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q, cu_seqlens_k,
                              variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
@@ -131,15 +119,9 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
                     prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale,
                     padding=padding).problem
     statics = _ops.statics_for(p, backend, q)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, p.block_elems)
-    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
-    seq_prefix = F.as_prefix(_ops.JAX, p, prefix_blocks, None, cu_seqlens_q, cu_seqlens_k)
-    gate = None if compress_attn_weight is None else _packed(compress_attn_weight)
-    out, _ = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
-                                       q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                       seq_prefix=seq_prefix))
-    return out[0]
+    named = F.vsa_inputs(JAX, p, q, k, v, variable_block_sizes, q_variable_block_sizes, compress_attn_weight,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, prefix_blocks=prefix_blocks)
+    return _ops.attend(statics, named)[0][0]
 
 
 @documented("jax")
@@ -151,13 +133,8 @@ def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              softmax_scale=softmax_scale, padding=padding).problem
-    statics = _ops.statics_for(p, backend, q)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
-    F.check_selection(_ops.JAX, p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
-    out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
-                                         block_map=_packed(block_map), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
-    return out[0], jax.lax.stop_gradient(lse[0])
+    return _bsa(p, backend, q, k, v, variable_block_sizes, block_map=block_map, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k)
 
 
 @documented("jax")
@@ -170,14 +147,8 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, padding=padding).problem
-    statics = _ops.statics_for(p, backend, q)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, p.block_elems)
-    cu_q, cu_k = _varlen_offsets(p, cu_seqlens_q, cu_seqlens_k)
-    F.check_selection(_ops.JAX, p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices, block_counts=block_counts)
-    out, lse = _ops.attend(statics, dict(q=_packed(q), k=_packed(k), v=_packed(v), kv_counts=kv_counts,
-                                         given_idx=_packed(block_indices), given_num=_packed(block_counts),
-                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
-    return out[0], jax.lax.stop_gradient(lse[0])
+    return _bsa(p, backend, q, k, v, variable_block_sizes, block_indices=block_indices, block_counts=block_counts,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
 
 
 @documented("jax")

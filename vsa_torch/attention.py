@@ -15,23 +15,23 @@ from vsa_core.docs import documented
 from vsa_core.metadata import VSAMetadata
 
 from . import ops as _ops
+from .ops import TORCH
 
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
          backend, layout, prefix_blocks, prefix_mode, softmax_scale, padding) -> Tensor:
     _ops.require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
-    q_variable_block_sizes = _ops.counts_tensor("q_variable_block_sizes", q_variable_block_sizes)
-    p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
-                    layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
+    kv_counts = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
+    q_counts = _ops.counts_tensor("q_variable_block_sizes", q_variable_block_sizes)
+    p = prepare_vsa(q, k, v, kv_counts, q_counts, topk, block_size, compress_attn_weight, layout=layout,
+                    backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
                     softmax_scale=softmax_scale, padding=padding).problem
-    _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    E = p.block_elems
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
-    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, E)
-    gate = compress_attn_weight.contiguous() if compress_attn_weight is not None else None
-    return _ops.attend(p, backend, dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), kv_counts=kv_counts,
-                                        q_counts=q_counts, gate=gate))[0]
+    return _ops.attend(p, backend, F.vsa_inputs(TORCH, p, q, k, v, kv_counts, q_counts, compress_attn_weight))[0]
+
+
+def _bsa(p, backend, named) -> Tuple[Tensor, Tensor]:
+    out, lse, *_ = _ops.attend(p, backend, named)
+    return (out[0], lse[0]) if p.varlen else (out, lse)
 
 
 @documented("torch")
@@ -57,14 +57,10 @@ def block_sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_map: Tensor, variab
                       *, layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None,
                       padding: str = "zeros") -> Tuple[Tensor, Tensor]:
     _ops.require_tensors(q=q, k=k, v=v, block_map=block_map)
-    variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
-    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
-                             backend=backend, softmax_scale=softmax_scale, padding=padding).problem
-    _ops.check_devices(q, k=k, v=v, block_map=block_map)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-                                                kv_counts=kv_counts, block_map=block_map.contiguous()))
-    return out, lse
+    kv_counts = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
+    p = prepare_block_sparse(q, k, v, kv_counts, block_size, block_map=block_map, layout=layout, backend=backend,
+                             softmax_scale=softmax_scale, padding=padding).problem
+    return _bsa(p, backend, F.block_sparse_inputs(TORCH, p, q, k, v, kv_counts, block_map=block_map))
 
 
 @documented("torch")
@@ -73,25 +69,14 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
                                    backend: str = "auto", softmax_scale: Optional[float] = None,
                                    padding: str = "zeros") -> Tuple[Tensor, Tensor]:
     _ops.require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    variable_block_sizes = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
-    p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
-                             block_counts=block_counts, layout=layout, backend=backend,
-                             softmax_scale=softmax_scale, padding=padding).problem
-    _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    F.check_index_lists(_ops.TORCH, block_indices, block_counts, p.n_kv_blocks)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-                                                kv_counts=kv_counts, given_idx=block_indices.contiguous(),
-                                                given_num=block_counts.contiguous()))
-    return out, lse
+    kv_counts = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
+    p = prepare_block_sparse(q, k, v, kv_counts, block_size, block_indices=block_indices, block_counts=block_counts,
+                             layout=layout, backend=backend, softmax_scale=softmax_scale, padding=padding).problem
+    return _bsa(p, backend, F.block_sparse_inputs(TORCH, p, q, k, v, kv_counts, block_indices=block_indices,
+                                                  block_counts=block_counts))
 
 
 # ---- packed variable-length sequences ------------------------------------------------------
-def _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k):
-    return (F.as_offsets(_ops.TORCH, "cu_seqlens_q", cu_seqlens_q, q, p.q_len, p.block_elems),
-            F.as_offsets(_ops.TORCH, "cu_seqlens_k", cu_seqlens_k, q, p.kv_len, p.block_elems))
-
-
 @documented("torch")
 def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
@@ -99,23 +84,16 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
                              padding: str = "zeros") -> Tensor:
     _ops.require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight, cu_seqlens_q=cu_seqlens_q,
-                     cu_seqlens_k=cu_seqlens_k)
+                         cu_seqlens_k=cu_seqlens_k)
     if isinstance(prefix_blocks, (list, tuple)):
         prefix_blocks = torch.as_tensor(prefix_blocks)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale,
                     padding=padding).problem
-    _ops.check_devices(q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
-    cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
-    seq_prefix = F.as_prefix(_ops.TORCH, p, prefix_blocks, q, cu_seqlens_q, cu_seqlens_k)
-    gate = compress_attn_weight.contiguous()[None] if compress_attn_weight is not None else None
-    out = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None], v=v.contiguous()[None],
-                                       kv_counts=kv_counts, q_counts=q_counts, gate=gate, cu_seqlens_q=cu_q,
-                                       cu_seqlens_k=cu_k, seq_prefix=seq_prefix))[0]
-    return out[0]
+    named = F.vsa_inputs(TORCH, p, q, k, v, variable_block_sizes, q_variable_block_sizes, compress_attn_weight,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, prefix_blocks=prefix_blocks)
+    return _ops.attend(p, backend, named)[0][0]
 
 
 @documented("torch")
@@ -127,15 +105,8 @@ def block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              softmax_scale=softmax_scale, padding=padding).problem
-    _ops.check_devices(q, k=k, v=v, block_map=block_map)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
-    F.check_selection(_ops.TORCH, p, cu_seqlens_q, cu_seqlens_k, block_map=block_map)
-    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None],
-                                                v=v.contiguous()[None], kv_counts=kv_counts,
-                                                block_map=block_map.contiguous()[None], cu_seqlens_q=cu_q,
-                                                cu_seqlens_k=cu_k))
-    return out[0], lse[0]
+    return _bsa(p, backend, F.block_sparse_inputs(TORCH, p, q, k, v, variable_block_sizes, block_map=block_map,
+                                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
 
 
 @documented("torch")
@@ -145,21 +116,13 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
                                           softmax_scale: Optional[float] = None, padding: str = "zeros"
                                           ) -> Tuple[Tensor, Tensor]:
     _ops.require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts,
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, padding=padding).problem
-    _ops.check_devices(q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    cu_q, cu_k = _varlen_offsets(p, q, cu_seqlens_q, cu_seqlens_k)
-    F.check_selection(_ops.TORCH, p, cu_seqlens_q, cu_seqlens_k, block_indices=block_indices,
-                              block_counts=block_counts)
-    out, lse, *_ = _ops.attend(p, backend, dict(q=q.contiguous()[None], k=k.contiguous()[None],
-                                                v=v.contiguous()[None], kv_counts=kv_counts,
-                                                given_idx=block_indices.contiguous()[None],
-                                                given_num=block_counts.contiguous()[None], cu_seqlens_q=cu_q,
-                                                cu_seqlens_k=cu_k))
-    return out[0], lse[0]
+    return _bsa(p, backend, F.block_sparse_inputs(TORCH, p, q, k, v, variable_block_sizes,
+                                                  block_indices=block_indices, block_counts=block_counts,
+                                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
 
 
 @documented("torch")

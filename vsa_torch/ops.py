@@ -54,6 +54,14 @@ class TorchFrontend(FrontendAdapter):
     def device_info(self, x: Tensor) -> DeviceInfo:
         return _device_info(x.device.type, x.device.index)
 
+    def operands(self, packed: bool, **arrays) -> dict:
+        return {n: None if x is None else x.contiguous()[None] if packed else x.contiguous() for n, x in arrays.items()}
+
+    def check_devices(self, like: Tensor, **tensors) -> None:
+        for name, t in tensors.items():
+            if t is not None and t.device != like.device:
+                raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
+
     def count_values(self, x: Tensor) -> np.ndarray:
         return np.array([int(b) for b in torch.aminmax(x.to(torch.int64))])  # one device sync, not a copy
 
@@ -85,6 +93,7 @@ class TorchFrontend(FrontendAdapter):
 
 
 TORCH = TorchFrontend()
+check_devices = TORCH.check_devices
 
 
 def device_info(t: Tensor) -> DeviceInfo:
@@ -258,12 +267,6 @@ def counts_tensor(name: str, counts) -> Tensor:
 def as_counts(name: str, counts, like: Tensor, block_elems: int) -> Tensor:
     """Any integer array -> int32 tensor on q's device, values checked (eagerly)."""
     return frontend.as_counts(TORCH, name, counts, like, block_elems)
-
-
-def check_devices(like: Tensor, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.device != like.device:
-            raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
 
 
 def require_tensors(**tensors):
