@@ -4,8 +4,9 @@
 .dtype: torch tensors, jax arrays or tracers, numpy) and static arguments, run every
 shape / dtype / name check of `vsa_core.problem` once, and return a `PreparedCall`: the
 problem (with its normalised static arguments: tokens per block E, topk clamped to the
-number of KV blocks, the layout) and the checked backend name. What stays in a frontend
-is what only it can know: its array types, devices, and value checks of concrete arrays.
+number of KV blocks, the layout) and the checked backend name. The value checks of the
+arrays known on the host and the operator's inputs follow in `vsa_core.frontend`, over the
+frontend's adapter (what only it knows: its array types, devices, host reads).
 
 `op_statics` then resolves the backend for the arrays' device and returns the call's
 `vsa_core.spec.OpStatics`, the one static argument of the frontend's operator; inside it the

@@ -32,11 +32,24 @@ class FrontendAdapter:
 
     arrays = "CPU arrays"  # the warning that CPU arrays run under the interpreter names them so
     gpu = "arrays on a GPU"
+    array_types: tuple = ()  # what the public functions take as arrays, named as `array_kind`
+    array_kind = "an array"
 
     def __init__(self):
         self._checked: dict = {}
 
+    def require(self, **arrays) -> None:
+        """TypeError naming the first argument that is not one of the frontend's arrays (None: absent)."""
+        for name, x in arrays.items():
+            if x is not None and not isinstance(x, self.array_types):
+                raise TypeError(f"{name} must be {self.array_kind}, got {type(x).__name__}")
+
     # ---- what a frontend implements -------------------------------------------------------
+    def counts_array(self, name: str, counts):
+        """Counts as the problem's shape and dtype checks read them (TypeError naming `name`
+        for what cannot be counts)."""
+        raise NotImplementedError
+
     def concrete(self, *xs) -> bool:
         """Whether the values of xs can be read on the host now (not traced)."""
         raise NotImplementedError

@@ -32,6 +32,14 @@ class JaxFrontend(frontend.FrontendAdapter):
     """JAX and numpy arrays."""
 
     arrays, gpu = "JAX arrays on the CPU", "arrays on a GPU"
+    array_types, array_kind = (jax.Array, np.ndarray), "a jax.Array"
+
+    def counts_array(self, name: str, counts):
+        # a torch tensor here would otherwise fail deep inside numpy without naming the argument
+        if not isinstance(counts, (jax.Array, np.ndarray, list, tuple)):
+            raise TypeError(f"{name} must be a 1-D integer numpy or JAX array (or a list of ints), "
+                            f"got {type(counts).__module__}.{type(counts).__name__}")
+        return counts
 
     def concrete(self, *xs) -> bool:
         return not any(is_tracer(x) for x in xs)  # under jit only shapes and dtypes are known

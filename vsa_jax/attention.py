@@ -1,5 +1,6 @@
-"""The public functions of vsa_jax: each checks its call in the core (`vsa_core.api`), brings
-its arrays to the operator's form and runs the operator (`vsa_jax.ops`). Their docstrings are
+"""The public functions of vsa_jax: each checks its call in the core (`vsa_core.api`), gets
+the operator's inputs from the core over this frontend's adapter (`vsa_core.frontend`) and
+runs the operator (`vsa_jax.ops`). Their docstrings are
 the core's (`vsa_core.docs`)."""
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from .adapter import JAX
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
          backend, layout, prefix_blocks, prefix_mode, softmax_scale, padding) -> jax.Array:
-    _ops.require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    _ops.require_counts(variable_block_sizes=variable_block_sizes, q_variable_block_sizes=q_variable_block_sizes)
+    JAX.require(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    variable_block_sizes = JAX.counts_array("variable_block_sizes", variable_block_sizes)
+    q_variable_block_sizes = JAX.counts_array("q_variable_block_sizes", q_variable_block_sizes)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     layout=layout, backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
                     softmax_scale=softmax_scale, padding=padding).problem
@@ -74,8 +76,8 @@ def video_sparse_attn_bshd(q: jax.Array, k: jax.Array, v: jax.Array, variable_bl
 def block_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, block_map: jax.Array, variable_block_sizes,
                       block_size=64, *, layout: str = "bhsd", backend: str = "auto",
                       softmax_scale: Optional[float] = None, padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
-    _ops.require_arrays(q=q, k=k, v=v, block_map=block_map)
-    _ops.require_counts(variable_block_sizes=variable_block_sizes)
+    JAX.require(q=q, k=k, v=v, block_map=block_map)
+    variable_block_sizes = JAX.counts_array("variable_block_sizes", variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, layout=layout,
                              backend=backend, softmax_scale=softmax_scale, padding=padding).problem
     return _bsa(p, backend, q, k, v, variable_block_sizes, block_map=block_map)
@@ -98,8 +100,8 @@ def block_sparse_attn_from_indices(q: jax.Array, k: jax.Array, v: jax.Array, blo
                                    block_counts: jax.Array, variable_block_sizes, block_size=64, *,
                                    layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None,
                                    padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
-    _ops.require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    _ops.require_counts(variable_block_sizes=variable_block_sizes)
+    JAX.require(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    variable_block_sizes = JAX.counts_array("variable_block_sizes", variable_block_sizes)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, layout=layout, backend=backend,
                              softmax_scale=softmax_scale, padding=padding).problem
@@ -113,7 +115,7 @@ def video_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
                              compress_attn_weight: Optional[jax.Array] = None, *, backend: str = "auto",
                              prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
                              padding: str = "zeros") -> jax.Array:
-    _ops.require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    JAX.require(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     p = prepare_vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
                     backend=backend, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale,
@@ -129,7 +131,7 @@ def block_sparse_attn_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlen
                              block_map: jax.Array, variable_block_sizes, block_size=64, *, backend: str = "auto",
                              softmax_scale: Optional[float] = None,
                              padding: str = "zeros") -> Tuple[jax.Array, jax.Array]:
-    _ops.require_arrays(q=q, k=k, v=v, block_map=block_map)
+    JAX.require(q=q, k=k, v=v, block_map=block_map)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              softmax_scale=softmax_scale, padding=padding).problem
@@ -143,7 +145,7 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
                                           block_size=64, *, backend: str = "auto",
                                           softmax_scale: Optional[float] = None, padding: str = "zeros"
                                           ) -> Tuple[jax.Array, jax.Array]:
-    _ops.require_arrays(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    JAX.require(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, padding=padding).problem

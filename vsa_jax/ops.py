@@ -41,16 +41,7 @@ def _shape_dtypes(specs: dict, input_dtype) -> dict:
             for name, (shape, dt) in specs.items()}
 
 
-device_info = JAX.device_info
-
-
-def require_counts(**counts) -> None:
-    """Counts must be numpy or JAX arrays (or lists of ints): a torch tensor here would
-    otherwise fail deep inside numpy without naming the argument."""
-    for name, c in counts.items():
-        if c is not None and not isinstance(c, (jax.Array, np.ndarray, list, tuple)):
-            raise TypeError(f"{name} must be a 1-D integer numpy or JAX array (or a list of ints), "
-                            f"got {type(c).__module__}.{type(c).__name__}")
+device_info, require_arrays = JAX.device_info, JAX.require
 
 
 def as_counts(name: str, counts, block_elems: int) -> jax.Array:
@@ -199,9 +190,3 @@ def _attend_bwd(statics: OpStatics, residuals, cotangents):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def require_arrays(**arrays):
-    for name, x in arrays.items():
-        if x is not None and not isinstance(x, (jax.Array, np.ndarray)):
-            raise TypeError(f"{name} must be a jax.Array, got {type(x).__name__}")

@@ -1,5 +1,6 @@
-"""The public functions of vsa_torch: each checks its call in the core (`vsa_core.api`), brings
-its arrays to the operator's form and runs the operator (`vsa_torch.ops`). Their docstrings are
+"""The public functions of vsa_torch: each checks its call in the core (`vsa_core.api`), gets
+the operator's inputs from the core over this frontend's adapter (`vsa_core.frontend`) and
+runs the operator (`vsa_torch.ops`). Their docstrings are
 the core's (`vsa_core.docs`)."""
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from .ops import TORCH
 
 def _vsa(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size, compress_attn_weight,
          backend, layout, prefix_blocks, prefix_mode, softmax_scale, padding) -> Tensor:
-    _ops.require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    kv_counts = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
-    q_counts = _ops.counts_tensor("q_variable_block_sizes", q_variable_block_sizes)
+    TORCH.require(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    kv_counts = TORCH.counts_array("variable_block_sizes", variable_block_sizes)
+    q_counts = TORCH.counts_array("q_variable_block_sizes", q_variable_block_sizes)
     p = prepare_vsa(q, k, v, kv_counts, q_counts, topk, block_size, compress_attn_weight, layout=layout,
                     backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
                     softmax_scale=softmax_scale, padding=padding).problem
@@ -56,8 +57,8 @@ def video_sparse_attn_bshd(q: Tensor, k: Tensor, v: Tensor, variable_block_sizes
 def block_sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_map: Tensor, variable_block_sizes, block_size=64,
                       *, layout: str = "bhsd", backend: str = "auto", softmax_scale: Optional[float] = None,
                       padding: str = "zeros") -> Tuple[Tensor, Tensor]:
-    _ops.require_tensors(q=q, k=k, v=v, block_map=block_map)
-    kv_counts = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
+    TORCH.require(q=q, k=k, v=v, block_map=block_map)
+    kv_counts = TORCH.counts_array("variable_block_sizes", variable_block_sizes)
     p = prepare_block_sparse(q, k, v, kv_counts, block_size, block_map=block_map, layout=layout, backend=backend,
                              softmax_scale=softmax_scale, padding=padding).problem
     return _bsa(p, backend, F.block_sparse_inputs(TORCH, p, q, k, v, kv_counts, block_map=block_map))
@@ -68,8 +69,8 @@ def block_sparse_attn_from_indices(q: Tensor, k: Tensor, v: Tensor, block_indice
                                    variable_block_sizes, block_size=64, *, layout: str = "bhsd",
                                    backend: str = "auto", softmax_scale: Optional[float] = None,
                                    padding: str = "zeros") -> Tuple[Tensor, Tensor]:
-    _ops.require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
-    kv_counts = _ops.counts_tensor("variable_block_sizes", variable_block_sizes)
+    TORCH.require(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts)
+    kv_counts = TORCH.counts_array("variable_block_sizes", variable_block_sizes)
     p = prepare_block_sparse(q, k, v, kv_counts, block_size, block_indices=block_indices, block_counts=block_counts,
                              layout=layout, backend=backend, softmax_scale=softmax_scale, padding=padding).problem
     return _bsa(p, backend, F.block_sparse_inputs(TORCH, p, q, k, v, kv_counts, block_indices=block_indices,
@@ -83,7 +84,7 @@ def video_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              compress_attn_weight: Optional[Tensor] = None, *, backend: str = "auto",
                              prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale: Optional[float] = None,
                              padding: str = "zeros") -> Tensor:
-    _ops.require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight, cu_seqlens_q=cu_seqlens_q,
+    TORCH.require(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k)
     if isinstance(prefix_blocks, (list, tuple)):
         prefix_blocks = torch.as_tensor(prefix_blocks)
@@ -101,7 +102,7 @@ def block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              block_map: Tensor, variable_block_sizes, block_size=64, *, backend: str = "auto",
                              softmax_scale: Optional[float] = None,
                              padding: str = "zeros") -> Tuple[Tensor, Tensor]:
-    _ops.require_tensors(q=q, k=k, v=v, block_map=block_map, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    TORCH.require(q=q, k=k, v=v, block_map=block_map, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_map=block_map, backend=backend,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              softmax_scale=softmax_scale, padding=padding).problem
@@ -115,7 +116,7 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
                                           variable_block_sizes, block_size=64, *, backend: str = "auto",
                                           softmax_scale: Optional[float] = None, padding: str = "zeros"
                                           ) -> Tuple[Tensor, Tensor]:
-    _ops.require_tensors(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts,
+    TORCH.require(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts,
                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     p = prepare_block_sparse(q, k, v, variable_block_sizes, block_size, block_indices=block_indices,
                              block_counts=block_counts, backend=backend, cu_seqlens_q=cu_seqlens_q,

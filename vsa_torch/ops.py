@@ -29,6 +29,19 @@ class TorchFrontend(FrontendAdapter):
     """torch tensors for the core's checks and coercions (`vsa_core.frontend`)."""
 
     arrays, gpu = "CPU tensors", "CUDA tensors"
+    array_types, array_kind = (Tensor,), "a torch.Tensor"
+
+    def counts_array(self, name: str, counts) -> Tensor:
+        # a tensor before anything reads its shape or dtype: torch.compile traces a numpy array
+        # (e.g. `meta.variable_block_sizes`) as a tensor and cannot read the array's own
+        # attributes, while torch.as_tensor of it traces
+        if isinstance(counts, Tensor):
+            return counts
+        try:
+            return torch.as_tensor(counts)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} must be a 1-D integer array (numpy, torch or a list of ints), "
+                            f"got {type(counts).__name__}") from None
 
     def concrete(self, *xs) -> bool:
         return not torch.compiler.is_compiling()  # compiled: the kernels read the values on the device only
@@ -93,7 +106,7 @@ class TorchFrontend(FrontendAdapter):
 
 
 TORCH = TorchFrontend()
-check_devices = TORCH.check_devices
+check_devices, require_tensors = TORCH.check_devices, TORCH.require
 
 
 def device_info(t: Tensor) -> DeviceInfo:
@@ -251,25 +264,6 @@ def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:
     return run_forward(statics_for(p, backend, named), named)
 
 
-def counts_tensor(name: str, counts) -> Tensor:
-    """Counts as a tensor before anything reads their shape or dtype: torch.compile traces
-    a numpy array (e.g. `meta.variable_block_sizes`) as a tensor and cannot read the
-    array's own attributes, while torch.as_tensor of it traces."""
-    if isinstance(counts, Tensor):
-        return counts
-    try:
-        return torch.as_tensor(counts)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"{name} must be a 1-D integer array (numpy, torch or a list of ints), "
-                        f"got {type(counts).__name__}") from None
-
-
 def as_counts(name: str, counts, like: Tensor, block_elems: int) -> Tensor:
     """Any integer array -> int32 tensor on q's device, values checked (eagerly)."""
     return frontend.as_counts(TORCH, name, counts, like, block_elems)
-
-
-def require_tensors(**tensors):
-    for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
