@@ -82,7 +82,8 @@ class FrontendAdapter:
         raise NotImplementedError
 
     def check_devices(self, like, **arrays) -> None:
-        """Raises for an array on another device than q (`like`), naming it."""
+        """Raises for an array on another device than q (`like`), naming it. By default none
+        can be: JAX places the operands itself."""
 
     def count_values(self, x) -> np.ndarray:
         """What `check_count_values` reads of counts: by default the values themselves."""

@@ -225,7 +225,8 @@ def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
 def _statics_text(problem_fields: tuple, backend: str, device_type: str, device_index: Optional[int],
                   training: bool) -> str:
     p = AttnProblem(*problem_fields)
-    return op_statics(p, backend, _device_info(device_type, device_index), training=training).encode()
+    return op_statics(p, backend, _device_info(device_type, device_index), training=training, arrays=TORCH.arrays,
+                      gpu=TORCH.gpu).encode()
 
 
 @torch.compiler.assume_constant_result
