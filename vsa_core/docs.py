@@ -8,6 +8,8 @@ text to its function with `documented(name, frontend)`.
 
 from __future__ import annotations
 
+from .backends import names_text
+
 FRONTENDS = {
     "torch": dict(
         arrays="tensors",
@@ -95,7 +97,7 @@ DOCS = {
     rounded again), ties to the lower block index. `block_size`: E as an int, or the (t, h, w) tile of
     `build_vsa_metadata` (ints; t*h*w must be 64, 128 or 256). Counts: 1-D integer
     {count_kinds}, values in [0, E].
-    `backend`: "auto", "triton", "cute" or "cudnn" (VSA_BACKEND in the environment replaces "auto").
+    `backend`: {backend_names} (VSA_BACKEND in the environment replaces "auto").
     `variable_block_sizes` / `q_variable_block_sizes` values must lie in [0, E]:
     {count_values} (above E a full block, below 0 an empty one).
     `prefix_blocks` ({prefix_static}), `prefix_mode`: mixed modality (joint attention
@@ -173,6 +175,6 @@ def documented(frontend: str):
     words = FRONTENDS[frontend]
 
     def attach(fn):
-        fn.__doc__ = DOCS[fn.__name__].format(**words)
+        fn.__doc__ = DOCS[fn.__name__].format(**words, backend_names=names_text())
         return fn
     return attach

@@ -129,7 +129,7 @@ def as_counts(fe: FrontendAdapter, name: str, counts, like, block_elems: int):
 
 def check_index_lists(fe: FrontendAdapter, block_indices, block_counts, n_kv_blocks: int) -> None:
     """ValueError naming block_indices / block_counts for bad values, where they are known;
-    traced lists are bounded by the kernels instead (see vsa_core.triton_kernels)."""
+    traced lists are bounded by the kernels instead (see vsa_core.stage_kernels)."""
     if not fe.concrete(block_indices, block_counts):
         return
 

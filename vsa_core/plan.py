@@ -151,10 +151,11 @@ def _recording_getitem(original):
 def _capturing(recorder: _Recorder):
     """Every `kernel[grid](...)` of the Triton kernels on this thread records instead of
     launching; the attention kernels run their default config with pointer loads."""
-    from . import triton_kernels as K
+    from . import stage_kernels
     from .backends import triton_backend as T
 
-    kernel_types = {type(obj) for obj in vars(K).values() if hasattr(obj, "fn") and hasattr(obj, "run")}
+    kernel_types = {type(obj) for module in (stage_kernels, T.K) for obj in vars(module).values()
+                    if hasattr(obj, "fn") and hasattr(obj, "run")}
     tuned_type = getattr(T, "_TunedKernel", None)
     tuned = [obj for obj in vars(T).values() if tuned_type is not None and isinstance(obj, tuned_type)]
     with _record_lock:

@@ -80,8 +80,8 @@ from typing import Optional
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
+from ..stages import add_block_grad, mix_coarse, valid_rows_copy
 from .base import FineBackward, FineForward
-from .triton_backend import add_block_grad, mix_coarse, valid_rows_copy
 
 name = "cudnn"
 TESTED_VERSION = "1.32.0"
@@ -108,6 +108,11 @@ def _cudnn_import_error() -> Optional[str]:
         # we call its private forward (for out=): only the tested version is trusted
         return f"nvidia-cudnn-frontend {version} is installed, the cudnn backend is tested with {TESTED_VERSION}"
     return None
+
+
+def library_error() -> Optional[str]:
+    """Why this backend's library cannot be used here (None when it can): for strict test runs."""
+    return _cudnn_import_error()
 
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
