@@ -28,7 +28,7 @@ import numpy as np
 
 from vsa_core import reference as R
 from vsa_core.api import prepare_vsa
-from vsa_core.backends import BackendUnavailableError, _resolve
+from vsa_core.backends import CHOICES as BACKEND_CHOICES, BackendUnavailableError, _resolve
 from vsa_core.metadata import build_vsa_metadata
 
 # ||x - ref|| / ||ref|| bounds: bf16 keeps 8 significant bits, fp16 11 (see tests/common.py)
@@ -83,7 +83,7 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=_positive, default=2, help="attention heads; default 2")
     parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128), help="head dim D; default 64")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(THRESHOLD), help="default bfloat16")
-    parser.add_argument("--backend", default="auto", choices=("auto", "triton", "cute", "cudnn"),
+    parser.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
                         help="fine-stage backend; default auto")
     parser.add_argument("--frontend", default=None, choices=("torch", "jax"),
                         help="default torch where it is installed, else jax")

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
+from vsa_core.backends import NAMES as BACKEND_NAMES  # noqa: E402  (imports neither triton nor torch)
 
 
 def parse_args(argv=None):
@@ -40,7 +41,7 @@ def parse_args(argv=None):
                    help="override topk of every shape: topk = round((1 - sparsity) * number of KV blocks)")
     p.add_argument("--only", choices=("fine", "vsa"), default=None,
                    help="run only the fine stage (block_sparse_attn) or only the whole VSA; peers always run")
-    p.add_argument("--backends", default="triton,cute,cudnn", help="our fine-stage backends to run")
+    p.add_argument("--backends", default=",".join(BACKEND_NAMES), help="our fine-stage backends to run")
     p.add_argument("--frontends", default="eager,compile,jax",
                    help="eager (PyTorch), compile (torch.compile), jax (jax.jit)")
     p.add_argument("--peers", default="flex,sdpa,fa4,cudnn",

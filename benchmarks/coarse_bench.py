@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vsa_core.backends import triton_backend as T
+from vsa_core import stages as S
 from vsa_core.problem import describe_attention
 
 SHAPES = {
@@ -47,7 +47,7 @@ DTYPES = {"float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
 # code's backward kernels (a row band or a column band per program) are gone since issue 21:
 # "before" runs today's backward (their times, 1.05-1.10 ms at 480p-64, are in
 # results/2026-12-01-h200/)
-BEFORE_CONFIGS = {D: dict(configs, fwd=(64, 64, 4, 3)) for D, configs in T.COARSE_CONFIGS.items()}
+BEFORE_CONFIGS = {D: dict(configs, fwd=(64, 64, 4, 3)) for D, configs in S.COARSE_CONFIGS.items()}
 LINES = []
 
 
@@ -99,31 +99,31 @@ def select_before(p, b):
 
 
 def select_after(p, b):
-    T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
 
 
 def pool_before(p, b):
-    T.block_mean_pool(p, b["q"], b["q_counts"], b["q_pool"], p.q_len)
-    T.block_mean_pool(p, b["k"], b["kv_counts"], b["k_pool"], p.kv_len)
-    T.block_mean_pool(p, b["v"], b["kv_counts"], b["v_pool"], p.kv_len)
+    S.block_mean_pool(p, b["q"], b["q_counts"], b["q_pool"], p.q_len)
+    S.block_mean_pool(p, b["k"], b["kv_counts"], b["k_pool"], p.kv_len)
+    S.block_mean_pool(p, b["v"], b["kv_counts"], b["v_pool"], p.kv_len)
 
 
 def pool_after(p, b):
     """The pooling as vsa_core.ops.forward launches it."""
     if hasattr(T, "block_mean_pool_qkv"):
-        T.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"], b["k_pool"],
+        S.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"], b["k_pool"],
                               b["v_pool"])
     else:
         pool_before(p, b)
 
 
 def coarse_forward(p, b):
-    T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"], b["out_coarse"],
+    S.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"], b["out_coarse"],
                      b["lse_coarse"])
 
 
 def backward_stage(p, b):
-    T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"], b["lse_coarse"],
+    S.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"], b["lse_coarse"],
                       b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"], b["p_coarse"], b["ds_coarse"])
 
 
@@ -134,12 +134,12 @@ class Version:
         self.name, self.configs, self.pool, self.select = name, configs, pool, select
 
     def __enter__(self):
-        self.saved = T.COARSE_CONFIGS
-        T.COARSE_CONFIGS = self.configs
+        self.saved = S.COARSE_CONFIGS
+        S.COARSE_CONFIGS = self.configs
         return self
 
     def __exit__(self, *exc):
-        T.COARSE_CONFIGS = self.saved
+        S.COARSE_CONFIGS = self.saved
 
     def forward(self, p, b):
         self.pool(p, b)
@@ -171,7 +171,7 @@ def coarse_stage(shape, args, do_bench):
     p = describe_attention(q, k, v, block_size=E, layout="bhsd", kv_counts=counts, q_counts=counts, topk=topk)
     results = {}
     for version in (Version("before", BEFORE_CONFIGS, pool_before, select_before),
-                    Version("after", T.COARSE_CONFIGS, pool_after, select_after)):
+                    Version("after", S.COARSE_CONFIGS, pool_after, select_after)):
         b = buffers(p, q, k, v, counts)
         torch.manual_seed(1)
         b["dout_coarse"].normal_()
@@ -287,13 +287,13 @@ def main():
         return _do_bench(fn, warmup=20, rep=args.rep_ms, return_mode="median")
 
     if args.precision:
-        T.COARSE_DOT_PRECISION = args.precision
+        S.COARSE_DOT_PRECISION = args.precision
     shapes = args.shapes.split(",")
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-    say(f"coarse stage, {device_name}, {args.dtype}, precision {T.COARSE_DOT_PRECISION}, "
+    say(f"coarse stage, {device_name}, {args.dtype}, precision {S.COARSE_DOT_PRECISION}, "
         f"x16 q/k activations; ms, median")
     say(f"  before: 29bb075 configs {BEFORE_CONFIGS[128]} (D=128), 3 pool launches, 64-bit selection keys, 4 warps")
-    say(f"  after:  configs {T.COARSE_CONFIGS[128]} (D=128), selection warps {T.select_warps(1024)} per row "
+    say(f"  after:  configs {S.COARSE_CONFIGS[128]} (D=128), selection warps {S.select_warps(1024)} per row "
         f"(<= 1024 blocks)")
     say(f"{'shape':9s} {'version':7s} {'fwd':>8s} {'pool':>8s} {'coarse':>8s} {'select':>8s} {'bwd':>8s}  "
         f"{'out_c err':>9s} {'dq_c err':>9s} {'dk_c err':>9s} {'dv_c err':>9s}")

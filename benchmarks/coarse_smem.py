@@ -5,7 +5,7 @@ without running anything (no GPU needed; Triton's bundled ptxas does the last st
     PYTHONPATH=. python3 benchmarks/coarse_smem.py --arch 80 --precision tf32
 
 Prints bytes, registers and spilled bytes per kernel and head dim for
-`triton_backend.COARSE_CONFIGS` and exits 1 if one exceeds the shared-memory limit of a block
+`stages.COARSE_CONFIGS` and exits 1 if one exceeds the shared-memory limit of a block
 on that architecture (the issue-8 failure: 262656 > 232448 bytes on sm_90). Each compile
 takes seconds to half a minute.
 """
@@ -26,8 +26,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vsa_core import triton_kernels as K  # noqa: E402
-from vsa_core.backends import triton_backend as T  # noqa: E402
+from vsa_core import stage_kernels as K  # noqa: E402
+from vsa_core import stages as S  # noqa: E402
 
 # largest dynamic shared memory of one block, bytes
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -87,7 +87,7 @@ def ptxas_usage(ptx: str, arch: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, choices=sorted(SMEM_LIMIT))
-    parser.add_argument("--precision", default=T.COARSE_DOT_PRECISION, choices=["ieee", "tf32"])
+    parser.add_argument("--precision", default=S.COARSE_DOT_PRECISION, choices=["ieee", "tf32"])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--sweep", metavar="STAGE=TILES/WARPS/STAGES,...",
                         help="report these configs instead, e.g. ds=64x64/8/2,grads=64x8x64/4/2 (D=128)")
@@ -104,7 +104,7 @@ def main():
     limit = SMEM_LIMIT[args.arch]
     ok = True
     print(f"sm_{args.arch} (limit {limit} bytes), precision {args.precision}, triton {triton.__version__}")
-    for head_dim, stages in T.COARSE_CONFIGS.items():
+    for head_dim, stages in S.COARSE_CONFIGS.items():
         for stage, (*tiles, warps, n_stages) in stages.items():
             used, regs, spills = compile_report(stage, head_dim, tiles, warps, n_stages, args.precision, args.arch,
                                                 dtype=args.dtype)

@@ -24,7 +24,7 @@ sys.path[:0] = [os.path.dirname(HERE)]
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from vsa_core.backends import triton_backend as T  # noqa: E402
+from vsa_core import stages as S  # noqa: E402
 from vsa_core.problem import AttnProblem  # noqa: E402
 
 SHAPES = {"480p-64": (12, 39936, 64), "720p-256": (40, 92160, 256), "480p-256": (12, 39936, 256),
@@ -65,7 +65,7 @@ def main():
         global do_bench
         do_bench = lambda fn, **kw: (fn(), 0.0)[1]  # noqa: E731 - the interpreter: run once, no timing
     results = {}
-    defaults = {st: T.COARSE_CONFIGS[128][st] for st in ("ds", "grads", "fwd")}
+    defaults = {st: S.COARSE_CONFIGS[128][st] for st in ("ds", "grads", "fwd")}
     for shape in args.shapes.split(","):
         H, S, E = SHAPES[shape]
         n = S // E
@@ -83,17 +83,17 @@ def main():
              "P": torch.empty(1, H, n, n, **f32), "dS": torch.empty(1, H, n, n, **f32)}
 
         def fwd():
-            T.coarse_forward(p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
+            S.coarse_forward(p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
 
         def bwd():
-            T.coarse_backward(p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"], b["dv"], b["P"],
+            S.coarse_backward(p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"], b["dv"], b["P"],
                               b["dS"])
 
         ref = exact(qc[0], kc[0], vc[0], counts.bool(), dout[0])
         rows = {}
         for stage, cands in CANDIDATES.items():
             for cand in cands:
-                T.COARSE_CONFIGS[128] = dict(defaults, **{stage: cand})
+                S.COARSE_CONFIGS[128] = dict(defaults, **{stage: cand})
                 name = f"{stage} {cand}"
                 try:
                     for t in b.values():
@@ -108,23 +108,23 @@ def main():
                 except Exception as e:  # noqa: BLE001 - one failing config must not hide the rest
                     rows[name] = {"ms": float("nan"), "err": float("nan"), "ok": False, "error": repr(e)[:200]}
                 print(f"{shape} {name}: {rows[name]}", flush=True)
-        T.COARSE_CONFIGS[128] = dict(defaults)
+        S.COARSE_CONFIGS[128] = dict(defaults)
         # pooling of q, k, v (bf16 token tensors of the shape)
         q, k, v = (torch.randn(1, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
         pools = [torch.empty(1, H, n, D, device=dev, dtype=torch.bfloat16) for _ in range(3)]
         ref_pool = q.view(1, H, n, E, D).float().mean(3)
-        saved = T.POOL_CONFIG
+        saved = S.POOL_CONFIG
         for cand in POOL_CANDIDATES:
-            T.POOL_CONFIG = cand
-            T.block_mean_pool_qkv(p, q, k, v, counts, counts, *pools)
+            S.POOL_CONFIG = cand
+            S.block_mean_pool_qkv(p, q, k, v, counts, counts, *pools)
             keep = counts.bool()[None, None, :, None]
             err = rel(pools[0].float() * keep, ref_pool * keep)
-            ms = do_bench(lambda: T.block_mean_pool_qkv(p, q, k, v, counts, counts, *pools), warmup=10, rep=50,
+            ms = do_bench(lambda: S.block_mean_pool_qkv(p, q, k, v, counts, counts, *pools), warmup=10, rep=50,
                           return_mode="median")
             gbs = 3 * q.numel() * 2 / ms / 1e6 if ms else 0.0
             rows[f"pool {cand}"] = {"ms": ms, "err": err, "ok": err < 1e-2, "GB/s": gbs}
             print(f"{shape} pool {cand}: {rows[f'pool {cand}']}", flush=True)
-        T.POOL_CONFIG = saved
+        S.POOL_CONFIG = saved
         results[shape] = rows
         del q, k, v, pools, b
         torch.cuda.empty_cache()

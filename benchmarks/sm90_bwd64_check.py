@@ -244,6 +244,7 @@ def problem(case):
 
 def run_triton(case):
     from vsa_core.backends import triton_backend as T
+    from vsa_core import stages as S
     p, L = problem(case), case["layout"]
     g = alloc_grads(case)
     delta = bwd64().backward_delta(case["out"], case["dout"])
@@ -369,7 +370,7 @@ def real_shape(B=1, H=12, S=39936, D=128, topk=62, timing=True) -> dict:
         T.sparse_backward_dkdv(p, q, k, v, lse, do, delta, g["dk"], g["dv"], inv_idx, inv_num, counts)
 
     calls["triton fine backward (dq + dkdv)"] = triton_bwd
-    calls["triton preprocess (delta)"] = lambda: T.backward_preprocess(p, out32, do, delta)
+    calls["triton preprocess (delta)"] = lambda: S.backward_preprocess(p, out32, do, delta)
     try:
         from cudnn.block_sparse_attention import api as cudnn_api
 

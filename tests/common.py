@@ -21,6 +21,7 @@ except ImportError:
     torch = None
 
 from vsa_core import reference as R
+from vsa_core.backends import NAMES as BACKEND_NAMES, library_error
 from vsa_core.problem import resolve_softmax_scale
 
 # ---- strict mode --------------------------------------------------------------------------
@@ -29,7 +30,8 @@ from vsa_core.problem import resolve_softmax_scale
 # without FA4, cuDNN frontend or JAX's CUDA plugin cannot pass as green. A backend that is
 # installed but does not take a case (a block size, head dim or dtype it has no kernel for)
 # still skips, with its reason. Without a GPU the GPU tests skip as usual.
-STRICT_NAMES = ("cute", "cudnn", "jax")
+# the backends that call a library (every registered one but triton), and JAX's GPU plugin
+STRICT_NAMES = tuple(n for n in BACKEND_NAMES if n != "triton") + ("jax",)
 REQUIRED_BACKENDS = frozenset(n.strip() for n in os.environ.get("VSA_REQUIRE_BACKENDS", "").split(",") if n.strip())
 if REQUIRED_BACKENDS - set(STRICT_NAMES):
     raise ValueError(f"VSA_REQUIRE_BACKENDS must name some of {STRICT_NAMES}, got {sorted(REQUIRED_BACKENDS)}")
@@ -46,12 +48,8 @@ def _has_gpu() -> bool:
 
 def missing(name: str) -> Optional[str]:
     """Why `name`'s library cannot be used on this machine's GPU (None when it can)."""
-    if name == "cute":
-        from vsa_core.backends import cute_backend
-        return cute_backend._fa4_import_error()
-    if name == "cudnn":
-        from vsa_core.backends import cudnn_backend
-        return cudnn_backend._cudnn_import_error()
+    if name in BACKEND_NAMES:
+        return library_error(name)
     if name == "jax":
         import jax
         return None if jax.default_backend() == "gpu" else f"jax has no GPU backend ({jax.default_backend()})"
@@ -281,7 +279,7 @@ def kernel_selection(case: Case, inputs: dict, device: str, padding: str = "zero
     coarse forward and top-k launches of `vsa_core.ops.forward`, on `device`. Selection always
     runs on these Triton kernels, whatever the fine stage's backend and the frontend."""
     from vsa_core.api import prepare_vsa
-    from vsa_core.backends import triton_backend as T
+    from vsa_core import stages as S
     if torch is None:
         raise RuntimeError("a near-tie draw needs the kernel's selection, read here through torch (not installed)")
     dtype = getattr(torch, case.dtype)
@@ -291,10 +289,10 @@ def kernel_selection(case: Case, inputs: dict, device: str, padding: str = "zero
                     softmax_scale=case.softmax_scale, padding=padding).problem
     b = {name: torch.empty(shape, device=device, dtype=dtype if kind == "input" else getattr(torch, kind))
          for name, (shape, kind) in p.forward_buffers().items()}
-    T.block_mean_pool_qkv(p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
-    T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
+    S.block_mean_pool_qkv(p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
+    S.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
                      b["lse_coarse"])
-    T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
     return b["sel_mask"].bool().cpu().numpy()
 
 

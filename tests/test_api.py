@@ -10,10 +10,11 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from vsa_core import api, problem
+from vsa_core import api, problem, spec
 from vsa_core.backends import BACKENDS
 from vsa_core.backends.base import FineBackward, FineForward, FineStageBackend
 from vsa_core.problem import AttnProblem
+from vsa_core.spec import OpStatics
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,10 +40,9 @@ def test_op_problem_equals_the_prepared_problem_vsa(layout, gate, topk, training
                         padding=padding).problem
     p = dataclasses.replace(p, training=training)
     assert p.topk == min(topk, 4) and p.padding == padding
-    # the op gets the clamped topk from the torch frontend and the caller's from the JAX one
-    for given in (p.topk, topk):
-        assert api.op_problem(q, k, block_elems=64, layout=layout, selection="topk", topk=given, has_gate=gate,
-                              training=training, padding=padding) == p
+    statics = OpStatics.of(p, "triton", training=training)
+    assert statics.topk == p.topk and OpStatics.decode(statics.encode()) == statics
+    assert spec.op_problem(statics, dict(q=q, k=k)) == p
 
 
 @pytest.mark.parametrize("selection", ["block_map", "indices"])
@@ -53,9 +53,7 @@ def test_op_problem_equals_the_prepared_problem_block_sparse(selection, padding)
            dict(block_indices=Shaped(1, 2, 2, 3, dtype="int32"), block_counts=Shaped(1, 2, 2, dtype="int32")))
     p = api.prepare_block_sparse(q, k, k, np.full(3, 64), 64, **sel, padding=padding).problem
     assert p.selection == selection and p.topk is None and p.padding == padding
-    capacity = 3 if selection == "indices" else None  # the ops pass the lists' row length
-    assert api.op_problem(q, k, block_elems=64, layout="bhsd", selection=selection, list_capacity=capacity,
-                          padding=padding) == p
+    assert spec.op_problem(OpStatics.of(p, "triton"), dict(q=q, k=k)) == p
 
 
 @pytest.mark.parametrize("selection", ["topk", "block_map", "indices"])
@@ -74,10 +72,7 @@ def test_op_problem_equals_the_prepared_problem_varlen(selection):
                                      cu_seqlens_k=cu_k).problem
     assert p.n_seqs == 2 and p.list_capacity == (3 if selection == "indices" else None)
     packed_q, packed_k = Shaped(1, *q.shape), Shaped(1, *k.shape)  # what the ops see: BSHD, batch 1
-    got = api.op_problem(packed_q, packed_k, block_elems=64, layout="bshd", selection=selection,
-                         topk=3 if selection == "topk" else None, has_gate=selection == "topk", cu_seqlens_q=cu_q,
-                         list_capacity=3 if selection == "indices" else None)
-    assert got == p
+    assert spec.op_problem(OpStatics.of(p, "triton"), dict(q=packed_q, k=packed_k, cu_seqlens_q=cu_q)) == p
 
 
 def test_prepare_checks_the_arguments():
@@ -120,17 +115,17 @@ def _count_describes(monkeypatch):
 
 def test_torch_call_describes_the_problem_once(monkeypatch):
     """One full check per call (vsa_core.api.prepare_vsa); the op's own problem is the
-    cached rebuild (op_problem), not a second describe_attention."""
+    cached rebuild (vsa_core.spec.op_problem), not a second describe_attention."""
     q, k, v, kv_counts, q_counts = _small_call_inputs()
     args = [torch.from_numpy(x).to(DEVICE, torch.bfloat16) for x in (q, k, v)]
     calls = _count_describes(monkeypatch)
     with torch.no_grad():
         vsa_torch.video_sparse_attn(*args, kv_counts, q_counts, 1, 64)
     assert len(calls) == 1
-    hits = api._op_problem.cache_info().hits
+    hits = spec._op_problem.cache_info().hits
     with torch.no_grad():
         vsa_torch.video_sparse_attn(*args, kv_counts, q_counts, 1, 64)
-    assert len(calls) == 2 and api._op_problem.cache_info().hits > hits
+    assert len(calls) == 2 and spec._op_problem.cache_info().hits > hits
 
 
 def test_jax_call_describes_the_problem_once(monkeypatch):

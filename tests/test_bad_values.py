@@ -230,7 +230,7 @@ def test_torch_host_values_are_checked_every_call():
     through numpy (torch's version counter does not see it). CPU tensors on purpose (they
     alias numpy), on a GPU machine too: they run under the interpreter there
     (vsa_core.interpreter), with or without TRITON_INTERPRET."""
-    from vsa_core.backends import _interpreter_broken
+    from vsa_core.backends.triton_backend import _interpreter_broken
     if not INTERPRETING and _interpreter_broken():
         pytest.skip(_interpreter_broken())
     inputs = make_inputs(Case(batch=1, heads=1, n_q_blocks=1, n_kv_blocks=2), seed=84)
@@ -329,6 +329,7 @@ def test_clean_lists_apply_the_rule(packed):
     in range, counts within the capacity, 0 past the count. Packed: entries of another
     sequence are dropped first, then the rule."""
     from vsa_core.backends import triton_backend
+    from vsa_core import stages
     from vsa_core.problem import AttnProblem
 
     rng = np.random.default_rng(7 + packed)
@@ -353,7 +354,7 @@ def test_clean_lists_apply_the_rule(packed):
     out_idx = torch.full((B, H, nq, cap), -7, dtype=torch.int32, device=DEVICE)
     out_num = torch.full((B, H, nq), -7, dtype=torch.int32, device=DEVICE)
     seqs = (t(q_seq), t(kv_seq)) if packed else (None, None)
-    triton_backend.clean_lists(p, t(idx), t(num), out_idx, out_num, *seqs)
+    stages.clean_lists(p, t(idx), t(num), out_idx, out_num, *seqs)
     out_idx, out_num = out_idx.cpu().numpy(), out_num.cpu().numpy()
     kept = 0
     for row in np.ndindex(B, H, nq):

@@ -2,7 +2,7 @@
 
 The coarse kernels multiply fp32 tiles (P@V forward; dP, dQ, dK, dV backward). On the GPU
 Triton runs such a `tl.dot` as TF32 (inputs cut to 10-bit mantissas) unless told otherwise;
-`vsa_core.backends.triton_backend.COARSE_DOT_PRECISION` ("ieee" by default, read from
+`vsa_core.stages.COARSE_DOT_PRECISION` ("ieee" by default, read from
 VSA_COARSE_PRECISION at import) makes them exact fp32. The CPU interpreter computes fp32
 whatever that says.
 
@@ -40,6 +40,7 @@ import torch
 from common import Case, assert_close, make_inputs, reference
 from test_torch_vsa import run_torch
 from vsa_core.backends import triton_backend
+from vsa_core import stages as S
 from vsa_core.problem import AttnProblem
 
 HAS_CUDA = torch.cuda.is_available()
@@ -99,9 +100,9 @@ def run_coarse_stage(qc, kc, vc, counts, dout, device):
     scores, lse = torch.empty(1, H, nq, nk, **f32), torch.empty(1, H, nq, **f32)
     out, dq = torch.empty(1, H, nq, D, **f32), torch.empty(1, H, nq, D, **f32)
     dk, dv = torch.empty(1, H, nk, D, **f32), torch.empty(1, H, nk, D, **f32)
-    triton_backend.coarse_forward(p, q_pool, k_pool, v_pool, kv_counts, scores, out, lse)
+    S.coarse_forward(p, q_pool, k_pool, v_pool, kv_counts, scores, out, lse)
     workspaces = torch.empty(1, H, nq, nk, **f32), torch.empty(1, H, nq, nk, **f32)
-    triton_backend.coarse_backward(p, q_pool, k_pool, v_pool, kv_counts, out, lse, dout_c, dq, dk, dv, *workspaces)
+    S.coarse_backward(p, q_pool, k_pool, v_pool, kv_counts, out, lse, dout_c, dq, dk, dv, *workspaces)
     return {n: t[0].double().cpu() for n, t in (("out_c", out), ("dq_c", dq), ("dk_c", dk), ("dv_c", dv))}
 
 
@@ -156,8 +157,8 @@ def test_coarse_stage_is_fp32_accurate(dtype, head_dim, heads, n_q, n_kv, std):
         assert tf32_level > MIN_LEVEL_RATIO * fp32_level, f"this case cannot tell TF32 from fp32: {lines[-1]}"
         if not err < bound:
             over.append(lines[-1])
-    print(f"coarse dots {triton_backend.COARSE_DOT_PRECISION}: " + "; ".join(lines))
-    assert not over, f"coarse dots ({triton_backend.COARSE_DOT_PRECISION}) above the fp32 level: " + "; ".join(over)
+    print(f"coarse dots {S.COARSE_DOT_PRECISION}: " + "; ".join(lines))
+    assert not over, f"coarse dots ({S.COARSE_DOT_PRECISION}) above the fp32 level: " + "; ".join(over)
 
 
 def test_tf32_model_rounds_to_10_mantissa_bits():
@@ -221,10 +222,10 @@ def test_x16_gradients_match_float64_reference(case, structured):
 
 def test_coarse_dots_are_exact_fp32_by_default():
     """The launch options the coarse kernels get on the GPU: exact fp32 products, and
-    configs within the shared memory the comments in triton_backend measured."""
-    assert triton_backend.COARSE_DOT_PRECISION == os.environ.get("VSA_COARSE_PRECISION", "ieee")
-    assert set(triton_backend.COARSE_CONFIGS) == {64, 128}
-    for head_dim, stages in triton_backend.COARSE_CONFIGS.items():
+    configs within the shared memory the comments in vsa_core.stages measured."""
+    assert S.COARSE_DOT_PRECISION == os.environ.get("VSA_COARSE_PRECISION", "ieee")
+    assert set(S.COARSE_CONFIGS) == {64, 128}
+    for head_dim, stages in S.COARSE_CONFIGS.items():
         assert set(stages) == {"fwd", "ds", "grads"}
         for *tiles, warps, n_stages in stages.values():
             assert min(tiles) >= 16 and warps >= 1 and n_stages >= 1

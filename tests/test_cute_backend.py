@@ -17,6 +17,7 @@ import vsa_torch
 from common import Case, assert_close, errors, make_inputs, reference, skip_unavailable, to_layout
 from test_torch_vsa import run_torch
 from vsa_core.backends import BackendUnavailableError, cute_backend, resolve_backend, triton_backend
+from vsa_core import stages
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
 from vsa_torch.ops import device_info
@@ -202,7 +203,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate, padding):
     out_fine = torch.empty_like(out, dtype=torch.float32)
     lse_in = torch.randn(B, H, nq * E, generator=g)
     lse = lse_in.clone().to(DEV)
-    triton_backend.mix_coarse(p, out, lse, coarse.to(DEV), q_counts.to(DEV), gate=lay(gate_t) if gate else None,
+    stages.mix_coarse(p, out, lse, coarse.to(DEV), q_counts.to(DEV), gate=lay(gate_t) if gate else None,
                               out_fine=out_fine)
     c = coarse.repeat_interleave(E, dim=2)
     want = torch.where(keep, fine.float() + (gate_t.float() * c if gate else c), 0.0)
@@ -228,7 +229,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate, padding):
             x = torch.where(valid, x, torch.tensor(float("nan"), dtype=torch.bfloat16))
         pooled = torch.randn(B, H, nq, D, generator=g)
         got = lay(x.clone())
-        triton_backend.add_block_grad(p, got, pooled.to(DEV), counts.to(DEV), nq * E)
+        stages.add_block_grad(p, got, pooled.to(DEV), counts.to(DEV), nq * E)
         per_block = torch.where(counts[:, None] > 0, pooled / counts.clamp_min(1)[:, None].float(),
                                 torch.zeros(()))
         keep = valid if ignore else torch.ones_like(valid)  # "ignore": padded rows exactly 0

@@ -116,9 +116,11 @@ def test_cpu_call_leaves_triton_language_to_the_gpu_compiler():
 
 def test_other_devices_are_refused_with_a_reason(monkeypatch):
     from vsa_core import backends
+    from vsa_core.backends import triton_backend
     monkeypatch.setattr(backends, "INTERPRETING", False)  # as in a process without TRITON_INTERPRET
+    monkeypatch.setattr(triton_backend, "INTERPRETING", False)
     p = AttnProblem(batch=1, heads=1, q_len=128, kv_len=128, head_dim=64, block_elems=64, dtype="bfloat16", topk=1)
-    broken = backends._interpreter_broken()
+    broken = triton_backend._interpreter_broken()
     if broken is None:
         assert resolve_backend("triton", p, DeviceInfo("cpu")).name == "triton"
     else:  # CPU tensors need Triton's interpreter, which this triton + numpy cannot run: the call says so

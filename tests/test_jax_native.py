@@ -133,7 +133,7 @@ def test_schedule_feeds_each_kernel_its_buffers(stage, p):
 
 
 def test_recording_leaves_the_eager_launchers_as_they_were():
-    from vsa_core import triton_kernels as K
+    from vsa_core import stage_kernels as K
     kernel_type = type(K.topk_select_kernel)
     getitem, tma = kernel_type.__getitem__, T.USE_TMA
     tuned = [k.tuned for k in (T._sparse_fwd, T._sparse_bwd_dq, T._sparse_bwd_dkdv)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vsa_core import reference as R
-from vsa_core.backends import triton_backend
+from vsa_core import stages
 from vsa_core.problem import AttnProblem
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +37,7 @@ def run_kernel(scores: np.ndarray, topk: int):
     sel_num = torch.full((1, 1, rows), -7, dtype=torch.int32, device=DEV)
     sel_mask = torch.full((1, 1, rows, n), 7, dtype=torch.int8, device=DEV)
     s = torch.from_numpy(np.ascontiguousarray(scores, np.float32)).reshape(1, 1, rows, n).to(DEV)
-    triton_backend.topk_select(p, s, sel_idx, sel_num, sel_mask)
+    stages.topk_select(p, s, sel_idx, sel_num, sel_mask)
     return sel_idx.cpu().numpy().reshape(rows, cap), sel_num.cpu().numpy().reshape(rows), \
         sel_mask.cpu().numpy().reshape(rows, n)
 

@@ -195,7 +195,7 @@ def test_cpu_warning_points_at_the_callers_line(frontend, words, tmp_path):
     import pathlib
     import subprocess
     import sys
-    from vsa_core.backends import _interpreter_broken
+    from vsa_core.backends.triton_backend import _interpreter_broken
     if _interpreter_broken():
         pytest.skip(_interpreter_broken())
     script = tmp_path / "user_script.py"

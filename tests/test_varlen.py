@@ -36,6 +36,7 @@ import vsa_jax
 import vsa_torch
 from common import Case, assert_close, make_inputs, reference, skip_unavailable
 from vsa_core import reference as R
+from vsa_core.api import prepare_block_sparse
 from vsa_torch import ops as torch_ops
 
 GPU = torch.cuda.is_available()
@@ -311,12 +312,19 @@ def bsa_reference(pack: Pack, x: dict, bm: np.ndarray) -> dict:
 def run_torch_bsa(pack: Pack, x: dict, bm=None, lists=None, check=True, backend="auto", padding="zeros") -> dict:
     q, k, v = (torch.from_numpy(x[n]).to(DEVICE, BF16).requires_grad_() for n in ("q", "k", "v"))
     cu_q, cu_k = (torch.from_numpy(x[n]).to(DEVICE) for n in ("cu_q", "cu_k"))
-    if not check:  # the ops below the eager checks: what torch.compile runs
-        idx, num = (None, None) if lists is None else (torch.from_numpy(a)[None].to(DEVICE) for a in lists)
+    if not check:  # the op below the eager value checks: what torch.compile runs
         counts = torch.from_numpy(x["kv_counts"]).to(DEVICE, torch.int32)
-        out, lse = torch_ops.bsa_forward(q[None], k[None], v[None], counts,
-                                         None if bm is None else torch.from_numpy(bm)[None].to(DEVICE), idx, num,
-                                         pack.E, "bshd", backend, cu_q, cu_k, padding=padding)
+        if bm is None:
+            idx, num = (torch.from_numpy(a).to(DEVICE) for a in lists)
+            given = dict(block_indices=idx, block_counts=num)
+            selection = dict(given_idx=idx[None], given_num=num[None])
+        else:
+            given = dict(block_map=torch.from_numpy(bm).to(DEVICE))
+            selection = dict(block_map=given["block_map"][None])
+        p = prepare_block_sparse(q, k, v, counts, pack.block, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, padding=padding,
+                                 **given).problem
+        out, lse, *_ = torch_ops.attend(p, backend, dict(q=q[None], k=k[None], v=v[None], kv_counts=counts,
+                                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **selection))
         out, lse = out[0], lse[0]
     elif bm is not None:
         out, lse = vsa_torch.block_sparse_attn_varlen(q, k, v, cu_q, cu_k, torch.from_numpy(bm).to(DEVICE),

@@ -4,28 +4,27 @@
 .dtype: torch tensors, jax arrays or tracers, numpy) and static arguments, run every
 shape / dtype / name check of `vsa_core.problem` once, and return a `PreparedCall`: the
 problem (with its normalised static arguments: tokens per block E, topk clamped to the
-number of KV blocks, the layout) and the checked backend name. What stays in a frontend
-is what only it can know: its array types, devices, and value checks of concrete arrays.
+number of KV blocks, the layout) and the checked backend name. The value checks of the
+arrays known on the host and the operator's inputs follow in `vsa_core.frontend`, over the
+frontend's adapter (what only it knows: its array types, devices, host reads).
 
-Inside the operator (a torch.library custom op, which takes only tensors and scalars;
-a jax.custom_vjp, which may run on per-device shards under vsa_jax.spmd) the problem is
-rebuilt from the arrays' shapes and the static arguments by `op_problem`: a cache hit
-keyed on those statics, with no checks (they ran here).
+`op_statics` then resolves the backend for the arrays' device and returns the call's
+`vsa_core.spec.OpStatics`, the one static argument of the frontend's operator; inside it the
+problem is rebuilt from the statics and the arrays' shapes (`vsa_core.spec.op_problem`: a
+cache hit, with no checks: they ran here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import numpy as np
 
-from .backends import check_backend_name
-from .problem import (AttnProblem, BlockSize, check_block_map, check_index_lists, describe_attention,
-                      describe_varlen, dtype_name)
+from .backends import check_backend_name, resolve_backend
+from .problem import AttnProblem, BlockSize, check_block_map, check_index_lists, describe_attention, describe_varlen
+from .runtime import DeviceInfo
+from .spec import OpStatics
 
 
 @dataclass(frozen=True)
@@ -84,41 +83,11 @@ def prepare_block_sparse(q, k, v, kv_counts, block_size: BlockSize, *, block_map
     return PreparedCall(p, backend)
 
 
-def op_problem(q, k, *, block_elems: int, layout: str, selection: str, topk: Optional[int] = None,
-               has_gate: bool = False, training: bool = True, cu_seqlens_q=None,
-               list_capacity: Optional[int] = None, prefix_blocks: int = 0, prefix_mode: str = "exempt",
-               seq_prefix=None, softmax_scale: Optional[float] = None, padding: str = "zeros") -> AttnProblem:
-    """The problem of an operator call whose arguments `prepare_*` checked: rebuilt from q's
-    and k's shapes and dtype and the static arguments. Packed sequences (cu_seqlens_q given)
-    arrive as BSHD with batch 1; `seq_prefix`: their per-sequence prefix counts (an array)
-    if any; `softmax_scale`: the problem's (resolved) scale. Equal to the problem `prepare_*`
-    returned for the same arrays (the caches keyed on problems rely on it)."""
-    n_seqs = 0 if cu_seqlens_q is None else int(cu_seqlens_q.shape[0]) - 1
-    # int(): under torch.compile the static ints may arrive as SymInts, which are not hashable
-    return _op_problem(_ints(q.shape), _ints(k.shape), dtype_name(q.dtype), int(block_elems), layout, selection,
-                       None if topk is None else int(topk), bool(has_gate), bool(training), n_seqs,
-                       None if list_capacity is None else int(list_capacity), int(prefix_blocks), str(prefix_mode),
-                       seq_prefix is not None, None if softmax_scale is None else float(softmax_scale), str(padding))
-
-
-def _ints(shape) -> Tuple[int, ...]:
-    return tuple(int(s) for s in shape)  # also makes a traced (symbolic) size concrete, as the checks do
-
-
-@functools.lru_cache(maxsize=1024)
-def _op_problem(q_shape, k_shape, dtype, block_elems, layout, selection, topk, has_gate, training, n_seqs,
-                list_capacity, prefix_blocks, prefix_mode, seq_prefix, softmax_scale, padding) -> AttnProblem:
-    if layout == "bhsd":
-        batch, heads, q_len, head_dim = q_shape
-        kv_len = k_shape[2]
-    else:
-        batch, q_len, heads, head_dim = q_shape
-        kv_len = k_shape[1]
-    vsa = selection == "topk"
-    return AttnProblem(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-                       block_elems=block_elems, dtype=dtype, layout=layout,
-                       topk=min(int(topk), kv_len // block_elems) if vsa else None, has_gate=vsa and has_gate,
-                       selection=selection, training=training, n_seqs=n_seqs, list_capacity=list_capacity,
-                       prefix_blocks=prefix_blocks if vsa else 0,
-                       prefix_mode=prefix_mode if vsa and (prefix_blocks or seq_prefix) else "exempt",
-                       seq_prefix=vsa and seq_prefix, softmax_scale=softmax_scale, padding=padding)
+def op_statics(p: AttnProblem, backend: str, device: DeviceInfo, *, training: bool = True,
+               arrays: str = "CPU tensors", gpu: str = "CUDA tensors") -> OpStatics:
+    """The statics of a checked call on `device`: `backend` ("auto" or a name) resolved to the
+    backend that runs it (BackendUnavailableError says why none can); `training`: whether the
+    forward keeps what the backward needs. `arrays` / `gpu` name the frontend's arrays in the
+    warning that CPU arrays run under Triton's interpreter."""
+    impl = resolve_backend(backend, p, device, arrays=arrays, gpu=gpu)
+    return OpStatics.of(p, impl.name, training=training)

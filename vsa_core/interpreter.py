@@ -4,8 +4,10 @@ Triton decides between compiling and interpreting a function when `@triton.jit`
 decorates it (it reads TRITON_INTERPRET then), so a process that imported triton
 without TRITON_INTERPRET=1 holds only compiled kernels, and so does triton.language
 for its own jit helpers (`tl.zeros`, `tl.cumsum`, the reductions' combine functions).
-For CPU tensors this module loads `triton_kernels.py` a second time, as a separate
-module decorated under the interpreter, and runs each launch of it with
+For CPU tensors this module loads a kernels module (`stage_kernels.py`, a backend's own) a
+second time, as a separate module decorated under the interpreter (the device functions it
+imports from another kernels module rebound to that module's interpreted twin), and runs
+each launch of it with
 triton.language's jit helpers swapped for interpreted twins (restored afterwards, so
 CUDA launches in the same process are unaffected). With TRITON_INTERPRET=1 set before
 triton was imported (the tests' conftest), everything is interpreted already and the
@@ -29,7 +31,6 @@ import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from . import triton_kernels
 
 INTERPRETER_WARNING = ("vsa: {arrays} run the Triton kernels under Triton's interpreter. This path is for "
                        "testing and is slow (seconds to minutes for what a GPU does in milliseconds); use {gpu} "
@@ -141,16 +142,24 @@ class _InterpretedLaunch:
 
 
 @functools.lru_cache(maxsize=None)
-def interpreted_kernels():
-    """`triton_kernels` with every kernel interpreted (a second module object)."""
-    if isinstance(triton_kernels.block_mean_pool_kernel, InterpretedFunction):
-        return triton_kernels  # TRITON_INTERPRET=1 was set before triton was imported
+def interpreted_kernels(kernels):
+    """`kernels` (a module of Triton kernels) with every kernel interpreted (a second module object)."""
+    if any(isinstance(value, InterpretedFunction) for value in vars(kernels).values()):
+        return kernels  # TRITON_INTERPRET=1 was set before triton was imported
     warn_interpreted()  # a no-op when a frontend has warned already, with its own words
-    spec = importlib.util.spec_from_file_location("vsa_core._triton_kernels_interpreted", triton_kernels.__file__)
+    package, _, leaf = kernels.__name__.rpartition(".")
+    spec = importlib.util.spec_from_file_location(f"{package}._{leaf}_interpreted", kernels.__file__)
     module = importlib.util.module_from_spec(spec)
     with triton.knobs.runtime.scope():  # restores the knob and TRITON_INTERPRET afterwards
         triton.knobs.runtime.interpret = True
         spec.loader.exec_module(module)
+    # device functions imported from another kernels module were decorated compiled there, and an
+    # interpreted kernel cannot call a compiled one: the twin reads that module's twin instead
+    # (interpreted functions look their callees up in the module's globals at call time)
+    for name, value in list(vars(module).items()):
+        owner = sys.modules.get(getattr(getattr(value, "fn", None), "__module__", None) or "")
+        if isinstance(value, JITFunction) and owner is not None and owner.__name__.startswith("vsa_core."):
+            setattr(module, name, getattr(interpreted_kernels(owner), name))
     for name, value in list(vars(module).items()):
         if isinstance(value, InterpretedFunction) and name.endswith("_kernel"):
             setattr(module, name, _InterpretedLaunch(value))

@@ -1,7 +1,7 @@
 """The operators as sequences of launches on caller-provided buffers.
 
 This is the single entry point both frontends call. Each function takes the
-problem (from `vsa_core.api.prepare_*` / `op_problem`), the resolved backend, a dict of buffers
+problem (from `vsa_core.api.prepare_*` / `vsa_core.spec.op_problem`), the resolved backend, a dict of buffers
 (inputs, outputs and workspaces named as in `AttnProblem.forward_buffers` /
 `backward_buffers`), the stream to launch on and the frontend's `BufferAdapter`
 (`vsa_core.runtime`: how its buffers and stream reach the launchers; the default takes
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional
 
-from .backends import triton_backend as T
+from . import stages as S
 from .backends.base import FineBackward, FineForward
 from .problem import AttnProblem
 from .runtime import RAW_BUFFERS, BufferAdapter
@@ -36,8 +36,8 @@ def _sequence_ids(p: AttnProblem, b: dict) -> None:
     """Packed sequences: the sequence id of every query and KV block, from the offsets
     cu_seqlens_q / cu_seqlens_k (device inputs, never read on the host)."""
     if p.varlen:
-        T.block_seq_ids(p, b["cu_seqlens_q"], b["q_seq"], p.n_q_blocks)
-        T.block_seq_ids(p, b["cu_seqlens_k"], b["kv_seq"], p.n_kv_blocks)
+        S.block_seq_ids(p, b["cu_seqlens_q"], b["q_seq"], p.n_q_blocks)
+        S.block_seq_ids(p, b["cu_seqlens_k"], b["kv_seq"], p.n_kv_blocks)
 
 
 def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None,
@@ -56,17 +56,17 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
     with adapter.launch_scope(b["q"], stream):
         _sequence_ids(p, b)
         if p.is_vsa:
-            T.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
+            S.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
                                   b["k_pool"], b["v_pool"])
-            T.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
+            S.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
                              b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
-            T.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"], q_seq=b.get("q_seq"),
+            S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"], q_seq=b.get("q_seq"),
                           cu_seqlens_q=b.get("cu_seqlens_q"), cu_seqlens_k=b.get("cu_seqlens_k"),
                           seq_prefix=b.get("seq_prefix"))
         elif p.selection == "block_map":
-            T.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
+            S.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
         else:  # given lists: the entries that count by the rule (packed: of the query's own sequence)
-            T.clean_lists(p, b["given_idx"], b["given_num"], b["sel_idx"], b["sel_num"], b.get("q_seq"),
+            S.clean_lists(p, b["given_idx"], b["given_num"], b["sel_idx"], b["sel_num"], b.get("q_seq"),
                           b.get("kv_seq"))
         backend.sparse_forward(p, _fine_args(FineForward, b))
 
@@ -84,13 +84,13 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
             block_mask = b["block_map"]
         else:
             block_mask = b["sel_mask"]
-            T.lists_to_mask(p, b["sel_idx"], b["sel_num"], block_mask)
-        T.columns_to_lists(p, block_mask, b["inv_idx"], b["inv_num"])
-        T.backward_preprocess(p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"], gate=b.get("gate"),
+            S.lists_to_mask(p, b["sel_idx"], b["sel_num"], block_mask)
+        S.columns_to_lists(p, block_mask, b["inv_idx"], b["inv_num"])
+        S.backward_preprocess(p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"], gate=b.get("gate"),
                               out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
                               dout_coarse=b.get("dout_coarse"), q_counts=b.get("q_counts"))
         if p.is_vsa:
-            T.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
+            S.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
                               b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],
                               b["p_coarse"], b["ds_coarse"],
                               q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))

@@ -27,6 +27,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 from .problem import AttnProblem
 from .runtime import DeviceBuffer, DeviceInfo, Dtype
+from .spec import forward_results
 
 _META = DeviceInfo("meta")  # placeholders: compiled (not interpreted) kernels, nothing launched
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
@@ -150,10 +151,11 @@ def _recording_getitem(original):
 def _capturing(recorder: _Recorder):
     """Every `kernel[grid](...)` of the Triton kernels on this thread records instead of
     launching; the attention kernels run their default config with pointer loads."""
-    from . import triton_kernels as K
+    from . import stage_kernels
     from .backends import triton_backend as T
 
-    kernel_types = {type(obj) for obj in vars(K).values() if hasattr(obj, "fn") and hasattr(obj, "run")}
+    kernel_types = {type(obj) for module in (stage_kernels, T.K) for obj in vars(module).values()
+                    if hasattr(obj, "fn") and hasattr(obj, "run")}
     tuned_type = getattr(T, "_TunedKernel", None)
     tuned = [obj for obj in vars(T).values() if tuned_type is not None and isinstance(obj, tuned_type)]
     with _record_lock:
@@ -368,6 +370,6 @@ def forward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str
 
 
 def backward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str]]:
-    """The VSA backward's inputs: dout, the forward's inputs and what it kept (all but `scores`)."""
-    kept = {n: spec for n, spec in problem.forward_buffers().items() if n != "scores"}
+    """The VSA backward's inputs: dout, the forward's inputs and what it kept (`vsa_core.spec.forward_results`)."""
+    kept = {n: spec for n, spec in problem.forward_buffers().items() if n in forward_results(problem)}
     return {"dout": (problem.token_shape(problem.q_len), "input"), **forward_inputs(problem), **kept}

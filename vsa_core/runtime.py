@@ -230,7 +230,6 @@ def raw_cuda_launches(index: int, capability: Tuple[int, int], stream: int):
     _current.launch = (int(index), tuple(capability), int(stream))
     try:
         if torch_loaded():
-            from .backends._torch_views import caller_stream
             with caller_stream():
                 yield
         else:
@@ -238,6 +237,23 @@ def raw_cuda_launches(index: int, capability: Tuple[int, int], stream: int):
             yield
     finally:
         _current.launch = saved
+
+
+def caller_stream():
+    """Inside `raw_cuda_launches` (JAX): torch's current device and stream become the
+    scope's, for launches that go through torch (Triton's driver where torch is loaded, the
+    libraries of the cute and cudnn backends); elsewhere torch's own are the caller's already.
+    Called only where torch is loaded."""
+    launch = current_raw_launch()
+    if launch is None:
+        return contextlib.nullcontext()
+    import torch  # loaded already: the callers run where torch is
+
+    index, _, stream = launch
+    scope = contextlib.ExitStack()
+    scope.enter_context(torch.cuda.device(index))
+    scope.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", index))))
+    return scope
 
 
 class BufferAdapter:

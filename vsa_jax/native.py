@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from vsa_core import plan as core_plan
 from vsa_core.problem import AttnProblem
 
+from .adapter import default_device, device_info_of
+
 LAUNCH_MODES = ("callback", "native")
 FFI_TARGET = "triton_kernel_call_ffi"
 _launch_mode = None  # set_launch(); None: VSA_JAX_LAUNCH or "callback"
@@ -59,14 +61,12 @@ def selected(impl) -> bool:
 
 # ---- trace time ----------------------------------------------------------------------------------
 def _capability() -> int:
-    device = jax.config.jax_default_device
-    if device is None or isinstance(device, str):
-        device = jax.devices(device)[0]
+    device = default_device()
     if device.platform not in ("gpu", "cuda"):
         raise RuntimeError(f"launch='native' needs a CUDA device (got {device.platform}); "
                            "use the callback launch on the CPU")
-    major, minor = str(device.compute_capability).split(".")[:2]
-    return int(major) * 10 + int(minor)
+    major, minor = device_info_of(device).capability
+    return major * 10 + minor
 
 
 def _kernel_call(compiled: core_plan.CompiledLaunch, capability: int) -> bytes:
@@ -102,12 +102,9 @@ def native_program(stage: str, p: AttnProblem, inputs: Tuple[Tuple[str, Tuple[in
     return plan, steps, calls
 
 
-_DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8, "bool": jnp.bool_}
-
-
 def _result_type(spec, p: AttnProblem):
     shape, dtype = spec
-    return jax.ShapeDtypeStruct(shape, jnp.dtype(p.dtype) if dtype == "input" else _DTYPES[dtype])
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(p.dtype if dtype == "input" else dtype))
 
 
 def run(stage: str, p: AttnProblem, inputs: Dict[str, jax.Array]) -> Dict[str, jax.Array]:

@@ -41,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 from vsa_core.problem import block_elements
 from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
 
-from . import _ops, _require_arrays, video_sparse_attn_bshd
+from .attention import video_sparse_attn_bshd
+from .ops import as_counts, require_arrays
 
 __all__ = ["ulysses_video_sparse_attn", "ulysses_video_sparse_attn_on_mesh"]
 
@@ -84,7 +85,7 @@ def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable
     `softmax_scale` as in `video_sparse_attn` (one scale for the coarse and the fine branch).
     `padding` as in `video_sparse_attn`.
     """
-    _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     group_size = jax.lax.axis_size(axis_name)
     check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
                          block_size=block_size, topk=topk, group_size=group_size, prefix_blocks=prefix_blocks,
@@ -133,7 +134,7 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
     Returns the global output, sharded like the inputs. Works eagerly, under jax.jit and
     jax.grad; a thin wrapper of `jax.shard_map` over `ulysses_video_sparse_attn`.
     `prefix_blocks` / `prefix_mode` / `softmax_scale`: as in `ulysses_video_sparse_attn`."""
-    _require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     if axis_name not in mesh.shape:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     if batch_axis_name is not None and batch_axis_name not in mesh.shape:
@@ -144,8 +145,8 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
             raise ValueError(f"{name}'s sequence length {x.shape[1]} does not split into {group_size} equal shards "
                              f"over mesh axis {axis_name!r}")
     E = block_elements(block_size)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, E)
-    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, E)
+    kv_counts = as_counts("variable_block_sizes", variable_block_sizes, E)
+    q_counts = as_counts("q_variable_block_sizes", q_variable_block_sizes, E)
 
     tokens, replicated = P(batch_axis_name, axis_name), P()
     attend = functools.partial(ulysses_video_sparse_attn, topk=topk, block_size=block_size, axis_name=axis_name,

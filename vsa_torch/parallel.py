@@ -47,11 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vsa_core.problem import block_elements
 from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
 
-from . import _require_tensors, video_sparse_attn_bshd
-from . import ops as _ops
+from .attention import video_sparse_attn_bshd
+from .ops import as_counts, check_devices, require_tensors, run_backward, run_forward, statics_for
 
 __all__ = ["ulysses_video_sparse_attn"]
 
@@ -131,8 +130,7 @@ class _UlyssesVSA(torch.autograd.Function):
     backward exchanges dout, runs VSA's backward per chunk and sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, kv_counts, q_counts, topk, block_elems, backend, group, chunks, training,
-                prefix_blocks, prefix_mode, softmax_scale, padding):
+    def forward(ctx, q, k, v, gate, kv_counts, q_counts, call, group, chunks):
         P = dist.get_world_size(group)
         inputs = [q, k, v] + ([gate] if gate is not None else [])
         incoming = [_Exchange(inputs, group, P, c, to_heads=True) for c in chunks]
@@ -140,44 +138,33 @@ class _UlyssesVSA(torch.autograd.Function):
         outgoing, saved = [], []
         for c, exchange in zip(chunks, incoming):
             qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
-            gh = gh[0] if gh else None
-            results = _ops._vsa_fwd(qh, kh, vh, kv_counts, q_counts, gh, None, None, topk, block_elems, "bshd", backend,
-                                    training, None, prefix_blocks, prefix_mode, softmax_scale, padding)
+            named = dict(q=qh, k=kh, v=vh, kv_counts=kv_counts, q_counts=q_counts, gate=gh[0] if gh else None)
+            results = run_forward(call, named)
             outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
-            if training:
-                named = dict(zip(_ops._VSA_OUTPUTS, results))
-                saved += [qh, kh, vh] + ([gh] if gh is not None else []) + [named[n] for n in _ops._VSA_SAVED]
+            if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[1:4]):
+                saved.append((named, results))
         for c, exchange in zip(chunks, outgoing):
             _store_heads(out, exchange.finish()[0], c)
-        ctx.save_for_backward(kv_counts, q_counts, *saved)
-        ctx.static = (topk, block_elems, backend, group, chunks, gate is not None, prefix_blocks, prefix_mode,
-                      softmax_scale, padding)
-        ctx.kv_shape = k.shape
+        ctx.call, ctx.group, ctx.chunks, ctx.saved_chunks = call, group, chunks, saved
+        ctx.kv_shape, ctx.has_gate = k.shape, gate is not None
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        (topk, block_elems, backend, group, chunks, has_gate, prefix_blocks, prefix_mode, softmax_scale,
-         padding) = ctx.static
-        kv_counts, q_counts, *saved = ctx.saved_tensors
-        P = dist.get_world_size(group)
-        per_chunk = 3 + has_gate + len(_ops._VSA_SAVED)
-        incoming = [_Exchange([dout.contiguous()], group, P, c, to_heads=True) for c in chunks]
-        grads = [dout.new_empty(shape) for shape in (dout.shape, ctx.kv_shape, ctx.kv_shape, dout.shape)[:3 + has_gate]]
+        P = dist.get_world_size(ctx.group)
+        incoming = [_Exchange([dout.contiguous()], ctx.group, P, c, to_heads=True) for c in ctx.chunks]
+        shapes = (dout.shape, ctx.kv_shape, ctx.kv_shape, dout.shape)[:3 + ctx.has_gate]
+        grads = [dout.new_empty(shape) for shape in shapes]
         outgoing = []
-        for i, (c, exchange) in enumerate(zip(chunks, incoming)):
+        for c, exchange, (named, results) in zip(ctx.chunks, incoming, ctx.saved_chunks):
             douth = _sequence_of_heads(exchange.finish()[0])
-            qh, kh, vh, *rest = saved[i * per_chunk:(i + 1) * per_chunk]
-            gh, residuals = (rest[0], rest[1:]) if has_gate else (None, rest)
-            dq, dk, dv, dgate = _ops._vsa_bwd(douth, qh, kh, vh, kv_counts, q_counts, gh, None, None, residuals, topk,
-                                              block_elems, "bshd", backend, None, prefix_blocks, prefix_mode,
-                                              softmax_scale, padding)
-            outgoing.append(_Exchange([dq, dk, dv] + ([dgate] if has_gate else []), group, P, c, to_heads=False))
-        for c, exchange in zip(chunks, outgoing):
+            chunk_grads = run_backward(ctx.call, douth, named, results)
+            outgoing.append(_Exchange(chunk_grads, ctx.group, P, c, to_heads=False))
+        for c, exchange in zip(ctx.chunks, outgoing):
             for dest, recv in zip(grads, exchange.finish()):
                 _store_heads(dest, recv, c)
-        dgate = grads[3] if has_gate else None
-        return (grads[0], grads[1], grads[2], dgate) + (None,) * 12
+        ctx.saved_chunks = None
+        return (*grads[:3], grads[3] if ctx.has_gate else None) + (None,) * 5
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -209,7 +196,7 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     selection is the one-device selection. `softmax_scale` as in `video_sparse_attn` (one
     scale for the coarse and the fine branch).
     """
-    _require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
+    require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
     P = _group_size(group)
     p = check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
                              block_size=block_size, topk=topk, group_size=P, prefix_blocks=prefix_blocks,
@@ -219,13 +206,10 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
                                       compress_attn_weight, backend=backend, prefix_blocks=prefix_blocks,
                                       prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
     gate = compress_attn_weight
-    _ops.check_devices(q, k=k, v=v, compress_attn_weight=gate)
-    E = block_elements(block_size)
-    kv_counts = _ops.as_counts("variable_block_sizes", variable_block_sizes, q, E)
-    q_counts = _ops.as_counts("q_variable_block_sizes", q_variable_block_sizes, q, E)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate))
+    check_devices(q, k=k, v=v, compress_attn_weight=gate)
+    kv_counts = as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
+    q_counts = as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
+    call = statics_for(p, backend, dict(q=q, k=k, v=v, gate=gate))
     chunks = head_chunks(q.shape[2] // P)
     return _UlyssesVSA.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                             None if gate is None else gate.contiguous(), kv_counts, q_counts, int(topk), E,
-                             backend, group, chunks, training, p.prefix_blocks, p.prefix_mode, p.softmax_scale,
-                             p.padding)
+                             None if gate is None else gate.contiguous(), kv_counts, q_counts, call, group, chunks)

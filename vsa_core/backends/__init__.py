@@ -9,63 +9,102 @@ fastest first, per (architecture, block size, head dim, dtype), from a measured 
 DEFAULT_ORDER for shapes it has no entry for; `VSA_BACKEND` in the environment
 replaces "auto". Asking for a backend by name that cannot run raises
 BackendUnavailableError with the reason.
+
+`REGISTRY` is the one list of backends (the frontends' docstrings, the tests, demo.py and
+the benchmarks read it): a new backend is its module, one line there and its measured
+`auto_table` rows. Backend modules are imported on first use, so a backend whose module
+does not import (a broken library install) is unavailable with that error as its reason
+instead of breaking `import vsa_core`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
-
+import importlib
 import os
+from collections.abc import Mapping
+from typing import Optional, Tuple
 
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING, DeviceInfo
-from . import cudnn_backend, cute_backend, triton_backend
 from .auto_table import auto_order
 
-BACKENDS = {"triton": triton_backend, "cute": cute_backend, "cudnn": cudnn_backend}
+# name -> the module that implements `base.FineStageBackend`
+REGISTRY = {
+    "triton": "vsa_core.backends.triton_backend",
+    "cute": "vsa_core.backends.cute_backend",
+    "cudnn": "vsa_core.backends.cudnn_backend",
+}
+
+NAMES: Tuple[str, ...] = tuple(REGISTRY)
+CHOICES: Tuple[str, ...] = ("auto",) + NAMES
+
+
+def names_text(names=CHOICES) -> str:
+    """'"auto", "triton", "cute" or "cudnn"': the names as a docstring or a message lists them."""
+    quoted = [f'"{n}"' for n in names]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+class _Backends(Mapping):
+    """REGISTRY's modules by name, each imported when first asked for."""
+
+    def __getitem__(self, name):
+        return importlib.import_module(REGISTRY[name])
+
+    def __iter__(self):
+        return iter(REGISTRY)
+
+    def __len__(self):
+        return len(REGISTRY)
+
+
+BACKENDS = _Backends()
+
+
+@functools.lru_cache(maxsize=None)
+def import_error(name: str) -> Optional[str]:
+    """Why backend `name`'s module does not import (None when it does)."""
+    try:
+        BACKENDS[name]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def library_error(name: str) -> Optional[str]:
+    """Why the library behind backend `name` cannot be used on this machine (None when it can, or
+    when it calls none): its module's `library_error()`, or the module's own import error."""
+    err = import_error(name)
+    if err is not None:
+        return err
+    probe = getattr(BACKENDS[name], "library_error", None)
+    return probe() if probe is not None else None
+
+
+def unavailable_reason(name: str, problem: AttnProblem, device: DeviceInfo) -> Optional[str]:
+    """None when backend `name` can run `problem` on `device`, else why not."""
+    err = import_error(name)
+    if err is not None:
+        return f"its module {REGISTRY[name]} does not import ({err})"
+    return BACKENDS[name].unavailable_reason(problem, device)
 
 
 class BackendUnavailableError(RuntimeError):
     pass
 
 
-@functools.lru_cache(maxsize=None)
-def _interpreter_broken() -> Optional[str]:
-    """Why Triton's interpreter cannot run here, or None. Triton 3.6's interpreter converts
-    shape-(1,) arrays with int(), an error since numpy 2.4 (seen on the H200 machine: triton
-    3.6.0, numpy 2.5.2); with numpy < 2.4 it runs, and so do 3.7 - 3.9 with any numpy (CI runs
-    a subset on the lowest allowed Triton). The kernels avoid the interpreter's other numpy 2
-    trap (an unsigned all-ones filled with the Python int -1: no `~` on unsigned ints)."""
-    import numpy
-    import triton
-    tv = tuple(int(x) for x in triton.__version__.split(".")[:2])
-    nv = tuple(int(x) for x in numpy.__version__.split(".")[:2])
-    if tv <= (3, 6) and nv >= (2, 4):
-        return (f"CPU tensors run under Triton's interpreter, which in triton {triton.__version__} fails with "
-                f"numpy {numpy.__version__} (>= 2.4): use triton >= 3.7 or numpy < 2.4 for CPU tensors")
-    return None
-
-
-def _triton_unavailable(problem: AttnProblem, device: DeviceInfo):
-    # CPU tensors run the same kernels under Triton's interpreter (slow; for testing)
-    if device.kind == "cuda" or INTERPRETING:
-        return None
-    if device.kind == "cpu":
-        return _interpreter_broken()
-    return (f"the triton backend runs on CUDA tensors (or, slowly, on CPU tensors under Triton's "
-            f"interpreter), got {device.kind} tensors")
-
-
-triton_backend.unavailable_reason = _triton_unavailable
-
-
 def check_backend_name(backend) -> None:
     """TypeError / ValueError naming `backend` unless it is "auto" or a registered name."""
     if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
+        raise TypeError(f"backend must be a string, one of {CHOICES}, got {backend!r}")
+    if backend != "auto" and backend not in REGISTRY:
+        raise ValueError(f"backend must be one of {CHOICES}, got {backend!r}")
+
+
+def backend_named(name: str):
+    """The backend module registered as `name` (a resolved name: `OpStatics.backend`)."""
+    return BACKENDS[name]
 
 
 def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo, arrays: str = "CPU tensors",
@@ -73,7 +112,7 @@ def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo, arra
     """The backend module that runs `problem` on `device`. CPU arrays warn once per process
     that they run under the interpreter (`arrays` / `gpu` name the frontend's arrays)."""
     impl = _resolve(backend, problem, device)
-    if device.kind == "cpu" and impl is triton_backend and not INTERPRETING:
+    if device.kind == "cpu" and impl.name == "triton" and not INTERPRETING:
         from ..interpreter import warn_interpreted
         warn_interpreted(arrays, gpu)
     return impl
@@ -86,14 +125,14 @@ def _resolve(backend: str, problem: AttnProblem, device: DeviceInfo):
     if backend == "auto":
         reasons = []
         for candidate in auto_order(problem, device):
-            reason = BACKENDS[candidate].unavailable_reason(problem, device)
+            reason = unavailable_reason(candidate, problem, device)
             if reason is None:
                 return BACKENDS[candidate]
             reasons.append(f"{candidate}: {reason}")
         raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {('auto',) + tuple(BACKENDS)}, got {backend!r}")
-    reason = BACKENDS[backend].unavailable_reason(problem, device)
+    if backend not in REGISTRY:
+        raise ValueError(f"backend must be one of {CHOICES}, got {backend!r}")
+    reason = unavailable_reason(backend, problem, device)
     if reason is not None:
         raise BackendUnavailableError(f"backend={backend!r} cannot run this call: {reason}")
     return BACKENDS[backend]

@@ -5,17 +5,17 @@ Imported only when such a backend runs, so torch loads only then. Under vsa_torc
 buffers already are torch tensors on torch's current stream, and nothing changes. Under
 vsa_jax they are `DeviceBuffer`s over XLA's buffers: viewed as torch tensors through
 DLPack (zero-copy), and the launches go to the raw stream of the caller's
-`raw_cuda_launches` scope, made torch's current stream for the duration.
+`raw_cuda_launches` scope, made torch's current stream for the duration
+(`vsa_core.runtime.caller_stream`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 
-from ..runtime import DeviceBuffer, current_raw_launch
+from ..runtime import DeviceBuffer
 
 
 def as_torch(args):
@@ -25,16 +25,3 @@ def as_torch(args):
         return args
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     return type(args)(**{n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in fields.items()})
-
-
-def caller_stream():
-    """Inside `raw_cuda_launches` (JAX): torch's current device and stream become the
-    scope's; elsewhere torch's own are the caller's already."""
-    launch = current_raw_launch()
-    if launch is None:
-        return contextlib.nullcontext()
-    index, _, stream = launch
-    scope = contextlib.ExitStack()
-    scope.enter_context(torch.cuda.device(index))
-    scope.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", index))))
-    return scope

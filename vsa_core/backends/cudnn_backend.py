@@ -53,7 +53,7 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   other rows, so that their long tiles start first instead of forming the tail of cuDNN's
   grid (`_prefix_first_forward` says why; the backward is one call as without a prefix).
 - streams: every cuDNN BSA launch goes to `torch.cuda.current_stream()` of the current
-  device, which is the caller's (under JAX, `_torch_views.caller_stream` makes XLA's stream
+  device, which is the caller's (under JAX, `runtime.caller_stream` makes XLA's stream
   torch's current one; the backend's arguments are torch views of XLA's buffers), except
   the prefix rows' forward: a high-priority stream that waits for the caller's before and
   that the caller's waits for after (also under CUDA graph capture: a fork and a join).
@@ -79,9 +79,9 @@ import functools
 from typing import Optional
 
 from ..problem import AttnProblem
-from ..runtime import DeviceInfo
+from ..runtime import DeviceInfo, caller_stream
+from ..stages import add_block_grad, mix_coarse, valid_rows_copy
 from .base import FineBackward, FineForward
-from .triton_backend import add_block_grad, mix_coarse, valid_rows_copy
 
 name = "cudnn"
 TESTED_VERSION = "1.32.0"
@@ -108,6 +108,11 @@ def _cudnn_import_error() -> Optional[str]:
         # we call its private forward (for out=): only the tested version is trusted
         return f"nvidia-cudnn-frontend {version} is installed, the cudnn backend is tested with {TESTED_VERSION}"
     return None
+
+
+def library_error() -> Optional[str]:
+    """Why this backend's library cannot be used here (None when it can): for strict test runs."""
+    return _cudnn_import_error()
 
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
@@ -149,7 +154,7 @@ def _block_sizes(p: AttnProblem, kv_counts):
 
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(p: AttnProblem, a: FineForward):
-    from ._torch_views import as_torch, caller_stream  # torch loads with this backend's first call
+    from ._torch_views import as_torch  # torch loads with this backend's first call
     with caller_stream():
         _sparse_forward(p, as_torch(a))
 
@@ -221,7 +226,7 @@ def _prefix_first_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, b
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):
-    from ._torch_views import as_torch, caller_stream
+    from ._torch_views import as_torch
     with caller_stream():
         _sparse_backward(p, as_torch(a))
 

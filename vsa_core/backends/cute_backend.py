@@ -51,7 +51,7 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
 - Streams: FA4's kernels are compiled against TVM-FFI's environment stream, and
   each call with torch CUDA tensors sets that to torch's current stream of the
   tensors' device (tvm_ffi function.pxi, DLPack exchange API `current_work_stream`),
-  which is the caller's (under JAX, `_torch_views.caller_stream` makes XLA's stream
+  which is the caller's (under JAX, `runtime.caller_stream` makes XLA's stream
   torch's current one). Nothing else to do.
 
 Allocation: unlike the Triton backend, which allocates nothing, this backend
@@ -72,11 +72,11 @@ from typing import Optional
 
 import triton
 
-from .. import triton_kernels as K
 from ..problem import AttnProblem
-from ..runtime import DeviceInfo
+from ..runtime import DeviceInfo, caller_stream
+from ..stages import add_block_grad, mix_coarse, valid_rows_copy
+from . import cute_kernels as K
 from .base import FineBackward, FineForward
-from .triton_backend import add_block_grad, mix_coarse, valid_rows_copy
 
 name = "cute"
 INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, "
@@ -109,6 +109,11 @@ def _fa4_import_error() -> Optional[str]:
     except Exception as e:  # ImportError, or a cutlass-dsl / CUDA setup that fails at import
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def library_error() -> Optional[str]:
+    """Why this backend's library cannot be used here (None when it can): for strict test runs."""
+    return _fa4_import_error()
 
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
@@ -155,7 +160,7 @@ def sub_block_counts(p: AttnProblem, kv_counts: torch.Tensor, out: torch.Tensor)
 
 def forward_lists(p: AttnProblem, sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num) -> None:
     """FA4's query-owned full/mask lists ([B, H, nQ, C] int32, C = min(cap, nKV) * E/128) and
-    their counts ([B, H, nQ]) from our per-query-block lists (bounded: see triton_kernels)."""
+    their counts ([B, H, nQ]) from our per-query-block lists (bounded: see vsa_core.stage_kernels)."""
     cap = sel_idx.shape[-1]
     sub = _sub(p)
     K.fa4_fwd_lists_kernel[(p.batch * p.heads * p.n_q_blocks,)](
@@ -197,7 +202,7 @@ def _fa4():
 
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(p: AttnProblem, a: FineForward):
-    from ._torch_views import as_torch, caller_stream  # torch loads with this backend's first call
+    from ._torch_views import as_torch  # torch loads with this backend's first call
     with caller_stream():
         _sparse_forward(p, as_torch(a))
 
@@ -229,7 +234,7 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
 
 
 def sparse_backward(p: AttnProblem, a: FineBackward):
-    from ._torch_views import as_torch, caller_stream
+    from ._torch_views import as_torch
     with caller_stream():
         _sparse_backward(p, as_torch(a))
 

@@ -487,7 +487,7 @@ def backward_delta(out, dout, delta=None):
     torch for views the preprocess does not address (strides other than BHSD / BSHD contiguous)."""
     import torch
     from ..problem import AttnProblem
-    from . import triton_backend
+    from .. import stages as triton_backend  # the preprocess is a shared stage
 
     B, H, Sq, D = dout.shape
     if delta is None:
