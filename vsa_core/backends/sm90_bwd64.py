@@ -46,6 +46,27 @@ The order of the atomic reductions varies run to run: dq is not bitwise determin
 Registers, spills and shared memory per variant: benchmarks/sm90_bwd64_compile.py (0 spills; two
 CTAs per SM at stages=2).
 
+Variants (constructor options; the defaults are the configuration above, unchanged):
+  dq_red=True: dQ leaves by 16 `red.global.add.v4.f32` per thread straight from the accumulator
+    registers (after the dQ GEMM retired), at the same workspace addresses the staging uses (the
+    postprocess is unchanged). No staging store, no bulk reduction, 2 barriers per step instead of 3
+    (the slot refill and sdS's reuse are ordered by one barrier at the top of the next step, after
+    every warp's wait_group(0)). Prediction: per pair the kernel moves ~224 KiB through shared memory
+    (wgmma operands 120 KiB: S and dP are m64n64 SS GEMMs, 128 B/clk each, at the smem port's limit;
+    TMA 32, dS 8, dQ staging 32 + the bulk reduction's read 32) against 1280 tensor clocks at peak;
+    dropping the 64 KiB of the dQ staging brings the smem floor from ~1790 to ~1280 clk/pair, the
+    tensor floor. The L2 sees the same 32 KiB of fp32 adds per pair, as 256 vector requests of 128 B
+    instead of one bulk operation (cuDNN keeps a dedicated warp for the bulk path; FA2 used scalar
+    atomics). Expected +5-12% if shared memory and the barriers bind; a loss if L2's vector
+    reductions are slower than bulk ones (the thing to measure). Adds are FTZ (denormals flushed).
+  dk_overlap=True (with dq_red): dQ is issued before dK, the step waits only for dQ (wait_group(1)),
+    sends it, and goes on: dK retires under the next step's S / dP (they queue behind it in the
+    tensor pipe), and the barrier that frees the slot and sdS moves after the wait for S (which
+    implies dK of the step before). No wait_group(0) inside the loop; ptxas keeps the in-flight dK
+    across the back edge (no serialisation warning, no DEPBAR at the loop top: checked in the SASS).
+    Prediction: the per-step bubble between dQ retiring and the next S issue (reds, list read,
+    mbarrier wait) is hidden behind dK; +3-8% over dq_red; registers 251, no spills.
+
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
 of 8 elements and base addresses 16-byte aligned (TMA); lse, delta [B, H, Sq] fp32 with a
