@@ -1,6 +1,6 @@
 """Checks and times our sm_90 64-token-block backward (vsa_core/backends/sm90_bwd64.py) on one H200.
 
-    PYTHONPATH=. python3 benchmarks/sm90_bwd64_check.py [--no-timing] [--stages=2,3]   # logs, JSON to $OUT
+    PYTHONPATH=. python3 benchmarks/sm90_bwd64_check.py [--no-timing] [--variants=s2,red,redov]   # logs, JSON to $OUT
 
 Needs the CuTe stack (nvidia-cutlass-dsl 4.8.1; nvidia-cudnn-frontend 1.32 for the cuDNN row:
 ../shared/device/pack-cute.sh), like sm90_fwd64_check.py. Every case and every row runs in its own
@@ -24,7 +24,11 @@ try/except, so one failure does not hide the others.
 3. The real shape, B1 H12 S39936 D128 top-62 (random lists of exactly 62 ascending blocks per row,
    all blocks full, bf16): ours, the Triton backward and cuDNN BSA's backward against the float64
    reference (all 12 heads), then timed (triton.testing.do_bench, median). TFLOPS on sparse FLOPs
-   2.5 * 4 * B * H * D * Sq * topk * 64 / t. Printed as a table, last.
+   2.5 * 4 * B * H * D * Sq * topk * 64 / t. Printed as a table, last, with the variants' predictions.
+
+Every variant of VARIANTS (constructor options of the one kernel class; `s2` is the default
+configuration) runs every small case and the real shape; dk and dv must stay bitwise equal to the
+Triton backward's at the real shape (the variants change only the dQ path and the GEMM order).
 """
 
 from __future__ import annotations
@@ -51,7 +55,19 @@ LINES = []
 E = 64
 DEV = "cuda"
 GRADS = ("dq", "dk", "dv")
-STAGES = [2]
+# name: (prepare_backward64 options, prediction). Predictions are reasoning from the compiler's output
+# (benchmarks/sm90_bwd64_compile.py, SASS), not measurements.
+VARIANTS = {
+    "s2": (dict(stages=2), "the default: dQ staged in the Q/dO slot (32 KiB st.shared), one bulk reduction per pair"),
+    "red": (dict(stages=2, dq_red=True),
+            "dQ by 16 red.global.add.v4.f32 per thread from the registers: -64 KiB smem traffic per pair "
+            "(224 -> 160 KiB, the smem floor 1792 -> 1280 clk/pair), 3 -> 2 barriers; ~+5-12% if smem/barriers bind, "
+            "a loss if L2 vector reductions are slower than bulk ones"),
+    "redov": (dict(stages=2, dq_red=True, dk_overlap=True),
+              "red + dQ issued before dK, dK left in flight under the next S/dP (no wait_group(0) per step): "
+              "the reds overlap dK and the tensor pipe goes dK_j -> S_j+1 without a gap; ~+3-8% over red"),
+}
+ACTIVE = list(VARIANTS)
 
 
 def say(msg: str = "") -> None:
@@ -222,13 +238,13 @@ def alloc_grads(case):
     return dict(dq=new(q), dk=new(k), dv=new(k))
 
 
-def run_ours(case, stages=2):
+def run_ours(case, variant="s2"):
     g = alloc_grads(case)
     delta = bwd64().backward_delta(case["out"], case["dout"])
     bwd64().sparse_backward64(case["q"], case["k"], case["v"], case["out"], case["dout"], case["lse"],
                               g["dq"], g["dk"], g["dv"], case.get("inv_idx_kernel", case["inv_idx"]),
                               case.get("inv_num_kernel", case["inv_num"]), case["kv_counts"], delta=delta,
-                              softmax_scale=case["softmax_scale"], stages=stages)
+                              softmax_scale=case["softmax_scale"], **VARIANTS[variant][0])
     torch.cuda.synchronize()
     return g
 
@@ -288,12 +304,12 @@ CASES = [
 def check_small() -> list:
     results = []
     say("== correctness vs float64 (rel-L2 < 1e-2, 3e-2 at x16), and rel-L2 to the Triton backward")
-    for stages in STAGES:
+    for variant in ACTIVE:
         for i, (label, mk) in enumerate(CASES):
-            name = f"s{stages} {label}"
+            name = f"{variant} {label}"
             try:
                 case = make_case(1000 + i, **mk)
-                got = run_ours(case, stages)
+                got = run_ours(case, variant)
                 bound = 3e-2 if mk.get("scale", 1.0) > 1 else 1e-2
                 errs = {n: rel(got[n], case["ref"][n]) for n in GRADS}
                 ok = all(e < bound for e in errs.values())
@@ -342,26 +358,26 @@ def real_shape(B=1, H=12, S=39936, D=128, topk=62, timing=True) -> dict:
     del ref["out"], ref["lse"]
     delta = bwd64().backward_delta(out32, do)
     grads = {name: dict(dq=torch.full_like(q, math.nan), dk=torch.full_like(k, math.nan),
-                        dv=torch.full_like(k, math.nan)) for name in ("ours", "triton", "cudnn")}
+                        dv=torch.full_like(k, math.nan)) for name in ["triton", "cudnn"] + ACTIVE}
     case = dict(q=q, k=k, layout="bhsd", softmax_scale=scale)
     p = problem(case)
     calls = {}
 
-    def ours_prepared(stages):
+    def ours_prepared(variant):
         held = {}
 
         def call():
             if "launch" not in held:
-                g = grads["ours"]
+                g = grads[variant]
                 held["launch"] = bwd64().prepare_backward64(q, k, v, do, lse, delta, g["dq"], g["dk"], g["dv"],
                                                             inv_idx, inv_num, counts, softmax_scale=scale,
-                                                            stages=stages)
+                                                            **VARIANTS[variant][0])
             held["launch"]()
         return call
 
-    for stages in STAGES:
-        calls[f"ours sm90_bwd64 s{stages}"] = ours_prepared(stages)
-    first = f"ours sm90_bwd64 s{STAGES[0]}"
+    for variant in ACTIVE:
+        calls[f"ours sm90_bwd64 {variant}"] = ours_prepared(variant)
+    first = f"ours sm90_bwd64 {ACTIVE[0]}"
     calls[first + " + preprocess"] = lambda: (bwd64().backward_delta(out32, do, delta), calls[first]())
 
     def triton_bwd():
@@ -391,7 +407,7 @@ def real_shape(B=1, H=12, S=39936, D=128, topk=62, timing=True) -> dict:
         try:
             fn()
             torch.cuda.synchronize()
-            key = "ours" if name.startswith("ours") else name.split()[0].lower()
+            key = name.split()[2] if name.startswith("ours") else name.split()[0].lower()
             errs = {g: rel(grads[key][g], ref[g]) for g in GRADS}
             result["accuracy"][name] = errs
             say(f"    {name:36s} " + "  ".join(f"{g} {e:.1e}" for g, e in errs.items()))
@@ -399,11 +415,16 @@ def real_shape(B=1, H=12, S=39936, D=128, topk=62, timing=True) -> dict:
             result["accuracy"][name] = dict(error=f"{type(e).__name__}: {e}")
             say(f"    {name:36s} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             traceback.print_exc()
-    try:
-        vs = {g: rel(grads["ours"][g], grads["triton"][g].double()) for g in GRADS}
-        say("    ours vs triton                       " + "  ".join(f"{g} {e:.1e}" for g, e in vs.items()))
-    except Exception:
-        pass
+    result["bitwise_dkdv"] = {}
+    for variant in ACTIVE:
+        try:
+            vs = {g: rel(grads[variant][g], grads["triton"][g].double()) for g in GRADS}
+            same = all(torch.equal(grads[variant][g], grads["triton"][g]) for g in ("dk", "dv"))
+            result["bitwise_dkdv"][variant] = same
+            say(f"    ours {variant:6s} vs triton                " + "  ".join(f"{g} {e:.1e}" for g, e in vs.items())
+                + f"  dk, dv bitwise equal: {'yes' if same else 'NO'}")
+        except Exception as e:
+            say(f"    ours {variant} vs triton: ERROR {type(e).__name__}: {e}")
     del ref
     torch.cuda.empty_cache()
     if not timing:
@@ -431,9 +452,12 @@ def main(argv) -> int:
         say(f"nvidia-cutlass-dsl {getattr(cutlass, '__version__', '?')}")
     except Exception as e:
         say(f"cutlass does not import: {type(e).__name__}: {e}")
-    stages = next((a.split("=", 1)[1] for a in argv if a.startswith("--stages=")), None)
-    if stages:
-        STAGES[:] = [int(s) for s in stages.split(",")]
+    chosen = next((a.split("=", 1)[1] for a in argv if a.startswith("--variants=")), None)
+    if chosen:
+        ACTIVE[:] = [v for v in chosen.split(",") if v]
+        unknown = [v for v in ACTIVE if v not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=torch.cuda.get_device_name())
     t0 = time.perf_counter()
     ok = True
@@ -447,9 +471,12 @@ def main(argv) -> int:
     ok = ok and all(r.get("ok") for r in result["correctness"])
     try:
         result["real_shape"] = real_shape(timing="--no-timing" not in argv)
-        acc = result["real_shape"]["accuracy"].get(f"ours sm90_bwd64 s{STAGES[0]}", {})
-        real_ok = all(isinstance(acc.get(g), float) and acc[g] < 1e-2 for g in GRADS)
-        say(f"  real shape accuracy: {'ok' if real_ok else 'FAIL'} (rel-L2 < 1e-2)")
+        real_ok = True
+        for variant in ACTIVE:
+            acc = result["real_shape"]["accuracy"].get(f"ours sm90_bwd64 {variant}", {})
+            real_ok = real_ok and all(isinstance(acc.get(g), float) and acc[g] < 1e-2 for g in GRADS)
+        real_ok = real_ok and all(result["real_shape"].get("bitwise_dkdv", {}).get(v, False) for v in ACTIVE)
+        say(f"  real shape accuracy: {'ok' if real_ok else 'FAIL'} (rel-L2 < 1e-2, dk dv bitwise = triton)")
         ok = ok and real_ok
     except Exception as e:
         say(f"  real shape ERROR {type(e).__name__}: {e}")
@@ -457,9 +484,15 @@ def main(argv) -> int:
         ok = False
     timing = result.get("real_shape", {}).get("timing", [])
     if timing:
-        say("\n| row | ms | TFLOPS |\n| --- | --- | --- |")
+        cudnn_ms = next((r["ms"] for r in timing if r["name"].startswith("cuDNN") and "ms" in r), None)
+        say("\n| row | ms | TFLOPS | / cuDNN (target >= 1.25) |\n| --- | --- | --- | --- |")
         for r in timing:
-            say(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} |" if "ms" in r else f"| {r['name']} | error | - |")
+            ratio = f"{cudnn_ms / r['ms']:.3f}" if cudnn_ms and "ms" in r else "-"
+            say(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {ratio} |" if "ms" in r
+                else f"| {r['name']} | error | - | - |")
+        say("\n| variant | prediction (from the compile reports, not measured) |\n| --- | --- |")
+        for v in ACTIVE:
+            say(f"| {v} | {VARIANTS[v][1]} |")
     say(f"\ncorrectness: {'all ok' if ok else 'FAILURES'}  ({time.perf_counter() - t0:.0f} s)")
     if OUT:
         os.makedirs(OUT, exist_ok=True)

@@ -46,6 +46,27 @@ The order of the atomic reductions varies run to run: dq is not bitwise determin
 Registers, spills and shared memory per variant: benchmarks/sm90_bwd64_compile.py (0 spills; two
 CTAs per SM at stages=2).
 
+Variants (constructor options; the defaults are the configuration above, unchanged):
+  dq_red=True: dQ leaves by 16 `red.global.add.v4.f32` per thread straight from the accumulator
+    registers (after the dQ GEMM retired), at the same workspace addresses the staging uses (the
+    postprocess is unchanged). No staging store, no bulk reduction, 2 barriers per step instead of 3
+    (the slot refill and sdS's reuse are ordered by one barrier at the top of the next step, after
+    every warp's wait_group(0)). Prediction: per pair the kernel moves ~224 KiB through shared memory
+    (wgmma operands 120 KiB: S and dP are m64n64 SS GEMMs, 128 B/clk each, at the smem port's limit;
+    TMA 32, dS 8, dQ staging 32 + the bulk reduction's read 32) against 1280 tensor clocks at peak;
+    dropping the 64 KiB of the dQ staging brings the smem floor from ~1790 to ~1280 clk/pair, the
+    tensor floor. The L2 sees the same 32 KiB of fp32 adds per pair, as 256 vector requests of 128 B
+    instead of one bulk operation (cuDNN keeps a dedicated warp for the bulk path; FA2 used scalar
+    atomics). Expected +5-12% if shared memory and the barriers bind; a loss if L2's vector
+    reductions are slower than bulk ones (the thing to measure). Adds are FTZ (denormals flushed).
+  dk_overlap=True (with dq_red): dQ is issued before dK, the step waits only for dQ (wait_group(1)),
+    sends it, and goes on: dK retires under the next step's S / dP (they queue behind it in the
+    tensor pipe), and the barrier that frees the slot and sdS moves after the wait for S (which
+    implies dK of the step before). No wait_group(0) inside the loop; ptxas keeps the in-flight dK
+    across the back edge (no serialisation warning, no DEPBAR at the loop top: checked in the SASS).
+    Prediction: the per-step bubble between dQ retiring and the next S issue (reds, list read,
+    mbarrier wait) is hidden behind dK; +3-8% over dq_red; registers 251, no spills.
+
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
 of 8 elements and base addresses 16-byte aligned (TMA); lse, delta [B, H, Sq] fp32 with a
@@ -118,6 +139,17 @@ def _bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, size: i
         "l,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+@dsl_user_op
+def _red_add_v4_f32(gmem_ptr: cute.Pointer, v0, v1, v2, v3, *, loc=None, ip=None):
+    """gmem[0:4] += (v0, v1, v2, v3) (fp32, one 16-byte vector reduction at L2, no return value)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value()]
+        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def _tok_major(t: cute.Tensor, D: int) -> cute.Tensor:
     """(S, D, H, B) view of a [B, H, S, D] tensor, head dim static and contiguous."""
     return cute.make_tensor(t.iterator, cute.make_layout(
@@ -149,13 +181,16 @@ class BlockSparseBwd64Sm90:
     dQ reduction staged in it has been read)."""
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 2,
-                 ctas_per_sm: Optional[int] = None):
+                 ctas_per_sm: Optional[int] = None, dq_red: bool = False, dk_overlap: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert stages >= 2, "the dQ staging reuses a Q / dO slot: 2 slots at least"
+        assert dq_red or not dk_overlap, "dk_overlap needs dq_red (dQ retires before dK)"
         self.dtype = dtype
         self.head_dim = head_dim
         self.stages = stages
+        self.dq_red = dq_red          # dQ by red.global.add.v4.f32 from the accumulator registers
+        self.dk_overlap = dk_overlap  # dQ issued before dK; dK retires under the next S / dP
         tile_bytes = BLOCK * head_dim * 2
         # K, V; Q + dO per stage; dS; lse + delta per stage; barriers
         self.smem_bytes = tile_bytes * (2 + 2 * stages) + BLOCK * BLOCK * 2 + 2 * 4 * BLOCK * stages + 1024
@@ -330,17 +365,35 @@ class BlockSparseBwd64Sm90:
                 cute.nvgpu.warpgroup.commit_group()
                 self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
                 cute.nvgpu.warpgroup.commit_group()
-                # the previous query block's slot, once its dQ reduction has read it, takes block j - 1 + S
-                if warp == 0:
-                    if j >= 1 and j - 1 + S < n:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
+                if cutlass.const_expr(not self.dq_red):
+                    # the previous query block's slot, once its dQ reduction has read it, takes block j - 1 + S
+                    if warp == 0:
+                        if j >= 1 and j - 1 + S < n:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
+                elif cutlass.const_expr(not self.dk_overlap):
+                    # every warp's GEMMs of step j - 1 retired (their wait_group(0)): the slot of step
+                    # j - 1 takes block j - 1 + S, and sdS may be overwritten (WAR on dQ_{j-1}'s reads)
+                    if j >= 1:
+                        cute.arch.barrier(barrier_id=2, number_of_threads=THREADS)
+                        if warp == 0:
+                            if j - 1 + S < n:
+                                self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
                 for ci in cutlass.range_constexpr(n_cols):
                     lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
                     if lse2 == -cutlass.Float32.inf:  # a row that saw nothing: P = 0
                         lse2 = cutlass.Float32.inf
                     stat[ci] = lse2
                 cute.nvgpu.warpgroup.wait_group(1)
+                if cutlass.const_expr(self.dk_overlap):
+                    # S_j retired, so did dK_{j-1} before it (groups retire in order): in every warp
+                    # after this barrier, the slot of step j - 1 is free (dV_{j-1}, dK_{j-1} read it)
+                    # and so is sdS (dQ_{j-1} retired at step j - 1)
+                    if j >= 1:
+                        cute.arch.barrier(barrier_id=2, number_of_threads=THREADS)
+                        if warp == 0:
+                            if j - 1 + S < n:
+                                self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
                 # P^T; KV rows past the count (all of them for a skipped entry) are exactly 0
                 for ri in cutlass.range_constexpr(n_rows):
                     row_ok = cS_rc[ri, 0][0] < valid
@@ -361,29 +414,47 @@ class BlockSparseBwd64Sm90:
                         dS[ri, ci] = P[ri, ci] * (dS[ri, ci] - stat[ci])
                 rdS_as_S.store(accdP.load().to(dt))
                 cute.autovec_copy(rdS_as_S, tSsdS)
-                # dK += dS^T Q
-                cute.nvgpu.warpgroup.fence()
-                cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
-                cute.nvgpu.warpgroup.commit_group()
+                if cutlass.const_expr(not self.dk_overlap):
+                    # dK += dS^T Q
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
+                    cute.nvgpu.warpgroup.commit_group()
                 cute.arch.fence_view_async_shared()  # dS in shared memory, visible to the wgmma
                 cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
                 # dQ = dS K (this query block's part)
                 cute.nvgpu.warpgroup.fence()
                 self._gemm_k(mma_dq, accdQ, tDQrdS, None, tDQrK_t, 0)
                 cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-                # every warp's GEMMs that read the slot have retired: it becomes the dQ staging
-                cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
-                cute.autovec_copy(_regs_4(accdQ), sStage[None, None, tidx, s])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                if cutlass.const_expr(self.dk_overlap):
+                    # dK += dS^T Q, behind dQ: it runs while dQ goes out and under the next S / dP
+                    cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                if cutlass.const_expr(self.dq_red):
+                    # this thread's dQ registers, four at a time, added at L2 into the workspace (the
+                    # staging order: the postprocess is the same)
+                    gAcc = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
+                    rq = _regs_4(accdQ)
+                    for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
+                        _red_add_v4_f32(gAcc[None, k4, tidx].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
+                else:
+                    # every warp's GEMMs that read the slot have retired: it becomes the dQ staging
+                    cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                    cute.autovec_copy(_regs_4(accdQ), sStage[None, None, tidx, s])
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                    if warp == 0:
+                        with cute.arch.elect_one():
+                            _bulk_reduce_add_f32(sStage[None, None, 0, s].iterator,
+                                                 mDQacc[b, h, qb, None].iterator, BLOCK * D * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.dk_overlap):
+                cute.nvgpu.warpgroup.wait_group(0)  # the last dK
+            if cutlass.const_expr(not self.dq_red):
                 if warp == 0:
-                    with cute.arch.elect_one():
-                        _bulk_reduce_add_f32(sStage[None, None, 0, s].iterator,
-                                             mDQacc[b, h, qb, None].iterator, BLOCK * D * 4)
-                    cute.arch.cp_async_bulk_commit_group()
-            if warp == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the reductions
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the reductions
 
         # epilogue: dK (scaled) and dV straight to global memory
         gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
@@ -513,7 +584,8 @@ def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_
 
 
 def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, *,
-                       softmax_scale: Optional[float] = None, stages: int = 2, dq_accum=None):
+                       softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = False,
+                       dk_overlap: bool = False, dq_accum=None):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -567,10 +639,11 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     post_c = [_cute_tensor(dq_accum), _cute_tensor(dq)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
-    key = (q.dtype, D, stages)
+    key = (q.dtype, D, stages, dq_red, dk_overlap)
     fns = _COMPILED.get(key)
     if fns is None:
-        fns = (cute.compile(BlockSparseBwd64Sm90(_dtype(q), D, stages), *main_c, scale, fake_stream),
+        fns = (cute.compile(BlockSparseBwd64Sm90(_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap),
+                            *main_c, scale, fake_stream),
                cute.compile(DqPostprocess(_dtype(q), D), *post_c, scale, fake_stream))
         _COMPILED[key] = fns
     main_fn, post_fn = fns
