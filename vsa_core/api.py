@@ -89,5 +89,6 @@ def op_statics(p: AttnProblem, backend: str, device: DeviceInfo, *, training: bo
     backend that runs it (BackendUnavailableError says why none can); `training`: whether the
     forward keeps what the backward needs. `arrays` / `gpu` name the frontend's arrays in the
     warning that CPU arrays run under Triton's interpreter."""
-    impl = resolve_backend(backend, p, device, arrays=arrays, gpu=gpu)
+    # Backends refuse by the problem's `training` (a forward-only library kernel runs in inference).
+    impl = resolve_backend(backend, dataclasses.replace(p, training=training), device, arrays=arrays, gpu=gpu)
     return OpStatics.of(p, impl.name, training=training)
