@@ -36,6 +36,8 @@ def main():
     p.add_argument("--backends", default="triton,cudnn,auto")
     p.add_argument("--shape", default="1,2,4096,128,64,16", metavar="B,H,S,D,E,topk")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--profile", default=None, metavar="BACKEND",
+                   help="also print where the host time of BACKEND's forward+backward goes (cProfile)")
     a = p.parse_args()
     B, H, S, D, E, topk = map(int, a.shape.split(","))
     gen = torch.Generator("cuda").manual_seed(0)
@@ -65,6 +67,19 @@ def main():
     print(f"{'row':<8} {'fwd':>8} {'fwd+bwd':>8}")
     for name, fwd, both in rows:
         print(f"{name:<8} {fwd:8.3f} {both:8.3f}")
+    if a.profile:
+        import cProfile
+        import pstats
+
+        def step():
+            video_sparse_attn(q, k, v, counts, counts, topk, E, gate, backend=a.profile).backward(dout)
+
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [step() for _ in range(a.calls)])
+        torch.cuda.synchronize()
+        print(f"\n{a.profile}: forward+backward, {a.calls} calls (cProfile)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(28)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -43,16 +43,16 @@ MOD = _load_module()
 
 VARIANTS = {
     # name: constructor arguments
-    "s2": dict(stages=2),
-    "s3": dict(stages=3),
-    "s2-d64": dict(stages=2, head_dim=64),
-    "s2-fp16": dict(stages=2, dtype=cutlass.Float16),
-    "red": dict(stages=2, dq_red=True),
-    "red-d64": dict(stages=2, dq_red=True, head_dim=64),
-    "red-fp16": dict(stages=2, dq_red=True, dtype=cutlass.Float16),
-    "redov": dict(stages=2, dq_red=True, dk_overlap=True),
-    "redov-d64": dict(stages=2, dq_red=True, dk_overlap=True, head_dim=64),
-    "redov-fp16": dict(stages=2, dq_red=True, dk_overlap=True, dtype=cutlass.Float16),
+    "s2": dict(stages=2, dq_red=False, dk_overlap=False),
+    "s3": dict(stages=3, dq_red=False, dk_overlap=False),
+    "s2-d64": dict(stages=2, dq_red=False, dk_overlap=False, head_dim=64),
+    "s2-fp16": dict(stages=2, dq_red=False, dk_overlap=False, dtype=cutlass.Float16),
+    "red": dict(stages=2, dq_red=True, dk_overlap=False),
+    "red-d64": dict(stages=2, dq_red=True, dk_overlap=False, head_dim=64),
+    "red-fp16": dict(stages=2, dq_red=True, dk_overlap=False, dtype=cutlass.Float16),
+    "redov": dict(stages=2),  # the default: dq_red + dk_overlap
+    "redov-d64": dict(stages=2, head_dim=64),
+    "redov-fp16": dict(stages=2, dtype=cutlass.Float16),
     "post": dict(postprocess=True),
     "post-d64": dict(postprocess=True, head_dim=64),
 }

@@ -46,7 +46,8 @@ The order of the atomic reductions varies run to run: dq is not bitwise determin
 Registers, spills and shared memory per variant: benchmarks/sm90_bwd64_compile.py (0 spills; two
 CTAs per SM at stages=2).
 
-Variants (constructor options; the defaults are the configuration above, unchanged):
+Variants (constructor options). The default is dq_red + dk_overlap, the fastest of the three
+on the H200 (benchmarks/results/2026-12-02-h200/); dq_red=False is the staged path above:
   dq_red=True: dQ leaves by 16 `red.global.add.v4.f32` per thread straight from the accumulator
     registers (after the dQ GEMM retired), at the same workspace addresses the staging uses (the
     postprocess is unchanged). No staging store, no bulk reduction, 2 barriers per step instead of 3
@@ -181,7 +182,7 @@ class BlockSparseBwd64Sm90:
     dQ reduction staged in it has been read)."""
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 2,
-                 ctas_per_sm: Optional[int] = None, dq_red: bool = False, dk_overlap: bool = False):
+                 ctas_per_sm: Optional[int] = None, dq_red: bool = True, dk_overlap: bool = True):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert stages >= 2, "the dQ staging reuses a Q / dO slot: 2 slots at least"
@@ -584,8 +585,8 @@ def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_
 
 
 def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, *,
-                       softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = False,
-                       dk_overlap: bool = False, dq_accum=None):
+                       softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = True,
+                       dk_overlap: bool = True, dq_accum=None):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
