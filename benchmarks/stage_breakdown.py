@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import vsa_torch  # noqa: E402
+from vsa_core import stages  # noqa: E402
 from vsa_core.backends import cudnn_backend, cute_backend, triton_backend  # noqa: E402
 
 SHAPES = {  # name: (B, H, video (T, H, W) in tokens, D, tile, topk)
@@ -42,7 +43,8 @@ SHAPES = {  # name: (B, H, video (T, H, W) in tokens, D, tile, topk)
     "480p-256": (1, 12, (24, 52, 32), 128, (4, 8, 8), 20),
     "small": (1, 2, (16, 16, 16), 128, (4, 4, 4), 8),
 }
-# the launch functions of the core (names in the backend modules); ops.py calls them as T.<name>
+# the launch functions of the core: the shared stages (ops.py calls them as stages.<name>; the
+# backends import the epilogues by name) and the Triton fine kernels' launchers
 TRITON_STAGES = ("block_mean_pool_qkv", "coarse_forward", "topk_select", "coarse_backward",
                  "backward_preprocess", "columns_to_lists", "lists_to_mask", "block_seq_ids",
                  "mix_coarse", "add_block_grad", "sparse_backward_dq", "sparse_backward_dkdv")
@@ -79,7 +81,7 @@ class Tracer:
         return traced
 
     def install(self):
-        mods = (triton_backend, cudnn_backend, cute_backend)
+        mods = (stages, triton_backend, cudnn_backend, cute_backend)
         for mod in mods:
             for name in TRITON_STAGES + BACKEND_STAGES:
                 if hasattr(mod, name):
