@@ -148,8 +148,7 @@ def _statics(statics: str, softmax_scale: float) -> OpStatics:
     return dataclasses.replace(OpStatics.decode(statics), softmax_scale=float(softmax_scale))
 
 
-@torch.library.custom_op("vsa::forward", mutates_args=())
-def _forward(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[Tensor]:
+def _forward_impl(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[Tensor]:
     """Returns the forward's results (`vsa_core.spec.forward_results`: out first)."""
     s = _statics(statics, softmax_scale)
     named = dict(zip(forward_inputs(s), inputs))
@@ -157,6 +156,12 @@ def _forward(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[T
     buffers = _alloc(p.forward_buffers(), named["q"])
     core_ops.forward(p, backend_named(s.backend), {**named, **buffers}, adapter=TORCH_BUFFERS)
     return [buffers[n] for n in forward_results(p)]
+
+
+@torch.library.custom_op("vsa::forward", mutates_args=())
+def _forward(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[Tensor]:
+    """Returns the forward's results (`vsa_core.spec.forward_results`: out first)."""
+    return _forward_impl(inputs, statics, softmax_scale)
 
 
 @_forward.register_fake
@@ -168,9 +173,8 @@ def _(inputs, statics, softmax_scale):
     return list(_alloc({n: table[n] for n in forward_results(p)}, named["q"]).values())
 
 
-@torch.library.custom_op("vsa::backward", mutates_args=())
-def _backward(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics: str,
-              softmax_scale: float) -> List[Tensor]:
+def _backward_impl(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics: str,
+                   softmax_scale: float) -> List[Tensor]:
     """The gradients (`vsa_core.spec.gradients`) from the inputs the backward reads
     (`backward_inputs`) and the forward's results."""
     s = _statics(statics, softmax_scale)
@@ -181,6 +185,14 @@ def _backward(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics
                                                     **dict(zip(forward_results(p), results)), **grads},
                       adapter=TORCH_BUFFERS)
     return [grads[g] for g in gradients(s).values()]
+
+
+@torch.library.custom_op("vsa::backward", mutates_args=())
+def _backward(dout: Tensor, inputs: List[Tensor], results: List[Tensor], statics: str,
+              softmax_scale: float) -> List[Tensor]:
+    """The gradients (`vsa_core.spec.gradients`) from the inputs the backward reads
+    (`backward_inputs`) and the forward's results."""
+    return _backward_impl(dout, inputs, results, statics, softmax_scale)
 
 
 @_backward.register_fake
@@ -209,6 +221,42 @@ def _backward_of_forward(ctx, grads):
 
 
 torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_context=_setup_context)
+
+
+@functools.lru_cache(maxsize=1024)
+def _names(statics: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]:
+    """forward_inputs, backward_inputs and gradients of encoded statics."""
+    s = OpStatics.decode(statics)
+    return forward_inputs(s), backward_inputs(s), tuple(gradients(s))
+
+
+class _EagerOperator(torch.autograd.Function):
+    """The operator outside torch.compile: the custom ops' very forward and backward
+    (`_forward_impl`, `_backward_impl`), without torch.library's per-call dispatch, which
+    costs several times what a plain autograd.Function does (benchmarks/host_cost.py).
+    torch.compile traces the custom ops instead (`run_forward`)."""
+
+    @staticmethod
+    def forward(statics: str, softmax_scale: float, *inputs: Tensor):
+        return tuple(_forward_impl(list(inputs), statics, softmax_scale))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        statics, softmax_scale, *tensors = inputs
+        inputs_named, kept, _ = _names(statics)
+        named = dict(zip(inputs_named, tensors))
+        ctx.save_for_backward(*(named[n] for n in kept), *output)
+        ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
+        ctx.mark_non_differentiable(*output[1:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable
+    def backward(ctx, dout: Tensor, *_):
+        inputs_named, _, grad_names = _names(ctx.call[0])
+        saved = ctx.saved_tensors
+        grads = _backward_impl(dout, list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]), *ctx.call)
+        computed = dict(zip(grad_names, grads))
+        return (None, None, *(computed.get(n) for n in inputs_named))
 
 
 def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
@@ -252,12 +300,18 @@ def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
 def run_forward(call: Tuple[str, float], named: dict) -> List[Tensor]:
     """The forward (differentiable in out) of the inputs named as `vsa_core.spec.forward_inputs`
     says; `call`: what `statics_for` returned. Returns `forward_results` (out, lse, ...)."""
-    return _forward([named[n] for n in _input_names(call[0])], *call)
+    inputs = [named[n] for n in _input_names(call[0])]
+    if torch.compiler.is_compiling():
+        return _forward(inputs, *call)
+    return list(_EagerOperator.apply(*call, *inputs))
 
 
 def run_backward(call: Tuple[str, float], dout: Tensor, named: dict, results: List[Tensor]) -> List[Tensor]:
     """The gradients (`vsa_core.spec.gradients`, in input order) of a forward run by `run_forward`."""
-    return _backward(dout, [named[n] for n in backward_inputs(OpStatics.decode(call[0]))], list(results), *call)
+    inputs = [named[n] for n in _names(call[0])[1]]
+    if torch.compiler.is_compiling():
+        return _backward(dout, inputs, list(results), *call)
+    return _backward_impl(dout, inputs, list(results), *call)
 
 
 def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:
