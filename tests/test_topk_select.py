@@ -28,7 +28,7 @@ def reference_topk(scores: np.ndarray, topk: int):
     return lists, k, mask
 
 
-def run_kernel(scores: np.ndarray, topk: int):
+def run_kernel(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32"):
     rows, n = scores.shape
     p = AttnProblem(batch=1, heads=1, q_len=64 * rows, kv_len=64 * n, head_dim=64, block_elems=64,
                     dtype="bfloat16", topk=min(topk, n))
@@ -37,14 +37,14 @@ def run_kernel(scores: np.ndarray, topk: int):
     sel_num = torch.full((1, 1, rows), -7, dtype=torch.int32, device=DEV)
     sel_mask = torch.full((1, 1, rows, n), 7, dtype=torch.int8, device=DEV)
     s = torch.from_numpy(np.ascontiguousarray(scores, np.float32)).reshape(1, 1, rows, n).to(DEV)
-    stages.topk_select(p, s, sel_idx, sel_num, sel_mask)
+    stages.topk_select(p, s, sel_idx, sel_num, sel_mask, scores_rounded_to=scores_rounded_to)
     return sel_idx.cpu().numpy().reshape(rows, cap), sel_num.cpu().numpy().reshape(rows), \
         sel_mask.cpu().numpy().reshape(rows, n)
 
 
-def check(scores: np.ndarray, topk: int):
+def check(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32"):
     lists, k, mask = reference_topk(scores, topk)
-    idx, num, got_mask = run_kernel(scores, topk)
+    idx, num, got_mask = run_kernel(scores, topk, scores_rounded_to)
     np.testing.assert_array_equal(num, k)
     np.testing.assert_array_equal(got_mask, mask)
     for r, want in enumerate(lists):
@@ -75,6 +75,23 @@ def _rows(rng, rows, n, kind):
 def test_topk_matches_sorting_reference(kind, n, topk):
     rng = np.random.default_rng([n, topk, len(kind)])
     check(_rows(rng, 6, n, kind), topk)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["random", "ties", "signed-zero", "tiny", "extreme"])
+def test_topk_of_rounded_scores_skips_their_zero_bits(kind, dtype):
+    """Scores that are values of a narrower dtype (what the coarse forward writes) ranked on
+    their high bits only select what the sorting reference selects. Random scores rounded to
+    the dtype tie far more often than fp32 ones, and one-ulp neighbours of the dtype must
+    still order: both are in the draws."""
+    rng = np.random.default_rng([len(kind), len(dtype)])
+    s = torch.from_numpy(_rows(rng, 8, 37, kind)).to(getattr(torch, dtype))
+    ulp_apart = (s[0].clone().view(torch.int16) + torch.arange(37, dtype=torch.int16) % 2).view(s.dtype)
+    s[0] = torch.where(s[0].isfinite() & ulp_apart.isfinite(), ulp_apart, s[0])  # no inf made NaN
+    rounded = s.float().numpy()
+    assert (rounded.view(np.uint32) & np.uint32((1 << {"bfloat16": 16, "float16": 13}[dtype]) - 1) == 0).all()
+    for topk in (1, 9, 37):
+        check(rounded, topk, scores_rounded_to=dtype)
 
 
 def test_empty_blocks_are_never_taken_and_k_is_clamped():

@@ -62,7 +62,7 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
                              b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
             S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"], q_seq=b.get("q_seq"),
                           cu_seqlens_q=b.get("cu_seqlens_q"), cu_seqlens_k=b.get("cu_seqlens_k"),
-                          seq_prefix=b.get("seq_prefix"))
+                          seq_prefix=b.get("seq_prefix"), scores_rounded_to=p.dtype)
         elif p.selection == "block_map":
             S.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
         else:  # given lists: the entries that count by the rule (packed: of the query's own sequence)

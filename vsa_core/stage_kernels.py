@@ -409,7 +409,7 @@ def topk_select_kernel(
     SCORES, SEL_IDX, SEL_NUM, SEL_MASK, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX,
     n_q, n_kv, topk, idx_capacity, n_prefix, n_seqs,
     N_PAD: tl.constexpr, PREFIX_MODE: tl.constexpr = 0, VARLEN: tl.constexpr = False,
-    PER_SEQ_PREFIX: tl.constexpr = False, BLOCK_ELEMS: tl.constexpr = 64,
+    PER_SEQ_PREFIX: tl.constexpr = False, BLOCK_ELEMS: tl.constexpr = 64, KEY_SHIFT: tl.constexpr = 0,
 ):
     """Per score row: the `topk` highest finite scores (ties to the lower index).
 
@@ -422,7 +422,11 @@ def topk_select_kernel(
     is found bit by bit from the top (32 counting passes: keep a bit if at least k keys
     are >= the threshold with it set), and the row takes every key > T plus the
     lowest-index keys == T until it has k: the same set as k rounds of "largest score,
-    lowest index first". -0.0 is made +0.0 first, as the two compare equal. The keys are
+    lowest index first". -0.0 is made +0.0 first, as the two compare equal. Scores
+    rounded to a narrower dtype (the coarse forward ranks bf16- or fp16-rounded values)
+    have their low KEY_SHIFT fp32 bits zero, so their keys differ in the high bits only:
+    the keys are shifted right by KEY_SHIFT (an order-preserving, one-to-one map on such
+    values) and only 32 - KEY_SHIFT passes run. The keys are
     32-bit (64-bit integer compares and adds take two instructions each on a GPU), and a
     row is best reduced by few warps: each counting pass is a reduction over the row.
 
@@ -442,7 +446,7 @@ def topk_select_kernel(
     negative = (bits >> 31) != 0
     # unsigned, ordered like the floats. The flip is an xor with a typed all-ones: `~bits` makes
     # Triton's interpreter (3.6 - 3.8) fill a uint32 with the Python int -1, which numpy 2 refuses
-    key = tl.where(negative, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | 0x80000000)
+    key = tl.where(negative, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | 0x80000000) >> KEY_SHIFT
     if PREFIX_MODE == 0:
         n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
         k_eff = tl.minimum(topk, n_finite)
@@ -469,8 +473,8 @@ def topk_select_kernel(
         key = tl.where(ranked, key, 0)
         k_eff = tl.minimum(topk, tl.sum(ranked.to(tl.int32), axis=0))
     threshold = tl.full([], 0, tl.uint32)  # the smallest key; raised one bit at a time
-    step = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(0, 32):
+    step = tl.full([], 0x80000000 >> KEY_SHIFT, tl.uint32)
+    for _ in range(0, 32 - KEY_SHIFT):
         candidate = threshold | step
         threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= k_eff, candidate, threshold)
         step = step >> 1

@@ -149,12 +149,18 @@ def select_warps(n_pad: int) -> int:
 _PREFIX_MODES = {"exempt": 1, "compete": 2}
 
 
+# fp32 bits that are zero in a score rounded to the dtype (its mantissa is that much shorter)
+_ROUNDED_ZERO_BITS = {"bfloat16": 16, "float16": 13, "float32": 0}
+
+
 def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None, q_seq=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, seq_prefix=None):
+                cu_seqlens_k=None, seq_prefix=None, scores_rounded_to: str = "float32"):
     """Query-owned lists of the top-k selection; with a prefix (p.has_prefix) the dense prefix
     rows and the prefix columns too. Packed sequences with a prefix need the query blocks'
     sequence ids and the offsets (each sequence's prefix starts at its first block), and
-    p.seq_prefix the per-sequence counts."""
+    p.seq_prefix the per-sequence counts. `scores_rounded_to`: the dtype every score is a
+    value of (`coarse_forward` writes them rounded to p.dtype): the ranking then skips the
+    bits such values leave zero; "float32" ranks any fp32 scores."""
     n_pad = _pow2(p.n_kv_blocks)
     varlen = p.has_prefix and p.varlen
     if varlen and (q_seq is None or cu_seqlens_q is None or cu_seqlens_k is None):
@@ -166,7 +172,8 @@ def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=No
         cu_seqlens_k if varlen else None, seq_prefix if p.seq_prefix else None,
         p.n_q_blocks, p.n_kv_blocks, p.topk, p.select_capacity, p.prefix_blocks, max(p.n_seqs, 1),
         N_PAD=n_pad, PREFIX_MODE=_PREFIX_MODES[p.prefix_mode] if p.has_prefix else 0, VARLEN=varlen,
-        PER_SEQ_PREFIX=p.seq_prefix, BLOCK_ELEMS=p.block_elems, num_warps=num_warps or select_warps(n_pad))
+        PER_SEQ_PREFIX=p.seq_prefix, BLOCK_ELEMS=p.block_elems, KEY_SHIFT=_ROUNDED_ZERO_BITS[scores_rounded_to],
+        num_warps=num_warps or select_warps(n_pad))
 
 
 def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
