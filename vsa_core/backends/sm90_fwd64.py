@@ -38,7 +38,10 @@ to global memory (any strides), lse from the row-owning threads.
 (setmaxnreg down) whose warp c issues all of consumer c's loads behind "empty" mbarriers
 (4 arrivals: one per consumer warp after its wait_group), and 2-3 consumer warpgroups
 (setmaxnreg up) running the same main loop, each on its own query block and list; `pingpong`
-alternates two consumers' GEMM issue by named barriers. `q_in_regs` keeps Q in registers
+alternates two consumers' GEMM issue by named barriers. `shared_kv` gives the CTA one K and one V
+ring filled in the order of the union of its consumers' lists, so a KV block that neighbouring
+query blocks share is loaded once (the class docstring has the mbarrier phase and deadlock
+arguments). `q_in_regs` keeps Q in registers
 (QK^T as a register-A wgmma, only K read from shared memory). The timings of every variant are
 in benchmarks/results/ (sm90_fwd64_check); registers, spills and shared memory per
 variant: benchmarks/sm90_fwd64_compile.py (all compile for sm_90a with 0 spills).
@@ -97,6 +100,41 @@ class BlockSparseFwd64Sm90:
       GEMMs, so one's softmax runs under the other's wgmmas; the turns run for the first
       min(n0, n1) tiles (both know both counts), then each runs free, so unequal lists cannot
       deadlock.
+    - `shared_kv=True` (with warp_specialized): K/V reuse between the CTA's query blocks
+      (neighbours in tile order, same batch and head, whose lists overlap in real video). The CTA
+      has ONE K ring (k_stages slots) and ONE V ring (v_stages slots), filled in the order of the
+      ascending union of its consumers' lists (`stages.shared_kv_lists`, a Triton step before the
+      kernel: union_idx / union_num per CTA and, in place of the lists, each query block's own
+      tiles as positions in that union). Union entry t lives in K slot t % k_stages and V slot
+      t % v_stages; producer warp 0 loads the Qs and the K ring, warp 1 the V ring, each in union
+      order. Every consumer walks the whole union: it computes its own entries (the main loop of
+      the other variants, tile j being union entry u_j) and passes the others (waits for the
+      slot's fill, releases it at once). A block that two consumers select comes from L2 once.
+
+      Phases. Each "empty" mbarrier counts 4 * consumers arrivals (every warp of every consumer,
+      for every fill of its slot, own entry or not). Fill k of slot s is union entry
+      t = s + k * stages: "full" completes its phase k when the TMA bytes of t have landed, and
+      "empty" its phase k when all consumer warps have arrived for t. A consumer warp arrives
+      for t only after it has seen full phase k complete (for an own entry: and after its wgmma
+      on the slot retired); the producer fills t + stages only after it has seen empty phase k
+      complete. So (i) an arrival for entry t + stages needs full phase k + 1, which needs empty
+      phase k complete: no arrival is ever counted toward an earlier fill's phase; (ii) when a
+      consumer waits on full phase k (parity k % 2), phase k + 1 cannot have completed (it needs
+      this warp's own arrival for t, made after this wait), so the parity names the right phase;
+      likewise the producer's wait on empty phase k (fill t + stages cannot have been consumed
+      before it is loaded).
+
+      Deadlock. Holding a slot = not having arrived for its current fill. Claim: no deadlock if a
+      consumer blocked on entry t (K or V full) holds no K entry <= t - k_stages and no V entry
+      <= t - v_stages. Proof: with the K and V producers independent, let p_K, p_V be the next
+      entries they fill; a blocked consumer waits on an unfilled entry, so on K entries >= p_K
+      or V entries >= p_V. If p_K <= p_V every wait is on an entry >= p_K, so every consumer has
+      released K p_K - k_stages and the K producer proceeds; if p_V < p_K, the same for V.
+      The main loop holds K(u_j) only while its QK runs (it then waits for V(u_{j-1}) < u_j: fine)
+      and V(u_{j-1}) from the end of step j-1 until PV_{j-1} retires in step j, while it passes
+      the entries in (u_{j-1}, u_j) and waits for K(u_j): fine while u_j - u_{j-1} < v_stages.
+      At a larger gap the step first finishes PV_{j-1} and releases V(u_{j-1}) ("drain": PV_{j-1}
+      then does not overlap QK_j and the softmax). Deeper V rings make drains rarer.
     """
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
