@@ -70,6 +70,7 @@ VARIANTS = {
                                    shared_kv=True),
     "ws-c3-k2v4-shared-lazy": dict(k_stages=2, v_stages=4, consumers=3, warp_specialized=True, lazy_rescale=True,
                                    shared_kv=True),
+    "ws-c3-k1v1-shared": dict(k_stages=1, v_stages=1, consumers=3, warp_specialized=True, shared_kv=True),
     "ws-c3-k4v7-shared-vsa": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True,
                                   shared_kv=True, has_coarse=True, has_gate=True, store_fine=True),
 }

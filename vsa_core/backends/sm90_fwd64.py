@@ -170,7 +170,8 @@ class BlockSparseFwd64Sm90:
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
         # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
-        self.ctas_per_sm = ctas_per_sm or max(1, min(3, (227 * 1024) // self.smem_bytes))
+        # (warp-specialized: one, whatever the shared memory; the setmaxnreg budgets below assume it)
+        self.ctas_per_sm = ctas_per_sm or (1 if warp_specialized else max(1, min(3, (227 * 1024) // self.smem_bytes)))
         self.threads = 128 * (consumers + (1 if warp_specialized else 0))
         # setmaxnreg budgets (multiples of 8, 64K registers per SM at one CTA per SM)
         self.producer_regs = 24 if consumers >= 3 else 40
