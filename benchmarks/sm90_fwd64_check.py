@@ -1,6 +1,10 @@
 """Checks and times our sm_90 64-token-block forward (vsa_core/backends/sm90_fwd64.py) on one H200.
 
     PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py [--no-timing] [--only=k1v2,ws3L]   # logs, JSON to $OUT
+    PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py --only=ws3L,ws2S,ws3S --quick   # the shared-KV run, ~2 min
+
+--quick leaves out the cases that need compiles of their own (head dim 64, fp16, inference epilogue)
+and the timing rows beside the variants and cuDNN (per-call conversion, BSHD, vsa's backends).
 
 Needs the CuTe stack (nvidia-cutlass-dsl 4.8.1; nvidia-cudnn-frontend 1.32 for the cuDNN rows:
 ../shared/device/pack-cute.sh). Every variant and every row runs in its own try/except, so one
@@ -20,6 +24,14 @@ failure does not hide the others.
    blocks full, bf16): our variants, cuDNN frontend BSA called directly, and vsa's triton and cudnn
    backends through vsa_torch.block_sparse_attn_from_indices; triton.testing.do_bench (median).
    TFLOPS = 4 * B * H * D * Sq * topk * 64 / t. Printed as a table, last.
+3. shared KV (the `S` variants, shared_kv=True: one K and one V ring per CTA filled in the order of
+   the union of its query blocks' lists): the union step (`stages.shared_kv_lists`) against its
+   numpy reference, and a second list source for the timing, "smooth": VSA's own selection
+   (pooling, coarse attention, top-k: `vsa_core.stages`) over the spatially smooth synthetic field
+   of benchmarks/stage_breakdown.py (`inputs(shape, smooth=True)`) at 480p-64 (B1 H12 video
+   (24, 52, 32), tile (4, 4, 4), top-62). Per source it prints the union / topk ratio per group
+   size (2, 3: the K/V tiles a shared-KV CTA loads per query block, over topk), then TFLOPS of
+   the variants and cuDNN; a shared variant's time includes its union step (timed alone too).
 """
 
 from __future__ import annotations
@@ -54,6 +66,11 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
                     lazy_rescale=True),
     "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
     "ws3L": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True),
+    # S = shared_kv: one K and one V ring per CTA, filled in union order (rings sized to the shared memory)
+    "ws2S": dict(k_stages=5, v_stages=7, consumers=2, warp_specialized=True, lazy_rescale=True, shared_kv=True),
+    "ws3S": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True, shared_kv=True),
+    "ws3Sk2v4": dict(k_stages=2, v_stages=4, consumers=3, warp_specialized=True, lazy_rescale=True,
+                     shared_kv=True),
 }
 
 
@@ -188,17 +205,61 @@ CASES = [
     ("vsa no gate, inference", dict(coarse=True), dict(gate=False, store_fine=False)),
     ("vsa bshd", dict(coarse=True, layout="bshd"), {}),
     ("B1H1 nq1 (one query block)", dict(B=1, H=1, nq=1, nkv=3, cap=3, counts=[[[3]]]), {}),
+    # shared KV: unions with long gaps between a block's own tiles (drains), nQ not a multiple of 2 or 3
+    ("B1H2 nq7 nkv48 cap12 (gaps)", dict(B=1, nq=7, nkv=48, cap=12), {}),
+    ("B1H1 nq5 identical lists", dict(B=1, H=1, nq=5, nkv=9, cap=9, lists=[[[list(range(9))] * 5]],
+                                      counts=[[[9, 4, 9, 0, 7]]]), {}),
 ]
 # cases that need their own compile (dtype, head dim, epilogue): the other variants skip them
 MAIN_ONLY = ("head dim 64", "fp16", "vsa no gate, inference")
 
 
-def check_small() -> list:
+def shared_lists(sel_idx, sel_num, n_kv, group):
+    """(union_idx, union_num, own_pos, own_num) of `stages.shared_kv_lists` on the GPU."""
+    from vsa_core import stages
+    B, H, nq, cap = sel_idx.shape
+    ng = -(-nq // group)
+    out = [torch.empty((B, H, ng, group * cap), dtype=torch.int32, device=sel_idx.device),
+           torch.empty((B, H, ng), dtype=torch.int32, device=sel_idx.device),
+           torch.empty((B, H, nq, cap), dtype=torch.int32, device=sel_idx.device),
+           torch.empty((B, H, nq), dtype=torch.int32, device=sel_idx.device)]
+    stages.shared_kv_lists(sel_idx.contiguous(), sel_num.contiguous(), n_kv, group, *out)
+    return out
+
+
+def check_shared_lists(sel_idx, sel_num, n_kv, group) -> bool:
+    """The union step on the GPU against its numpy reference (counted slots only)."""
+    union, union_num, own_pos, own_num = [t.cpu().numpy() for t in shared_lists(sel_idx, sel_num, n_kv, group)]
+    ref_union, ref_union_num, ref_pos, ref_num = R.shared_kv_lists_reference(
+        sel_idx.cpu().numpy(), sel_num.cpu().numpy(), n_kv, group)
+    if not (np.array_equal(union_num, ref_union_num) and np.array_equal(own_num, ref_num)):
+        return False
+    unions_ok = all(np.array_equal(union[r][:ref_union_num[r]], ref_union[r][:ref_union_num[r]])
+                    for r in np.ndindex(*ref_union_num.shape))
+    positions_ok = all(np.array_equal(own_pos[r][:ref_num[r]], ref_pos[r][:ref_num[r]])
+                       for r in np.ndindex(*ref_num.shape))
+    return unions_ok and positions_ok
+
+
+def check_small(quick: bool = False) -> list:
     results = []
+    if any(kw.get("shared_kv") for kw in VARIANTS.values()):
+        say("== shared_kv_lists (Triton, GPU) vs its numpy reference")
+        for label, mk in (("B2H2 nq5 nkv9 cap4", dict(H=2, nq=5, nkv=9, cap=4)), ("bad lists", BAD_LISTS)):
+            for group in (2, 3):
+                try:
+                    case = make_case(77, **mk)
+                    ok = check_shared_lists(case["sel_idx"], case["sel_num"], case["k"].shape[2] // E, group)
+                    say(f"  lists {label} group {group}: {'ok' if ok else 'FAIL'}")
+                    results.append(dict(case=f"lists {label} group {group}", ok=ok))
+                except Exception as e:
+                    say(f"  lists {label} group {group}: ERROR {type(e).__name__}: {str(e)[:300]}")
+                    traceback.print_exc()
+                    results.append(dict(case=f"lists {label} group {group}", ok=False, error=str(e)))
     say("== correctness vs float64 reference (rel-L2 of out / out_fine < 1e-2; lse max abs < 1e-3, 5e-3 at x16)")
     for vi, variant in enumerate(VARIANTS):
         for i, (label, mk, rk) in enumerate(CASES):
-            if vi > 0 and label in MAIN_ONLY:
+            if (vi > 0 or quick) and label in MAIN_ONLY:
                 continue
             name = f"{variant:7s} {label}"
             try:
@@ -236,55 +297,94 @@ def timing_problem(B=1, H=12, S=39936, D=128, topk=62, dev="cuda"):
     return q, k, v, idx, num, counts
 
 
-def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
+def smooth_problem():
+    """The 480p-64 problem of benchmarks/stage_breakdown.py on its smooth (video-like) synthetic
+    field, with VSA's own lists over it (pooling, coarse attention, top-k: `vsa_core.stages`)."""
+    import stage_breakdown
+    from vsa_core import stages
+    from vsa_core.problem import AttnProblem
+    shape = stage_breakdown.SHAPES["480p-64"]
+    B, H, video, D, tile, topk = shape
+    meta, q, k, v, _gate = stage_breakdown.inputs(shape, smooth=True, seed=1)
+    S = q.shape[2]
+    counts = torch.as_tensor(meta.variable_block_sizes, device="cuda").to(torch.int32)
+    p = AttnProblem(batch=B, heads=H, q_len=S, kv_len=S, head_dim=D, block_elems=int(np.prod(tile)),
+                    dtype="bfloat16", topk=topk)
+    dtypes = {"input": q.dtype, "float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
+    b = {name: torch.empty(shp, dtype=dtypes[dt], device="cuda") for name, (shp, dt) in p.forward_buffers().items()}
+    stages.block_mean_pool_qkv(p, q, k, v, counts, counts, b["q_pool"], b["k_pool"], b["v_pool"])
+    stages.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], counts, b["scores"], b["out_coarse"],
+                          b["lse_coarse"])
+    stages.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    torch.cuda.synchronize()
+    return q, k, v, b["sel_idx"].contiguous(), b["sel_num"].contiguous(), counts
+
+
+def time_source(source: str, quick: bool = False, B=1, H=12, S=39936, D=128, topk=62) -> list:
+    """Times the variants on one list source: "random" (`timing_problem`) or "smooth" (`smooth_problem`)."""
     dev = torch.device("cuda")
+    if source == "random":
+        q, k, v, idx, num, counts = timing_problem(B, H, S, D, topk)
+    else:
+        q, k, v, idx, num, counts = smooth_problem()
+    B, H, S, D = q.shape
     n = S // E
-    flops = 4.0 * B * H * D * S * topk * E
-    q, k, v, idx, num, counts = timing_problem(B, H, S, D, topk)
-    say(f"\n== timing: B{B} H{H} S{S} D{D} E{E} top-{topk}/{n}, bf16 (median ms; TFLOPS on sparse FLOPs)")
+    topk = idx.shape[-1]
+    flops = 4.0 * D * E * E * float(num.sum())
+    say(f"\n== timing [{source} lists]: B{B} H{H} S{S} D{D} E{E} top-{topk}/{n}, bf16 (median ms; TFLOPS on sparse FLOPs)")
+    for group in (2, 3):
+        union_num = shared_lists(idx, num, n, group)[1]
+        say(f"  union of {group} neighbours / topk: {float(union_num.float().mean()) / topk:.3f}   "
+            f"(K/V tiles loaded per query block: {float(union_num.sum()) / float(num.sum()):.3f} of one per entry)")
     rows, outs = [], {}
 
-    def row(name, fn, get_out=None):
+    def row(name, fn, get_out=None, row_flops=flops):
+        name = f"[{source}] {name}"
         try:
             t0 = time.perf_counter()
             fn()
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             ms = bench(fn)
-            entry = dict(name=name, ms=ms, tflops=flops / ms / 1e9, first_call_s=first)
+            entry = dict(name=name, ms=ms, tflops=row_flops / ms / 1e9, first_call_s=first)
             if get_out is not None:
                 outs[name] = get_out().float()
             rows.append(entry)
-            say(f"  {name:34s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOPS  (first call {first:.1f} s)")
+            say(f"  {name:42s} {ms:8.3f} ms {row_flops / ms / 1e9:6.0f} TFLOPS  (first call {first:.1f} s)")
         except Exception as e:
             rows.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
-            say(f"  {name:34s} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            say(f"  {name:42s} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             traceback.print_exc()
         finally:
             torch.cuda.empty_cache()
 
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=dev)
+    held = {}
 
-    def prepared(kw):
+    def prepared(variant):
         """The launch prepared once (compiled on the first call): the kernel without the per-call
-        conversion of the tensors."""
-        held = {}
-
+        conversion of the tensors (a shared variant's union step included)."""
         def call():
-            if "launch" not in held:
+            if variant not in held:
                 from vsa_core.backends.sm90_fwd64 import prepare_forward64
-                held["launch"] = prepare_forward64(q, k, v, out, lse, idx, num, counts, **kw)
-            held["launch"]()
+                held[variant] = prepare_forward64(q, k, v, out, lse, idx, num, counts, **VARIANTS[variant])
+            held[variant]()
         return call
 
     for variant, kw in VARIANTS.items():
-        row(f"ours sm90_fwd64 {variant}", prepared(kw), lambda: out.clone())
+        row(f"ours sm90_fwd64 {variant}", prepared(variant), lambda: out.clone())
+        if kw.get("shared_kv") and variant in held:
+            row(f"  {variant} union step alone", held[variant].lists_only, row_flops=0.0)
     first = next(iter(VARIANTS))
-    row(f"ours sm90_fwd64 {first} per call", lambda: fwd64()(q, k, v, out, lse, idx, num, counts, **VARIANTS[first]))
-    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # BSHD storage
-    out_t = torch.empty_like(qt)
-    row(f"ours sm90_fwd64 {first} bshd", lambda: fwd64()(qt, kt, vt, out_t, lse, idx, num, counts, **VARIANTS[first]))
+    if source == "random" and not quick:
+        row(f"ours sm90_fwd64 {first} per call",
+            lambda: fwd64()(q, k, v, out, lse, idx, num, counts, **VARIANTS[first]))
+        qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # BSHD storage
+        out_t = torch.empty_like(qt)
+        row(f"ours sm90_fwd64 {first} bshd",
+            lambda: fwd64()(qt, kt, vt, out_t, lse, idx, num, counts, **VARIANTS[first]))
+        del qt, kt, vt, out_t
     try:
         from cudnn import BSA
         res = {}
@@ -297,12 +397,13 @@ def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
                                                           allow_empty_block_nums=True)["o_tensor"]
 
         row("cuDNN BSA direct (fixed count)", cudnn_fixed, lambda: res["o"])
-        row("cuDNN BSA direct (counts, sizes)", cudnn_var)
+        if source == "random" and not quick:
+            row("cuDNN BSA direct (counts, sizes)", cudnn_var)
     except Exception as e:
         say(f"  cuDNN BSA direct: skipped ({type(e).__name__}: {e})")
     try:
         import vsa_torch
-        for backend in ("triton", "cudnn"):
+        for backend in ("triton", "cudnn") if source == "random" and not quick else ("triton",):
             hold = {}
 
             def vsa_call(backend=backend, hold=hold):
@@ -313,12 +414,14 @@ def time_shape(B=1, H=12, S=39936, D=128, topk=62) -> list:
             row(f"vsa {backend} from_indices", vsa_call, lambda hold=hold: hold["o"])
     except Exception as e:
         say(f"  vsa backends: skipped ({type(e).__name__}: {e})")
-    ref_name = next((n for n in ("vsa triton from_indices", "cuDNN BSA direct (fixed count)") if n in outs), None)
+    ref_name = next((f"[{source}] {n}" for n in ("vsa triton from_indices", "cuDNN BSA direct (fixed count)")
+                     if f"[{source}] {n}" in outs), None)
     if ref_name:
         for name, o in outs.items():
             if name != ref_name:
                 err = float((o - outs[ref_name]).norm() / outs[ref_name].norm())
-                say(f"  rel-L2 {name} vs {ref_name}: {err:.1e}")
+                say(f"  rel-L2 {name} vs {ref_name}: {err:.1e}  {'ok' if err < 1e-2 else 'FAIL'}")
+                rows.append(dict(name=f"rel-L2 {name}", error_vs_ref=err, ok=err < 1e-2))
     return rows
 
 
@@ -338,13 +441,24 @@ def main(argv) -> int:
         for name in list(VARIANTS):
             if name not in only.split(","):
                 del VARIANTS[name]
-    result["correctness"] = check_small()
+    quick = "--quick" in argv
+    result["correctness"] = check_small(quick)
     ok = all(r.get("ok") for r in result["correctness"])
     if "--no-timing" not in argv:
-        result["timing"] = time_shape()
+        result["timing"] = []
+        for source in ("random", "smooth"):
+            try:
+                result["timing"] += time_source(source, quick)
+            except Exception as e:  # a source that cannot be built: say why, keep the other
+                say(f"  timing [{source}]: ERROR {type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc()
+        ok = ok and all(r.get("ok", True) for r in result["timing"])
         say("\n| row | ms | TFLOPS |\n| --- | --- | --- |")
         for r in result["timing"]:
-            say(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} |" if "ms" in r else f"| {r['name']} | error | - |")
+            if "ms" in r:
+                say(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} |")
+            elif "error" in r:
+                say(f"| {r['name']} | error | - |")
     say(f"\ncorrectness: {'all ok' if ok else 'FAILURES'}")
     if OUT:
         os.makedirs(OUT, exist_ok=True)

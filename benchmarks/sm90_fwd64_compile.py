@@ -63,6 +63,16 @@ VARIANTS = {
     "ws-c3-k1v2": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
     "ws-c2-k2v2-vsa": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, has_coarse=True,
                            has_gate=True, store_fine=True),
+    # shared KV rings (one K and one V ring for the CTA, filled in union order)
+    "ws-c2-k5v7-shared-lazy": dict(k_stages=5, v_stages=7, consumers=2, warp_specialized=True, lazy_rescale=True,
+                                   shared_kv=True),
+    "ws-c3-k4v7-shared-lazy": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True,
+                                   shared_kv=True),
+    "ws-c3-k2v4-shared-lazy": dict(k_stages=2, v_stages=4, consumers=3, warp_specialized=True, lazy_rescale=True,
+                                   shared_kv=True),
+    "ws-c3-k1v1-shared": dict(k_stages=1, v_stages=1, consumers=3, warp_specialized=True, shared_kv=True),
+    "ws-c3-k4v7-shared-vsa": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True,
+                                  shared_kv=True, has_coarse=True, has_gate=True, store_fine=True),
 }
 
 
@@ -86,7 +96,9 @@ def fake_args(dtype, D):
     gate = tok(S)
     out_c = f32((B, H, NQ, D))
     out_fine = make_fake_tensor(cutlass.Float32, (B, H, S, D), (i32(), i32(), i32(), 1), assumed_align=4)
-    return [q, k, v, o, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_c, out_fine]
+    NG, UCAP = i32(), i32()
+    union_idx, union_num = i32t((B, H, NG, UCAP)), i32t((B, H, NG))  # shared_kv (placeholders otherwise)
+    return [q, k, v, o, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_c, out_fine, union_idx, union_num]
 
 
 def compile_variant(name, kw):

@@ -6,7 +6,7 @@ for Nsight Compute:
 
 Every kernel is compiled and run once before the range opens, so the range holds exactly one launch
 per name (cuDNN's call launches only its forward kernel once its graph is built). Inputs are those of
-sm90_fwd64_check.time_shape: B1 H12 S39936 D128 top-62, random ascending lists, bf16.
+sm90_fwd64_check.time_source("random"): B1 H12 S39936 D128 top-62, random ascending lists, bf16.
 """
 
 from __future__ import annotations

@@ -205,6 +205,31 @@ def index_lists_to_block_map(block_indices, block_counts, n_kv_blocks: int) -> n
     return out
 
 
+def shared_kv_lists_reference(block_indices, block_counts, n_kv_blocks: int, group: int):
+    """What `stage_kernels.shared_kv_lists_kernel` writes, from the block map of the list rule:
+    per group of `group` neighbouring query blocks the ascending union of their counted
+    blocks (union_idx [B, H, nG, group * cap], -1 past union_num) and per query block the
+    union positions of its counted blocks, ascending (own_pos [B, H, nQ, cap], -1 past
+    own_num). Returns (union_idx, union_num, own_pos, own_num) as int64 arrays."""
+    sel = index_lists_to_block_map(block_indices, block_counts, n_kv_blocks)  # [B, H, nQ, nKV]
+    B, H, nq, _ = sel.shape
+    cap = np.asarray(block_indices).shape[-1]
+    n_groups = -(-nq // group)
+    padded = np.zeros((B, H, n_groups * group, n_kv_blocks), bool)
+    padded[:, :, :nq] = sel
+    union = padded.reshape(B, H, n_groups, group, n_kv_blocks).any(axis=3)
+    union_idx = np.full((B, H, n_groups, group * cap), -1, np.int64)
+    own_pos = np.full((B, H, nq, cap), -1, np.int64)
+    rank = np.cumsum(union, axis=-1) - 1  # a union block's position: the union blocks below it
+    for b, h, g in np.ndindex(B, H, n_groups):
+        blocks = np.flatnonzero(union[b, h, g])
+        union_idx[b, h, g, :len(blocks)] = blocks
+        for i in range(g * group, min(nq, (g + 1) * group)):
+            mine = np.flatnonzero(sel[b, h, i])
+            own_pos[b, h, i, :len(mine)] = rank[b, h, g, mine]
+    return union_idx, union.sum(-1), own_pos, sel.sum(-1)
+
+
 def _fine(q, k, v, block_map, kv_counts, block_elems: int, scale: float):
     """The fine branch's probabilities, output and lse."""
     Sq, Skv = q.shape[2], k.shape[2]

@@ -734,3 +734,87 @@ def valid_rows_copy_kernel(
     ok = in_block < _clamped_count(COUNTS, (pid * ROWS) // BLOCK_ELEMS, BLOCK_ELEMS)
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     tl.store(Y + ptr, _rows_or_zero(tl.load(X + ptr), ok))
+
+
+# ---- shared-KV lists (sm90_fwd64's shared_kv variants) -------------------------------------
+@triton.jit
+def _counted_chunk(SEL, NUM, row, present, start, capacity, n_kv_blocks, carry, CH: tl.constexpr):
+    """Slots [start, start + CH) of list `row` as the rule of the module doc reads it: the
+    counted entries, -1 elsewhere. The rule is applied chunk by chunk: `carry` is the largest
+    valid entry of the slots before `start` (-1 at the row's start), returned updated. A row
+    that is not `present` (a group member past the last query block) is an empty list."""
+    slots = start + tl.arange(0, CH)
+    n = tl.minimum(tl.maximum(tl.load(NUM + row, mask=present, other=0), 0), capacity)
+    listed = slots < tl.where(present, n, 0)
+    entry = tl.load(SEL + row * capacity + slots, mask=listed, other=-1)
+    valid = listed & (entry >= 0) & (entry < n_kv_blocks)
+    counted = _counted_entries(entry, valid, tl.arange(0, CH), CH) & (entry > carry)
+    carry = tl.maximum(carry, tl.max(tl.where(valid, entry, -1), axis=0))
+    return tl.where(counted, entry, -1), carry
+
+
+@triton.jit
+def _in_list(a, SEL, NUM, row, present, capacity, n_kv_blocks, CH: tl.constexpr):
+    """For each value of a (-1: none), whether list `row` counts it."""
+    found = tl.zeros(a.shape, tl.int1)
+    carry = tl.full([], -1, tl.int32)
+    for start in range(0, capacity, CH):
+        f, carry = _counted_chunk(SEL, NUM, row, present, start, capacity, n_kv_blocks, carry, CH)
+        found = found | (tl.sum(((a[:, None] == f[None, :]) & (f[None, :] >= 0)).to(tl.int32), axis=1) > 0)
+    return found
+
+
+@triton.jit
+def shared_kv_lists_kernel(
+    SEL, NUM, UNION_IDX, UNION_NUM, OWN_POS, OWN_NUM,
+    n_q_blocks, n_kv_blocks, capacity, n_groups,
+    GROUP: tl.constexpr, CH: tl.constexpr,
+):
+    """For the group of GROUP neighbouring query blocks g * GROUP + c (one (batch, head)), the
+    ascending union of their lists as the rule reads them (UNION_IDX [B, H, n_groups,
+    GROUP * capacity], UNION_NUM [B, H, n_groups]) and, per query block, the positions in that
+    union of its own counted entries (OWN_POS [B, H, nQ, capacity], OWN_NUM [B, H, nQ]; slots
+    past the count are not written). Members past the last query block have empty lists.
+
+    A value's union position is the number of distinct values below it: over the group's
+    lists, the entries below it that no earlier list (lower c) counts (each distinct value is
+    counted once, by the first list that holds it). Chunked (CH slots) so that any capacity
+    runs; at capacity <= CH every list is one chunk and a program does GROUP^2 (GROUP + 1)
+    CH x CH compares (about 0.1 M at GROUP 3, CH 64)."""
+    g = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    union_base = (bh * n_groups + g) * (GROUP * capacity)
+    union_count = tl.zeros([], tl.int32)
+    for c in tl.static_range(GROUP):
+        qb = g * GROUP + c
+        present = qb < n_q_blocks
+        row = bh * n_q_blocks + qb
+        carry = tl.full([], -1, tl.int32)
+        n_own = tl.zeros([], tl.int32)
+        for start in range(0, capacity, CH):
+            a, carry = _counted_chunk(SEL, NUM, row, present, start, capacity, n_kv_blocks, carry, CH)
+            mine = a >= 0
+            first = mine  # counted by no earlier list of the group: this slot puts the value in the union
+            for e in tl.static_range(c):
+                first = first & ~_in_list(a, SEL, NUM, bh * n_q_blocks + g * GROUP + e,
+                                          g * GROUP + e < n_q_blocks, capacity, n_kv_blocks, CH)
+            pos = tl.zeros([CH], tl.int32)
+            for o in tl.static_range(GROUP):
+                o_row = bh * n_q_blocks + g * GROUP + o
+                o_present = g * GROUP + o < n_q_blocks
+                o_carry = tl.full([], -1, tl.int32)
+                for o_start in range(0, capacity, CH):
+                    f, o_carry = _counted_chunk(SEL, NUM, o_row, o_present, o_start, capacity, n_kv_blocks,
+                                                o_carry, CH)
+                    f_first = f >= 0
+                    for e in tl.static_range(o):
+                        f_first = f_first & ~_in_list(f, SEL, NUM, bh * n_q_blocks + g * GROUP + e,
+                                                      g * GROUP + e < n_q_blocks, capacity, n_kv_blocks, CH)
+                    pos += tl.sum(((f[None, :] < a[:, None]) & f_first[None, :]).to(tl.int32), axis=1)
+            slot = n_own + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+            tl.store(OWN_POS + row * capacity + slot, pos, mask=mine)
+            tl.store(UNION_IDX + union_base + pos, a, mask=first)
+            n_own += tl.sum(mine.to(tl.int32), axis=0)
+            union_count += tl.sum(first.to(tl.int32), axis=0)
+        tl.store(OWN_NUM + row, n_own, mask=present)
+    tl.store(UNION_NUM + bh * n_groups + g, union_count)

@@ -265,3 +265,17 @@ def valid_rows_copy(p: AttnProblem, x, counts, seq_len: int):
         x, y, counts, *p.token_strides(seq_len), p.heads,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
     return y
+
+
+# ---- the shared-KV lists of sm90_fwd64 (not an AttnProblem stage: the kernel is not a backend yet)
+def shared_kv_lists(sel_idx, sel_num, n_kv_blocks: int, group: int, union_idx, union_num, own_pos, own_num):
+    """For groups of `group` neighbouring query blocks (the CTAs of sm90_fwd64's shared_kv
+    variants): the ascending union of their lists by the list rule and each query block's
+    positions in it (`shared_kv_lists_kernel`). sel_idx [B, H, nQ, cap], sel_num [B, H, nQ]
+    (contiguous int32); union_idx [B, H, nG, group * cap], union_num [B, H, nG], own_pos
+    [B, H, nQ, cap], own_num [B, H, nQ] int32, nG = ceil(nQ / group)."""
+    B, H, nq, cap = sel_idx.shape
+    n_groups = -(-nq // group)
+    kernels_for(sel_idx).shared_kv_lists_kernel[(n_groups, B * H)](
+        sel_idx, sel_num, union_idx, union_num, own_pos, own_num, nq, n_kv_blocks, cap, n_groups,
+        GROUP=group, CH=min(64, _pow2(cap)), num_warps=4)

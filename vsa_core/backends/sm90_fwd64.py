@@ -38,7 +38,10 @@ to global memory (any strides), lse from the row-owning threads.
 (setmaxnreg down) whose warp c issues all of consumer c's loads behind "empty" mbarriers
 (4 arrivals: one per consumer warp after its wait_group), and 2-3 consumer warpgroups
 (setmaxnreg up) running the same main loop, each on its own query block and list; `pingpong`
-alternates two consumers' GEMM issue by named barriers. `q_in_regs` keeps Q in registers
+alternates two consumers' GEMM issue by named barriers. `shared_kv` gives the CTA one K and one V
+ring filled in the order of the union of its consumers' lists, so a KV block that neighbouring
+query blocks share is loaded once (the class docstring has the mbarrier phase and deadlock
+arguments). `q_in_regs` keeps Q in registers
 (QK^T as a register-A wgmma, only K read from shared memory). The timings of every variant are
 in benchmarks/results/ (sm90_fwd64_check); registers, spills and shared memory per
 variant: benchmarks/sm90_fwd64_compile.py (all compile for sm_90a with 0 spills).
@@ -97,13 +100,50 @@ class BlockSparseFwd64Sm90:
       GEMMs, so one's softmax runs under the other's wgmmas; the turns run for the first
       min(n0, n1) tiles (both know both counts), then each runs free, so unequal lists cannot
       deadlock.
+    - `shared_kv=True` (with warp_specialized): K/V reuse between the CTA's query blocks
+      (neighbours in tile order, same batch and head, whose lists overlap in real video). The CTA
+      has ONE K ring (k_stages slots) and ONE V ring (v_stages slots), filled in the order of the
+      ascending union of its consumers' lists (`stages.shared_kv_lists`, a Triton step before the
+      kernel: union_idx / union_num per CTA and, in place of the lists, each query block's own
+      tiles as positions in that union). Union entry t lives in K slot t % k_stages and V slot
+      t % v_stages; producer warp 0 loads the Qs and the K ring, warp 1 the V ring, each in union
+      order. Every consumer walks the whole union: it computes its own entries (the main loop of
+      the other variants, tile j being union entry u_j) and passes the others (waits for the
+      slot's fill, releases it at once). A block that two consumers select comes from L2 once.
+
+      Phases. Each "empty" mbarrier counts 4 * consumers arrivals (every warp of every consumer,
+      for every fill of its slot, own entry or not). Fill k of slot s is union entry
+      t = s + k * stages: "full" completes its phase k when the TMA bytes of t have landed, and
+      "empty" its phase k when all consumer warps have arrived for t. A consumer warp arrives
+      for t only after it has seen full phase k complete (for an own entry: and after its wgmma
+      on the slot retired); the producer fills t + stages only after it has seen empty phase k
+      complete. So (i) an arrival for entry t + stages needs full phase k + 1, which needs empty
+      phase k complete: no arrival is ever counted toward an earlier fill's phase; (ii) when a
+      consumer waits on full phase k (parity k % 2), phase k + 1 cannot have completed (it needs
+      this warp's own arrival for t, made after this wait), so the parity names the right phase;
+      likewise the producer's wait on empty phase k (fill t + stages cannot have been consumed
+      before it is loaded).
+
+      Deadlock. Holding a slot = not having arrived for its current fill. Claim: no deadlock if a
+      consumer blocked on entry t (K or V full) holds no K entry <= t - k_stages and no V entry
+      <= t - v_stages. Proof: with the K and V producers independent, let p_K, p_V be the next
+      entries they fill; a blocked consumer waits on an unfilled entry, so on K entries >= p_K
+      or V entries >= p_V. If p_K <= p_V every wait is on an entry >= p_K, so every consumer has
+      released K p_K - k_stages and the K producer proceeds; if p_V < p_K, the same for V.
+      The main loop holds K(u_j) only while its QK runs (it then waits for V(u_{j-1}) < u_j: fine)
+      and V(u_{j-1}) from the end of step j-1 until PV_{j-1} retires in step j, while it passes
+      the entries in (u_{j-1}, u_j) and waits for K(u_j): fine while u_j - u_{j-1} < v_stages.
+      At a larger gap the step first finishes PV_{j-1} and releases V(u_{j-1}) ("drain": PV_{j-1}
+      then does not overlap QK_j and the softmax). Deeper V rings make drains rarer.
     """
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                 q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None):
+                 q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
+                 shared_kv: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
+        assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert k_stages >= 1 and v_stages >= 1
         assert warp_specialized or consumers == 1, "several consumers need the producer warpgroup"
@@ -123,10 +163,15 @@ class BlockSparseFwd64Sm90:
         self.q_in_regs = q_in_regs
         # the running max moves only by more than LAZY_RESCALE_LOG2 (FA4's trick): O is rescaled rarely
         self.lazy_rescale = lazy_rescale
+        # one K ring and one V ring for the CTA's consumers, filled in the order of the union of their
+        # lists (`shared_kv_lists`): a KV block two or three consumers select comes from L2 once
+        self.shared_kv = shared_kv
+        self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
         tile_bytes = BLOCK * head_dim * 2
-        self.smem_bytes = tile_bytes * (1 + k_stages + v_stages) * consumers + 1024
+        self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
         # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
-        self.ctas_per_sm = ctas_per_sm or max(1, min(3, (227 * 1024) // self.smem_bytes))
+        # (warp-specialized: one, whatever the shared memory; the setmaxnreg budgets below assume it)
+        self.ctas_per_sm = ctas_per_sm or (1 if warp_specialized else max(1, min(3, (227 * 1024) // self.smem_bytes)))
         self.threads = 128 * (consumers + (1 if warp_specialized else 0))
         # setmaxnreg budgets (multiples of 8, 64K registers per SM at one CTA per SM)
         self.producer_regs = 24 if consumers >= 3 else 40
@@ -137,12 +182,16 @@ class BlockSparseFwd64Sm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mSelIdx: cute.Tensor, mSelNum: cute.Tensor, mKVCounts: cute.Tensor,
                  mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
-                 softmax_scale: cutlass.Float32, stream):
+                 mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor, softmax_scale: cutlass.Float32, stream):
         """q, k, v, out, gate, out_fine: [B, H, S, D]; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap],
         sel_num [B, H, nQ], kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32.
-        Without the coarse branch q_counts / gate / out_coarse / out_fine are placeholders (never read)."""
+        Without the coarse branch q_counts / gate / out_coarse / out_fine are placeholders (never read).
+        With shared_kv, sel_idx / sel_num are the own positions / counts of `shared_kv_lists` and
+        union_idx [B, H, nG, consumers * cap] / union_num [B, H, nG] its unions; without, those two
+        are placeholders."""
         D = self.head_dim
         NC = self.consumers
+        NR = self.rings
         # (S, D, H, B) views for Q, K, O (D contiguous: K-major operands) and (D, S, H, B) for V
         # (the PV wgmma's B operand is V^T, N = D contiguous: MN-major); head dim static.
         def tok_major(t):
@@ -162,17 +211,17 @@ class BlockSparseFwd64Sm90:
         v_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(v_major, dt, D), dt)
         # slots: consumer c's Q is slot c, its K / V ring slots are c * stages + s
         sQ_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NC), order=(0, 1, 2))
-        sK_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NC * self.k_stages), order=(0, 1, 2))
-        sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, NC * self.v_stages), order=(1, 0, 2))
+        sK_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NR * self.k_stages), order=(0, 1, 2))
+        sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, NR * self.v_stages), order=(1, 0, 2))
         self.tile_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
 
         @cute.struct
         class Storage:
             q_full: cute.struct.MemRange[cutlass.Int64, NC]
-            k_full: cute.struct.MemRange[cutlass.Int64, NC * self.k_stages]
-            v_full: cute.struct.MemRange[cutlass.Int64, NC * self.v_stages]
-            k_empty: cute.struct.MemRange[cutlass.Int64, NC * self.k_stages]
-            v_empty: cute.struct.MemRange[cutlass.Int64, NC * self.v_stages]
+            k_full: cute.struct.MemRange[cutlass.Int64, NR * self.k_stages]
+            v_full: cute.struct.MemRange[cutlass.Int64, NR * self.v_stages]
+            k_empty: cute.struct.MemRange[cutlass.Int64, NR * self.k_stages]
+            v_empty: cute.struct.MemRange[cutlass.Int64, NR * self.v_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -200,7 +249,7 @@ class BlockSparseFwd64Sm90:
         grid = ((n_q_blocks + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
         self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
                     mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
-                    softmax_scale * LOG2_E).launch(
+                    softmax_scale * LOG2_E, mUnionIdx, mUnionNum).launch(
             grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)  # all of L1 as shared memory
 
@@ -212,8 +261,9 @@ class BlockSparseFwd64Sm90:
                mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               c: cutlass.Float32):
+               c: cutlass.Float32, mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor):
         NC, KS, VS = self.consumers, self.k_stages, self.v_stages
+        NR = self.rings
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
@@ -223,13 +273,15 @@ class BlockSparseFwd64Sm90:
         tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
         bars = dict(
             q_full=pipeline.MbarrierArray(st.q_full.data_ptr(), num_stages=NC, agent=tma_load),
-            k_full=pipeline.MbarrierArray(st.k_full.data_ptr(), num_stages=NC * KS, agent=tma_load),
-            v_full=pipeline.MbarrierArray(st.v_full.data_ptr(), num_stages=NC * VS, agent=tma_load))
+            k_full=pipeline.MbarrierArray(st.k_full.data_ptr(), num_stages=NR * KS, agent=tma_load),
+            v_full=pipeline.MbarrierArray(st.v_full.data_ptr(), num_stages=NR * VS, agent=tma_load))
         if cutlass.const_expr(self.ws):
-            # one arrival per consumer warp (each after its own wait_group)
-            release = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(pipeline.Agent.Thread, 4))
-            bars["k_empty"] = pipeline.MbarrierArray(st.k_empty.data_ptr(), num_stages=NC * KS, agent=release)
-            bars["v_empty"] = pipeline.MbarrierArray(st.v_empty.data_ptr(), num_stages=NC * VS, agent=release)
+            # one arrival per consumer warp (each after its own wait_group); shared rings: every warp
+            # of every consumer arrives for every slot fill (class docstring)
+            release = (pipeline.PipelineOp.AsyncThread,
+                       pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * (NC if self.shared_kv else 1)))
+            bars["k_empty"] = pipeline.MbarrierArray(st.k_empty.data_ptr(), num_stages=NR * KS, agent=release)
+            bars["v_empty"] = pipeline.MbarrierArray(st.v_empty.data_ptr(), num_stages=NR * VS, agent=release)
         if warp == 0:
             with cute.arch.elect_one():
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
@@ -247,11 +299,29 @@ class BlockSparseFwd64Sm90:
         tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tKs=tKs, tKg=tKg, tVs=tVs, tVg=tVg)
         lists = dict(idx=mSelIdx, num=mSelNum, kv_counts=mKVCounts, h=h, b=b)
+        if cutlass.const_expr(self.shared_kv):
+            lists.update(union=mUnionIdx[b, h, bx, None],
+                         union_n=cutlass.min(cutlass.max(mUnionNum[b, h, bx], 0), mUnionIdx.shape[3]))
 
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
         if cutlass.const_expr(not self.ws):
             self._consumer(0, bx, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c)
+        elif cutlass.const_expr(self.shared_kv):
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp == 0:
+                    for ci in cutlass.range_constexpr(NC):
+                        if self._count(lists, bx * NC + ci) > 0:
+                            self._load_q(ci, bx * NC + ci, tma, bars, lists)
+                    self._producer_shared(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], bars["k_empty"], KS, lists)
+                if warp == 1:
+                    self._producer_shared(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], bars["v_empty"], VS, lists)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                ci = wg - 1
+                self._consumer_shared(ci, bx * NC + ci, tidx % 128, tma, bars, lists, sQ, sK, sV,
+                                      mma_qk, mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
         else:
             if wg == 0:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -454,6 +524,163 @@ class BlockSparseFwd64Sm90:
             self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c)
 
+    # ---- shared KV rings (shared_kv) ----------------------------------------------------------------
+    @cute.jit
+    def _producer_shared(self, atom, tXg, tXs, full, empty, stages, lists):
+        """One producer warp's ring (K or V): union entry t into slot t % stages, once every consumer
+        warp has released the slot's previous fill (entry t - stages). K and V have a warp each, so
+        neither ring's refill waits behind the other's (the deadlock argument in the class docstring)."""
+        n_kv = lists["kv_counts"].shape[0]
+        union = lists["union"]
+        n = lists["union_n"]
+        if n > 0:
+            blk = self._clamp(union[0], n_kv)
+            for t in cutlass.range(n, unroll=1):
+                blk_after = self._clamp(union[cutlass.min(t + 1, n - 1)], n_kv)  # read before the wait
+                if t >= stages:
+                    empty.wait(t % stages, (t // stages + 1) % 2)
+                self._load_tile(atom, tXg, tXs, full, blk, t % stages)
+                blk = blk_after
+
+    @cute.jit
+    def _pass_entries(self, bars, start, end):
+        """Union entries [start, end) this consumer does not compute: it waits for each slot fill and
+        releases it at once (waiting first puts the arrival in the right phase: class docstring)."""
+        KS, VS = self.k_stages, self.v_stages
+        for t in cutlass.range(start, end, unroll=1):
+            bars["k_full"].wait(t % KS, (t // KS) % 2)
+            self._release(bars["k_empty"], t % KS)
+            bars["v_full"].wait(t % VS, (t // VS) % 2)
+            self._release(bars["v_empty"], t % VS)
+
+    @cute.jit
+    def _consumer_shared(self, ci, qb, tidx, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
+                         mQCounts, mGate, mOutC, mOutFine, c):
+        """Consumer ci's query block qb on the shared rings: the main loop of `_consumer` over its own
+        tiles, tile j being union entry u_j = own_pos[qb, j] (K slot u_j % k_stages, V slot
+        u_j % v_stages), with the union entries between its tiles passed (`_pass_entries`). When the
+        next own tile is v_stages or more entries ahead, PV_{j-1} is finished and its V slot
+        released before anything past it is waited for ("drain"; deadlock argument in the class
+        docstring); otherwise PV_{j-1} runs under QK_j and the softmax as in `_consumer`."""
+        KS, VS = self.k_stages, self.v_stages
+        k_full, v_full = bars["k_full"], bars["v_full"]
+        b, h = lists["b"], lists["h"]
+        n_kv = lists["kv_counts"].shape[0]
+        mKVCounts = lists["kv_counts"]
+        union = lists["union"]
+        n_union = lists["union_n"]
+        n = self._count(lists, qb)
+        own = lists["idx"][b, h, cutlass.min(qb, lists["idx"].shape[2] - 1), None]
+
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        if cutlass.const_expr(self.q_in_regs):
+            tSsQ = thr_qk.partition_A(sQ[None, None, ci])
+            rQ = cute.make_rmem_tensor(tSsQ.shape, self.dtype)
+        else:
+            rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))[None, None, None, ci]
+        rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
+        rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
+        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
+        S = _rows_cols(accS)
+        O = _rows_cols(accO)
+        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
+        cS_rc = _rows_cols(cS)
+        n_rows = cute.size(S, mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        alpha = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        alpha.fill(1.0)
+        accO.fill(0.0)
+
+        if n > 0:
+            # own tile j's union entry is read one step ahead, its block and count at the top of its step
+            u = own[0]
+            u_next = own[cutlass.min(1, n - 1)]
+            blk = self._clamp(union[u], n_kv)
+            count = mKVCounts[blk]
+            self._pass_entries(bars, 0, u)
+            bars["q_full"].wait(ci, 0)
+            if cutlass.const_expr(self.q_in_regs):
+                cute.autovec_copy(tSsQ, rQ)
+            # tile 0 (peeled, as in _consumer)
+            mma_pv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            self._qk_at(mma_qk, accS, rQ, rK, k_full, u)
+            cute.nvgpu.warpgroup.wait_group(0)
+            self._release(bars["k_empty"], u % KS)
+            # the union holds counted entries only: `last` -1 lets the rule take every one
+            self._softmax_tile(S, cS_rc, blk, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
+            rP_as_S.store(accS.load().to(self.dtype))
+            prev = u
+            v_held = cutlass.Int32(-1)  # the V entry whose PV retired at the end of the last step, or -1
+            for j in cutlass.range(1, n, unroll=1):
+                u = u_next
+                u_next = own[cutlass.min(j + 1, n - 1)]
+                blk = self._clamp(union[u], n_kv)
+                count = mKVCounts[blk]
+                if v_held >= 0:
+                    self._release(bars["v_empty"], v_held % VS)
+                drain = u - prev >= VS
+                overlap = u - prev < VS
+                if drain:  # PV_{j-1} now: waiting past entry prev + VS - 1 with V(prev) held could deadlock
+                    v_full.wait(prev % VS, (prev // VS) % 2)
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(mma_pv, accO, rP, rV[None, None, None, prev % VS], accO)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    self._release(bars["v_empty"], prev % VS)
+                self._pass_entries(bars, prev + 1, u)
+                self._qk_at(mma_qk, accS, rQ, rK, k_full, u)
+                if overlap:  # S = Q K_j^T in flight with O = alpha * O + P_{j-1} V_{j-1}
+                    v_full.wait(prev % VS, (prev // VS) % 2)
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(mma_pv, accO, rP, rV[None, None, None, prev % VS], accO)
+                # PV_{j-1}'s group, or an empty one after a drain: the wait for one group left is then
+                # the same wait for QK_j either way
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+                self._release(bars["k_empty"], u % KS)  # QK_j retired
+                self._softmax_tile(S, cS_rc, blk, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
+                self._rescale_o(O, alpha)
+                cute.nvgpu.warpgroup.wait_group(0)  # PV_{j-1} retired: P's registers are free
+                rP_as_S.store(accS.load().to(self.dtype))
+                v_held = prev
+                if drain:  # released already
+                    v_held = cutlass.Int32(-1)
+                prev = u
+            # drain: the last tile's PV, then the rest of the union for the other consumers
+            if v_held >= 0:
+                self._release(bars["v_empty"], v_held % VS)
+            v_full.wait(prev % VS, (prev // VS) % 2)
+            cute.nvgpu.warpgroup.fence()
+            cute.gemm(mma_pv, accO, rP, rV[None, None, None, prev % VS], accO)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            self._release(bars["v_empty"], prev % VS)
+            self._pass_entries(bars, prev + 1, n_union)
+        else:
+            self._pass_entries(bars, 0, n_union)
+
+        if qb < lists["idx"].shape[2]:
+            self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
+                           mQCounts, mGate, mOutC, mOutFine, c)
+
+    @cute.jit
+    def _qk_at(self, mma_qk, accS, rQ, rK, k_bar, t):
+        """S = Q K^T on union entry t's K slot, once it has landed; committed, not waited."""
+        slot = t % self.k_stages
+        k_bar.wait(slot, (t // self.k_stages) % 2)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+            mma_qk.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, slot], accS)
+        cute.nvgpu.warpgroup.commit_group()
+
     @cute.jit
     def _epilogue(self, qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
                   mQCounts, mGate, mOutC, mOutFine, c):
@@ -636,7 +863,7 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
 def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
                       q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                      q_in_regs: bool = False, lazy_rescale: bool = False):
+                      q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the forward on torch's current stream at the time of this call (the tensors' CuTe
     views are built once here: timing the callable leaves the per-call host conversion out).
@@ -644,7 +871,13 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     q, k, v, out, gate (bf16 / fp16) and out_fine (fp32): [B, H, S, D] views, BHSD or a BSHD tensor
     transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
     q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32. The coarse branch (VSA) is on when
-    out_coarse is given (q_counts then required; gate optional; out_fine optional, training)."""
+    out_coarse is given (q_counts then required; gate optional; out_fine optional, training).
+
+    shared_kv (warp_specialized, `consumers` query blocks per CTA on one K ring and one V ring):
+    the unions of the CTAs' lists are built here on the current stream (`stages.shared_kv_lists`,
+    one Triton launch; buffers allocated here, once) and run with the kernel by every call of the
+    returned callable, so the lists may change between calls. The callable's `lists_only` runs
+    that step alone (for timing it)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -688,11 +921,31 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     has_coarse = out_coarse is not None
     scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
     placeholder = sel_num  # never read when its feature is off
-    args = [q, k, v, out, lse, sel_idx.contiguous(), sel_num.contiguous(), kv_counts.contiguous(),
+    sel_idx, sel_num = sel_idx.contiguous(), sel_num.contiguous()
+    lists_step = None
+    if shared_kv:
+        if not warp_specialized or pingpong:
+            raise ValueError("sm90_fwd64: shared_kv needs warp_specialized=True (and no pingpong)")
+        from vsa_core import stages
+        cap = sel_idx.shape[-1]
+        n_groups = -(-nq // consumers)
+        union_idx = torch.empty((B, H, n_groups, consumers * cap), dtype=torch.int32, device=q.device)
+        union_num = torch.empty((B, H, n_groups), dtype=torch.int32, device=q.device)
+        own_pos = torch.empty_like(sel_idx)
+        own_num = torch.empty_like(sel_num)
+        given_idx, given_num = sel_idx, sel_num
+
+        def lists_step():
+            stages.shared_kv_lists(given_idx, given_num, nkv, consumers, union_idx, union_num, own_pos, own_num)
+        # the kernel reads its own tiles' union positions where the other variants read the lists
+        sel_idx, sel_num = own_pos, own_num
+    else:
+        union_idx, union_num = sel_idx, sel_num  # placeholders (never read)
+    args = [q, k, v, out, lse, sel_idx, sel_num, kv_counts.contiguous(),
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
-            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse]
+            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs, lazy_rescale)
+           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv)
     cargs = [_cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fn = _COMPILED.get(key)
@@ -700,12 +953,15 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
         kernel = BlockSparseFwd64Sm90(_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
-                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale)
+                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv)
         fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
 
     def launch():
+        if lists_step is not None:
+            lists_step()
         fn(*cargs, scale, stream)
 
     launch.keep_alive = args  # the contiguous copies the views point into
+    launch.lists_only = lists_step
     return launch
