@@ -5,41 +5,21 @@ shared memory.
     mkdir -p /tmp/cute-dump
     CUTE_DSL_ARCH=sm_90a python benchmarks/sm90_bwd64_compile.py [variant ...]
 
-(a python with nvidia-cutlass-dsl 4.8.1; CUTE_DSL_ARCH is set here when missing). Shapes and strides are
+(a python with nvidia-cutlass-dsl 4.8.1, numpy and triton; CUTE_DSL_ARCH is set here when missing). Shapes and strides are
 symbolic (fake tensors), so one compile covers every B, H, S, list capacity and layout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-import re
 import sys
-import time
-import traceback
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from sm90_compile_report import compile_report, report_table
 
-import cutlass  # noqa: E402
+import cutlass  # noqa: E402  (after sm90_compile_report: it sets CUTE_DSL_ARCH)
 import cutlass.cute as cute  # noqa: E402
-from cutlass.cute.runtime import make_fake_stream, make_fake_tensor  # noqa: E402
+from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 
-
-def _load_module():
-    """The kernel module by path: vsa_core.backends' __init__ imports Triton, which this compile-only
-    environment need not have."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(HERE), "vsa_core", "backends", "sm90_bwd64.py")
-    spec = importlib.util.spec_from_file_location("sm90_bwd64", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-MOD = _load_module()
+from vsa_core.backends import sm90_bwd64 as MOD  # noqa: E402
 
 VARIANTS = {
     # name: constructor arguments
@@ -90,49 +70,11 @@ def compile_variant(name, kw):
         kernel = MOD.BlockSparseBwd64Sm90(**kw)
         args = [a[n] for n in ("q", "k", "v", "do", "lse", "delta", "dq_acc", "dk", "dv", "inv_idx", "inv_num",
                                "kv_counts")]
-    buf = io.StringIO()
-    t = time.time()
-    # ptxas's report goes to the process's stderr (fd 2): capture it through a pipe
-    r, w = os.pipe()
-    saved = os.dup(2)
-    os.dup2(w, 2)
-    try:
-        with contextlib.redirect_stdout(buf):
-            cute.compile(kernel, *args, cutlass.Float32(0.088), make_fake_stream(use_tvm_ffi_env_stream=False),
-                         options="--gpu-arch sm_90a remarks{ptx}")
-    finally:
-        os.dup2(saved, 2)
-        os.close(w)
-        err = os.read(r, 1 << 20).decode(errors="replace")
-        os.close(r)
-    text = buf.getvalue() + err
-    return dict(seconds=time.time() - t, regs=re.findall(r"Used (\d+) registers", text),
-                spill_stores=re.findall(r"(\d+) bytes spill stores", text),
-                spill_loads=re.findall(r"(\d+) bytes spill loads", text),
-                stack=re.findall(r"(\d+) bytes stack frame", text),
-                warnings=[ln for ln in text.splitlines() if "warning" in ln.lower()],
-                smem=getattr(kernel, "smem_bytes", 0), ctas_per_sm=getattr(kernel, "ctas_per_sm", 0), report=text)
+    return compile_report(kernel, args)
 
 
 def main(argv):
-    names = argv or list(VARIANTS)
-    print(f"{'variant':10s} {'regs':>5s} {'spill st/ld':>12s} {'stack':>6s} {'smem KiB':>9s} {'CTAs/SM':>8s} {'s':>5s}")
-    failed = 0
-    for name in names:
-        try:
-            r = compile_variant(name, VARIANTS[name])
-            print(f"{name:10s} {','.join(r['regs']):>5s} {','.join(r['spill_stores']) + '/' + ','.join(r['spill_loads']):>12s} "
-                  f"{','.join(r['stack']):>6s} {r['smem'] / 1024:9.1f} {r['ctas_per_sm']:8d} {r['seconds']:5.1f}", flush=True)
-            for wline in r["warnings"]:
-                print(f"    {wline.strip()[:300]}")
-            if os.environ.get("VERBOSE"):
-                print(r["report"])
-        except Exception as e:
-            failed += 1
-            print(f"{name:10s} FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
-            if os.environ.get("VERBOSE"):
-                traceback.print_exc()
-    return 1 if failed else 0
+    return report_table(VARIANTS, compile_variant, argv)
 
 
 if __name__ == "__main__":

@@ -4,41 +4,21 @@ sm_90a on the CPU (no GPU needed) and prints ptxas's registers / spills and the 
     mkdir -p /tmp/cute-dump
     CUTE_DSL_ARCH=sm_90a python benchmarks/sm90_fwd64_compile.py [variant ...]
 
-(a python with nvidia-cutlass-dsl 4.8.1; CUTE_DSL_ARCH is set here when missing). Shapes and strides are
+(a python with nvidia-cutlass-dsl 4.8.1, numpy and triton; CUTE_DSL_ARCH is set here when missing). Shapes and strides are
 symbolic (fake tensors), so one compile covers every B, H, S, list capacity and layout.
 """
 
 from __future__ import annotations
 
-import io
-import os
-import re
 import sys
-import time
-import contextlib
-import traceback
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from sm90_compile_report import compile_report, report_table
 
-import cutlass  # noqa: E402
+import cutlass  # noqa: E402  (after sm90_compile_report: it sets CUTE_DSL_ARCH)
 import cutlass.cute as cute  # noqa: E402
-from cutlass.cute.runtime import make_fake_stream, make_fake_tensor  # noqa: E402
+from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 
-
-def _load_module():
-    """The kernel module by path: vsa_core.backends' __init__ imports Triton, which this compile-only
-    environment need not have."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(HERE), "vsa_core", "backends", "sm90_fwd64.py")
-    spec = importlib.util.spec_from_file_location("sm90_fwd64", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-BlockSparseFwd64Sm90 = _load_module().BlockSparseFwd64Sm90
+from vsa_core.backends.sm90_fwd64 import BlockSparseFwd64Sm90  # noqa: E402
 
 VARIANTS = {
     # name: constructor arguments
@@ -104,47 +84,11 @@ def fake_args(dtype, D):
 def compile_variant(name, kw):
     kernel = BlockSparseFwd64Sm90(**kw)
     args = fake_args(kw.get("dtype", cutlass.BFloat16), kw.get("head_dim", 128))
-    buf = io.StringIO()
-    t = time.time()
-    # ptxas's report goes to the process's stderr (fd 2): capture it through a pipe
-    r, w = os.pipe()
-    saved = os.dup(2)
-    os.dup2(w, 2)
-    try:
-        with contextlib.redirect_stdout(buf):
-            cute.compile(kernel, *args, cutlass.Float32(0.088), make_fake_stream(use_tvm_ffi_env_stream=False),
-                         options="--gpu-arch sm_90a remarks{ptx}")
-    finally:
-        os.dup2(saved, 2)
-        os.close(w)
-        err = os.read(r, 1 << 20).decode(errors="replace")
-        os.close(r)
-    text = buf.getvalue() + err
-    regs = re.findall(r"Used (\d+) registers", text)
-    spill_st = re.findall(r"(\d+) bytes spill stores", text)
-    spill_ld = re.findall(r"(\d+) bytes spill loads", text)
-    stack = re.findall(r"(\d+) bytes stack frame", text)
-    return dict(seconds=time.time() - t, regs=regs, spill_stores=spill_st, spill_loads=spill_ld, stack=stack,
-                smem=kernel.smem_bytes, ctas_per_sm=kernel.ctas_per_sm, report=text)
+    return compile_report(kernel, args)
 
 
 def main(argv):
-    names = argv or list(VARIANTS)
-    print(f"{'variant':22s} {'regs':>5s} {'spill st/ld':>12s} {'stack':>6s} {'smem KiB':>9s} {'CTAs/SM':>8s} {'s':>5s}")
-    failed = 0
-    for name in names:
-        try:
-            r = compile_variant(name, VARIANTS[name])
-            print(f"{name:22s} {','.join(r['regs']):>5s} {','.join(r['spill_stores']) + '/' + ','.join(r['spill_loads']):>12s} "
-                  f"{','.join(r['stack']):>6s} {r['smem'] / 1024:9.1f} {r['ctas_per_sm']:8d} {r['seconds']:5.1f}", flush=True)
-            if os.environ.get("VERBOSE"):
-                print(r["report"])
-        except Exception as e:
-            failed += 1
-            print(f"{name:22s} FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
-            if os.environ.get("VERBOSE"):
-                traceback.print_exc()
-    return 1 if failed else 0
+    return report_table(VARIANTS, compile_variant, argv)
 
 
 if __name__ == "__main__":

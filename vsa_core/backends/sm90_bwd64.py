@@ -4,7 +4,7 @@ Not registered as a backend yet: `sparse_backward64` is a launcher on torch tens
 benchmarks/sm90_bwd64_check.py checks it against float64 and the Triton backward and times it.
 
 What it computes (the contract of `base.FineBackward`, the fine branch only, and of
-`triton_kernels.sparse_attn_bwd_dq_kernel` / `sparse_attn_bwd_dkdv_kernel`): with
+`triton_fine_kernels.sparse_attn_bwd_dq_kernel` / `sparse_attn_bwd_dkdv_kernel`): with
 P = exp(S * scale - lse) recomputed from the forward's natural-log lse, dP = dO V^T,
 dS = P * (dP - delta) (delta = rowsum(dO * O) from the Triton preprocess),
 dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K over the selected blocks only.
@@ -16,8 +16,8 @@ adds exact zeros). Keys past `kv_counts[n]` (clamped to [0, 64]) are masked (the
 exactly 0). A query row whose lse is -inf (it saw nothing) gets P = 0, like lse +inf (the padded
 query rows of a VSA forward under padding="ignore"). Padded rows are multiplied by zero weights, as in
 cuDNN's kernel: under padding="ignore" the caller hands in copies with them zeroed
-(`triton_backend.valid_rows_copy`), and the pooling gradients (VSA) are added afterwards
-(`triton_backend.add_block_grad`).
+(`stages.valid_rows_copy`), and the pooling gradients (VSA) are added afterwards
+(`stages.add_block_grad`).
 
 Design: KV-major, one CTA (one warpgroup, 128 threads) per 64-token KV block, walking its list of
 query blocks. K and V come once by TMA; Q and dO tiles (and the 64 lse / delta values of the
@@ -92,6 +92,8 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
+from .sm90_common import cute_tensor, cutlass_dtype, rows_cols
+
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 THREADS = 128       # one warpgroup
@@ -99,17 +101,7 @@ MAJOR_K = cute.nvgpu.warpgroup.OperandMajorMode.K
 MAJOR_MN = cute.nvgpu.warpgroup.OperandMajorMode.MN
 
 
-# ---- small helpers (copied, not imported: sm90_fwd64 changes independently) -------------------
-def _rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """(row, col) view of an m64 wgmma accumulator fragment ((2, 2, V), M, N): the fragment's
-    modes are (col pair, row half, col group); rows are (row half, M), cols ((pair, group), N)."""
-    l = t.layout
-    s, d = l.shape, l.stride
-    mn = cute.make_layout(((s[0][1], s[1]), ((s[0][0], s[0][2]), s[2])),
-                          stride=((d[0][1], d[1]), ((d[0][0], d[0][2]), d[2])))
-    return cute.make_tensor(t.iterator, mn)
-
-
+# ---- small helpers -----------------------------------------------------------------------------
 def _transposed(t: cute.Tensor) -> cute.Tensor:
     """The same shared-memory tensor with its first two modes swapped (a view, no copy)."""
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
@@ -326,9 +318,9 @@ class BlockSparseBwd64Sm90:
         assert cute.size(rP) == cute.size(accS)
         rP_as_S = cute.make_tensor(rP.iterator, accS.layout)
         rdS_as_S = cute.make_tensor(rdS.iterator, accS.layout)
-        P = _rows_cols(accS)
-        dS = _rows_cols(accdP)
-        cS_rc = _rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK, BLOCK))))
+        P = rows_cols(accS)
+        dS = rows_cols(accdP)
+        cS_rc = rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK, BLOCK))))
         n_rows = cute.size(P, mode=[0])
         n_cols = cute.size(P, mode=[1])
         stat = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)  # lse2, then delta, per column
@@ -533,16 +525,6 @@ class DqPostprocess:
 _COMPILED = {}
 
 
-def _dtype(t):
-    import torch
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
-
-
-def _cute_tensor(t, align=16):
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
 def _layout_of(x):
     """"bhsd" / "bshd" when the [B, H, S, D] view x is that contiguous layout (what the Triton
     preprocess addresses), else None."""
@@ -559,7 +541,7 @@ def backward_delta(out, dout, delta=None):
     torch for views the preprocess does not address (strides other than BHSD / BSHD contiguous)."""
     import torch
     from ..problem import AttnProblem
-    from .. import stages as triton_backend  # the preprocess is a shared stage
+    from .. import stages  # the preprocess is a shared stage
 
     B, H, Sq, D = dout.shape
     if delta is None:
@@ -571,7 +553,7 @@ def backward_delta(out, dout, delta=None):
     p = AttnProblem(batch=B, heads=H, q_len=Sq, kv_len=Sq, head_dim=D, block_elems=BLOCK,
                     dtype=str(dout.dtype).replace("torch.", ""), layout=layout, selection="indices")
     raw = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
-    triton_backend.backward_preprocess(p, raw(out), raw(dout), delta)
+    stages.backward_preprocess(p, raw(out), raw(dout), delta)
     return delta
 
 
@@ -636,16 +618,16 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
     lists = [inv_idx.contiguous(), inv_num.contiguous(), kv_counts.contiguous()]
     main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists]
-    main_c = [_cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
-    post_c = [_cute_tensor(dq_accum), _cute_tensor(dq)]
+    main_c = [cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
+    post_c = [cute_tensor(dq_accum), cute_tensor(dq)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
     key = (q.dtype, D, stages, dq_red, dk_overlap)
     fns = _COMPILED.get(key)
     if fns is None:
-        fns = (cute.compile(BlockSparseBwd64Sm90(_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap),
+        fns = (cute.compile(BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap),
                             *main_c, scale, fake_stream),
-               cute.compile(DqPostprocess(_dtype(q), D), *post_c, scale, fake_stream))
+               cute.compile(DqPostprocess(cutlass_dtype(q), D), *post_c, scale, fake_stream))
         _COMPILED[key] = fns
     main_fn, post_fn = fns
 

@@ -4,7 +4,7 @@ Not registered as a backend yet (it trails cuDNN's kernel, which `auto` takes at
 `sparse_forward64` is a launcher on torch tensors; benchmarks/sm90_fwd64_check.py checks every
 variant against float64 and times it against cuDNN BSA and our Triton kernel.
 
-What it computes (the contract of `base.FineForward` and of `triton_kernels.sparse_attn_fwd_kernel`):
+What it computes (the contract of `base.FineForward` and of `triton_fine_kernels.sparse_attn_fwd_kernel`):
 each 64-row query block attends to the valid tokens (`kv_counts[n]`, clamped to [0, 64]) of the
 64-token KV blocks in its list `sel_idx[b, h, i, :sel_num[b, h, i]]`. The list rule is the
 Triton kernel's: the count is clamped to [0, capacity], and an entry counts only if it is in
@@ -68,21 +68,12 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
+from .sm90_common import cute_tensor, cutlass_dtype, rows_cols
+
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 LAZY_RESCALE_LOG2 = 8.0  # lazy_rescale: P stays <= 2^8
-
-
-# ---- register-tensor views -------------------------------------------------------------------
-def _rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """(row, col) view of an m64 wgmma accumulator fragment ((2, 2, V), M, N): the fragment's
-    modes are (col pair, row half, col group); rows are (row half, M), cols ((pair, group), N)."""
-    l = t.layout
-    s, d = l.shape, l.stride
-    mn = cute.make_layout(((s[0][1], s[1]), ((s[0][0], s[0][2]), s[2])),
-                          stride=((d[0][1], d[1]), ((d[0][0], d[0][2]), d[2])))
-    return cute.make_tensor(t.iterator, mn)
 
 
 class BlockSparseFwd64Sm90:
@@ -422,10 +413,10 @@ class BlockSparseFwd64Sm90:
         rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
         assert cute.size(rP) == cute.size(accS)
         rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
-        S = _rows_cols(accS)
-        O = _rows_cols(accO)
+        S = rows_cols(accS)
+        O = rows_cols(accO)
         cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
-        cS_rc = _rows_cols(cS)
+        cS_rc = rows_cols(cS)
         n_rows = cute.size(S, mode=[0])
         row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
@@ -585,10 +576,10 @@ class BlockSparseFwd64Sm90:
         accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
         rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
         rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
-        S = _rows_cols(accS)
-        O = _rows_cols(accO)
+        S = rows_cols(accS)
+        O = rows_cols(accO)
         cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
-        cS_rc = _rows_cols(cS)
+        cS_rc = rows_cols(cS)
         n_rows = cute.size(S, mode=[0])
         row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
@@ -698,7 +689,7 @@ class BlockSparseFwd64Sm90:
         self._rescale(O, alpha)
 
         cO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK, self.head_dim)))
-        cO_rc = _rows_cols(cO)
+        cO_rc = rows_cols(cO)
         row0 = qb * BLOCK
         mO = gO4[None, None, h, b]
         if cutlass.const_expr(not self.has_coarse):
@@ -844,16 +835,6 @@ def _tree(vals, op):
 _COMPILED = {}
 
 
-def _dtype(t):
-    import torch
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
-
-
-def _cute_tensor(t, align=16):
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
 def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
     """Runs the forward once on torch CUDA tensors, on torch's current stream (`prepare_forward64`
     has the arguments)."""
@@ -946,11 +927,11 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
            warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv)
-    cargs = [_cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
+    cargs = [cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = BlockSparseFwd64Sm90(_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
+        kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
                                       q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv)
