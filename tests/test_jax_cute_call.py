@@ -1,0 +1,245 @@
+"""vsa_jax.cute_call: cuDNN BSA's sm_90 forward (a CuTe DSL kernel) as an XLA custom call, no torch.
+
+On the CPU (no GPU, no NVIDIA driver): the module and the kernel class import with torch blocked;
+jax.jit traces the call to cutlass.jax's primitive (its lowering rule exists for "cuda" only, so
+the CPU backend cannot lower it); lowered for CUDA through jax.export (cross-platform lowering,
+still on the CPU, torch blocked) it compiles the kernel for sm_90a and is one
+stablehlo.custom_call to the CuTe DSL runtime's FFI handler, the compiled object inlined.
+On an H100/H200 (`gpu` tests): the call's values against a float64 reference with torch blocked,
+and under XLA command buffers the custom call is inside a command buffer and replays equal to a
+run without them.
+
+    pytest tests/test_jax_cute_call.py -v            # CPU: 4 pass, the gpu ones skip
+    (GPU machine: the same command; needs nvidia-cudnn-frontend[cutedsl]==1.32.0, nvidia-cutlass-dsl==4.8.1, jax[cuda])
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_import_boundaries import NO_TORCH, TORCH_NEVER_LOADED
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+if any(importlib.util.find_spec(m) is None for m in ("jax", "cutlass", "cudnn")):
+    pytest.skip("needs jax, nvidia-cutlass-dsl 4.8.1 and nvidia-cudnn-frontend 1.32.0", allow_module_level=True)
+
+SHAPES = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+    from vsa_jax import cute_call
+
+    def shapes(layout, B=1, H=2, S=1024, D=128, C=4, dtype=jnp.bfloat16):
+        n = S // 64
+        tok = (B, H, S, D) if layout == "bhsd" else (B, S, H, D)
+        return ((jax.ShapeDtypeStruct(tok, dtype),) * 3
+                + (jax.ShapeDtypeStruct((B, H, n, C), jnp.int32), jax.ShapeDtypeStruct((B, H, n), jnp.int32),
+                   jax.ShapeDtypeStruct((n,), jnp.int32)))
+    """)
+
+
+def _run(code: str, platform: str, extra_env=None) -> str:
+    """`code` in a fresh python where torch cannot be imported; asserts torch never loaded."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS",)}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = platform
+    env.update(extra_env or {})
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH + code + TORCH_NEVER_LOADED], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "NO TORCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_imports_without_torch():
+    _run(textwrap.dedent("""
+        from vsa_jax import cute_call
+        assert cute_call.library_error() is None, cute_call.library_error()
+        cute_call._adapter_class()  # the cuDNN kernel class and CuTe DSL, imported
+        """), "cpu")
+
+
+def test_traces_to_the_cutlass_call_primitive():
+    """Under jit the call is one cutlass_call_inner equation (the FFI target named in its params),
+    after the small clamp/broadcast of the block sizes; the CPU backend has no lowering for it."""
+    _run(SHAPES + textwrap.dedent("""
+        for layout in ("bhsd", "bshd"):
+            f = lambda *a: cute_call.cudnn_sm90_forward(*a, layout=layout)
+            jaxpr = jax.jit(f).trace(*shapes(layout)).jaxpr
+            text = str(jaxpr)
+            assert "cutlass_call_inner" in text and "ffi_call_target=CuteDSLRT_NvJaxCutlassCall_v2" in text, text
+            assert [(a.shape, a.dtype) for a in jaxpr.out_avals] == [(shapes(layout)[0].shape, jnp.bfloat16),
+                                                                     ((1, 2, 1024), jnp.float32)], jaxpr.out_avals
+        try:
+            jax.jit(f).lower(*shapes("bshd"))
+        except NotImplementedError as e:
+            assert "cutlass_call_inner" in str(e) and "cpu" in str(e), e
+        else:
+            raise AssertionError("the CPU backend lowered a CUDA-only primitive")
+        """), "cpu")
+
+
+def _mlir_string(text: str, name: str) -> bytes:
+    """The bytes of attribute `name = "..."` in MLIR text (\\XX hex escapes, \\\\ and \\")."""
+    start = text.index(f'{name} = "') + len(name) + 4
+    out, i = bytearray(), start
+    while text[i] != '"':
+        if text[i] == "\\":
+            nxt = text[i + 1]
+            if nxt in '\\"':
+                out.append(ord(nxt))
+                i += 2
+            else:
+                out.append(int(text[i + 1:i + 3], 16))
+                i += 3
+        else:
+            out += text[i].encode()
+            i += 1
+    return bytes(out)
+
+
+def test_lowers_for_cuda_to_one_custom_call_with_an_sm90a_kernel(tmp_path):
+    """Lowered for CUDA on this host (jax.export, torch blocked, no driver): the kernel compiles
+    for sm_90a and the program is one typed-FFI custom call to the CuTe DSL runtime whose
+    attributes carry the compiled host object (ELF x86-64 relocatable) with the sm_90 cubin."""
+    out = _run(SHAPES + textwrap.dedent(f"""
+        import re
+        for layout in ("bhsd", "bshd"):
+            f = lambda *a: cute_call.cudnn_sm90_forward(*a, layout=layout)
+            with cute_call.compile_without_gpu():
+                text = cute_call.lower_for_cuda(f, *shapes(layout))
+            calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
+            assert calls == ["CuteDSLRT_NvJaxCutlassCall_v2"], calls
+            open(r"{tmp_path}/" + layout + ".mlir", "w").write(text)
+        print("LOWERED")
+        """), "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
+    assert "LOWERED" in out
+    for layout in ("bhsd", "bshd"):
+        text = open(tmp_path / f"{layout}.mlir").read()
+        line = next(ln for ln in text.splitlines() if "stablehlo.custom_call" in ln)
+        assert "mhlo.backend_config = {key = " in line and "operand_layouts" in line and "result_layouts" in line
+        module = _mlir_string(line, "module")
+        assert module[:4] == b"\x7fELF" and module[16] == 1, "a relocatable host object"  # e_type ET_REL
+        cubin = module.find(b"\x7fELF", 1)
+        assert cubin > 0 and int.from_bytes(module[cubin + 18:cubin + 20], "little") == 190, "an embedded CUDA ELF"
+        assert (int.from_bytes(module[cubin + 48:cubin + 52], "little") >> 8) & 0xFF == 90, "compiled for sm_90"
+        assert b"-arch sm_90a" in module
+        assert "tensor<1x2x16x4xi32>" in line and ("tensor<1x2x1024x128xbf16>" if layout == "bhsd"
+                                                    else "tensor<1x1024x2x128xbf16>") in line
+
+
+def test_arguments_are_checked_at_trace_time():
+    import jax
+    import jax.numpy as jnp
+    from vsa_jax import cute_call
+    q = jax.ShapeDtypeStruct((1, 2, 1000, 128), jnp.bfloat16)
+    i4, i3, i1 = (jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 2, 15, 4), (1, 2, 15), (15,)))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        jax.jit(cute_call.cudnn_sm90_forward).trace(q, q, q, i4, i3, i1)
+    q = jax.ShapeDtypeStruct((1, 2, 1024, 128), jnp.float32)
+    with pytest.raises(TypeError, match="bfloat16"):
+        jax.jit(cute_call.cudnn_sm90_forward).trace(q, q, q, i4, i3, i1)
+
+
+# ---- GPU (H100/H200) ---------------------------------------------------------------------------
+GPU_VALUES = SHAPES + textwrap.dedent("""
+    import numpy as np
+
+    def problem(layout, B=1, H=2, S=1024, D=128, C=4, seed=0):
+        rng = np.random.default_rng(seed)
+        n = S // 64
+        q, k, v = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(3))
+        idx = np.sort(np.stack([[[rng.choice(n, C, replace=False) for _ in range(n)] for _ in range(H)]
+                                for _ in range(B)]), axis=-1).astype(np.int32)
+        num = rng.integers(0, C + 1, (B, H, n)).astype(np.int32)       # some rows empty
+        counts = np.full(n, 64, np.int32)
+        counts[-1], counts[3] = 40, 0                                  # a partial and an empty block
+        return q, k, v, idx, num, counts
+
+    def reference(q, k, v, idx, num, counts, scale):
+        B, H, S, D = q.shape
+        n = S // 64
+        allowed = np.zeros((B, H, n, S), bool)
+        for b in range(B):
+            for h in range(H):
+                for i in range(n):
+                    for j in idx[b, h, i, :num[b, h, i]]:
+                        allowed[b, h, i, j * 64: j * 64 + counts[j]] = True
+        allowed = np.repeat(allowed, 64, axis=2)
+        s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) * scale
+        s = np.where(allowed, s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        p = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+        l = p.sum(-1, keepdims=True)
+        out = np.where(l > 0, np.einsum("bhqk,bhkd->bhqd", p, v) / np.where(l > 0, l, 1), 0)
+        lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1)) + m[..., 0], -np.inf)
+        return out, lse
+
+    def run(layout, jit_fn=None):
+        q, k, v, idx, num, counts = problem(layout)
+        bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+        qq, kk, vv = (bf(x) if layout == "bhsd" else bf(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+        f = jit_fn or jax.jit(lambda *a: cute_call.cudnn_sm90_forward(*a, layout=layout))
+        out, lse = f(qq, kk, vv, jnp.asarray(idx), jnp.asarray(num), jnp.asarray(counts))
+        out = np.asarray(out.astype(jnp.float32))
+        if layout == "bshd":
+            out = out.transpose(0, 2, 1, 3)
+        rq, rk, rv = (np.asarray(bf(x).astype(jnp.float32)) for x in (q, k, v))
+        ref_out, ref_lse = reference(rq, rk, rv, idx, num, counts, 128 ** -0.5)
+        return out, np.asarray(lse), ref_out, ref_lse
+    """)
+
+
+@pytest.mark.gpu
+def test_gpu_values_equal_the_reference_with_torch_blocked():
+    _run(GPU_VALUES + textwrap.dedent("""
+        assert jax.devices()[0].platform == "gpu"
+        for layout in ("bhsd", "bshd"):
+            out, lse, ref_out, ref_lse = run(layout)
+            assert np.array_equal(np.isinf(lse), np.isinf(ref_lse)), layout
+            fin = np.isfinite(ref_lse)
+            assert np.abs(lse[fin] - ref_lse[fin]).max() < 1e-2, layout
+            assert np.abs(out - ref_out).max() < 3e-2, (layout, np.abs(out - ref_out).max())
+        """), "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_runs_inside_an_xla_command_buffer_and_replays_equal():
+    """With CUSTOM_CALL command buffers enabled, the compiled HLO puts the custom call inside a
+    command buffer (a CUDA graph), and its replays equal a run without command buffers (a second
+    process): the asserted form of issue 23's command-buffer target for this kernel."""
+    code = GPU_VALUES + textwrap.dedent("""
+        f = jax.jit(lambda *a: cute_call.cudnn_sm90_forward(*a, layout="bhsd"))
+        args = [jnp.asarray(x) for x in problem("bhsd")]
+        args[:3] = [x.astype(jnp.bfloat16) for x in args[:3]]
+        hlo = f.lower(*args).compile().as_text()
+        outs = [f(*args) for _ in range(3)]                        # the first records, the others replay
+        for o in outs[1:]:
+            assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(o, outs[0]))
+        np.save(__OUT_PATH__, np.asarray(outs[0][0].astype(jnp.float32)))
+        # the computations of the compiled module: a header line at column 0 ending in "{" up to "}"
+        comps, name = {}, None
+        for line in hlo.splitlines():
+            if name is None and line and not line[0].isspace() and line.rstrip().endswith("{"):
+                name = line.split("(")[0].split()[-1]
+                comps[name] = []
+            elif name is not None and line.startswith("}"):
+                name = None
+            elif name is not None:
+                comps[name].append(line)
+        holders = [n for n, body in comps.items() if any("CuteDSLRT_NvJaxCutlassCall_v2" in ln for ln in body)]
+        print("HOLDERS", holders)
+        print("IN COMMAND BUFFER" if any("command_buffer" in n for n in holders) else "NOT IN COMMAND BUFFER")
+        """)
+    import tempfile
+    import numpy as np
+    with tempfile.TemporaryDirectory() as d:
+        cmd = os.path.join(d, "cmd.npy")
+        plain = os.path.join(d, "plain.npy")
+        flags = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+        out = _run(code.replace("__OUT_PATH__", repr(cmd)), "cuda", {"XLA_FLAGS": flags})
+        _run(code.replace("__OUT_PATH__", repr(plain)), "cuda", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})
+        assert "IN COMMAND BUFFER" in out, out
+        assert np.array_equal(np.load(cmd), np.load(plain))
