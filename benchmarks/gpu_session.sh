@@ -105,7 +105,7 @@ record() {  # record <log>: suite_record.md: date, device, versions, commit, cou
 case $step in
   tests)  # the whole suite in strict mode (FA4, cuDNN frontend and JAX's GPU backend must be there: a
           # test that would skip for a missing one fails), 64-bit offsets included, and its record
-    export VSA_REQUIRE_BACKENDS=cute,cudnn,jax
+    export VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax
     versions | tee "$out/versions.txt"
     t 540 python3 -m pytest -q -rfEs -n 12 --dist loadgroup --durations=15 tests
     record "$out/$step.log"

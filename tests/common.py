@@ -25,7 +25,7 @@ from vsa_core.backends import NAMES as BACKEND_NAMES, library_error
 from vsa_core.problem import resolve_softmax_scale
 
 # ---- strict mode --------------------------------------------------------------------------
-# VSA_REQUIRE_BACKENDS=cute,cudnn,jax (benchmarks/gpu_session.sh sets it): on a machine with a
+# VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax (benchmarks/gpu_session.sh sets it): on a machine with a
 # GPU, a test that would skip because one of these is missing fails instead, so a GPU run
 # without FA4, cuDNN frontend or JAX's CUDA plugin cannot pass as green. A backend that is
 # installed but does not take a case (a block size, head dim or dtype it has no kernel for)

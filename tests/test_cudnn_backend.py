@@ -17,7 +17,7 @@ import torch
 import vsa_torch
 from common import Case, assert_close, errors, make_inputs, reference, require_jax_gpu, skip_unavailable, to_layout
 from test_torch_vsa import run_torch
-from vsa_core.backends import (BackendUnavailableError, auto_table, cudnn_backend, resolve_backend,
+from vsa_core.backends import (BACKENDS, BackendUnavailableError, auto_table, cudnn_backend, resolve_backend,
                                triton_backend)
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
@@ -128,17 +128,22 @@ def test_explicit_cudnn_raises_with_reason(monkeypatch):
 
 
 # ---- cuDNN BSA on the GPU -------------------------------------------------------------------
-def _cudnn_reason(case: Case, training: bool = True):
+def backend_reason(backend: str, case: Case, training: bool = True):
+    """Why `backend` cannot run `case` on this machine (None when it can)."""
     if not HAS_CUDA:
         return "needs an NVIDIA GPU"
     p = _problem(block_elems=case.E, head_dim=case.head_dim, dtype=case.dtype, q_len=case.n_q_blocks * case.E,
                  kv_len=case.n_kv_blocks * case.E, training=training)
-    return cudnn_backend.unavailable_reason(p, device_info(torch.empty(0, device="cuda")))
+    return BACKENDS[backend].unavailable_reason(p, device_info(torch.empty(0, device="cuda")))
+
+
+def require_backend(backend: str, case: Case, training: bool = True):
+    reason = backend_reason(backend, case, training)
+    skip_unavailable(backend, reason and f"{backend} backend unavailable: {reason}")
 
 
 def _require_cudnn(case: Case, training: bool = True):
-    reason = _cudnn_reason(case, training)
-    skip_unavailable("cudnn", reason and f"cudnn backend unavailable: {reason}")
+    require_backend("cudnn", case, training)
 
 
 # bf16, head dim 128 (its sm_90 backward), 64- and 128-token blocks
@@ -228,10 +233,15 @@ def test_cudnn_inference_output_equals_training_forward():
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("E", [64, 128])
 def test_cudnn_block_sparse_attn_with_empty_rows(layout, E):
+    check_empty_rows("cudnn", layout, E)
+
+
+def check_empty_rows(backend: str, layout: str, E: int):
     """A query block with nothing selected, and one that selected only the empty KV block:
-    out 0 and lse -inf there (cuDNN's empty-safe path), as the Triton backend."""
+    out 0 and lse -inf there (cuDNN's empty-safe path; ours by the kernels' own rule), as the
+    Triton backend."""
     case = Case(block=E, head_dim=128, n_q_blocks=3, n_kv_blocks=4, layout=layout)
-    _require_cudnn(case)
+    require_backend(backend, case)
     inputs = make_inputs(case, seed=5)
     assert inputs["kv_counts"][2] == 0
     rng = np.random.default_rng(9)
@@ -240,17 +250,17 @@ def test_cudnn_block_sparse_attn_with_empty_rows(layout, E):
     block_map[0, 1, 1, :] = False
     block_map[0, 1, 1, 2] = True  # only the empty block
 
-    def run(backend):
+    def run(name):
         q, k, v = (torch.from_numpy(to_layout(inputs[n], layout)).to("cuda", torch.bfloat16).requires_grad_()
                    for n in ("q", "k", "v"))
         out, lse = vsa_torch.block_sparse_attn(q, k, v, block_map.cuda(), inputs["kv_counts"], E, layout=layout,
-                                               backend=backend)
+                                               backend=name)
         out.backward(torch.from_numpy(to_layout(inputs["dout"], layout)).to("cuda", torch.bfloat16))
         res = {n: to_layout(t.detach().float().cpu().numpy(), layout)
                for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
         return res, lse.cpu().numpy()
 
-    (got, lse), (want, want_lse) = run("cudnn"), run("triton")
+    (got, lse), (want, want_lse) = run(backend), run("triton")
     assert_close(case, got, want)
     assert np.isneginf(lse[0, 0, :E]).all() and np.isneginf(lse[0, 1, E:2 * E]).all()
     assert (got["out"][0, 0, :E] == 0).all() and (got["out"][0, 1, E:2 * E] == 0).all()
@@ -261,16 +271,20 @@ def test_cudnn_block_sparse_attn_with_empty_rows(layout, E):
 
 @pytest.mark.gpu
 def test_cudnn_runs_on_the_current_stream():
-    """Under a side stream the results match the default stream's (cuDNN BSA launches on
+    check_current_stream("cudnn")
+
+
+def check_current_stream(backend: str):
+    """Under a side stream the results match the default stream's (the backend launches on
     torch's current stream; a kernel on another stream would race)."""
     case = Case(head_dim=128, n_q_blocks=4, n_kv_blocks=6, topk=3)
-    _require_cudnn(case)
+    require_backend(backend, case)
     inputs = make_inputs(case, seed=21)
-    want = run_torch(case, inputs, backend="cudnn")
+    want = run_torch(case, inputs, backend=backend)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        got = run_torch(case, inputs, backend="cudnn")
+        got = run_torch(case, inputs, backend=backend)
     torch.cuda.synchronize()
     assert_close(case, got, want)
 
@@ -287,16 +301,20 @@ def test_auto_takes_cudnn_at_64_token_blocks_on_h200():
 @pytest.mark.parametrize("case", [Case(head_dim=128), Case(block=128, head_dim=128, n_q_blocks=2, n_kv_blocks=3,
                                                             layout="bshd")], ids=lambda c: c.id())
 def test_cudnn_torch_and_jax(case):
-    """The same cuDNN kernels through both frontends: the forward (no atomics) bit for bit,
-    the gradients within the reference tolerance (cuDNN's backward adds dQ with atomics
-    and builds its K-to-Q lists with atomics: not bitwise reproducible run to run)."""
+    check_torch_and_jax("cudnn", case)
+
+
+def check_torch_and_jax(backend: str, case: Case):
+    """The same kernels through both frontends: the forward (no atomics) bit for bit, the
+    gradients within the reference tolerance (cuDNN's backward adds dQ with atomics and builds
+    its K-to-Q lists with atomics, ours reduces dQ with atomics: not bitwise reproducible)."""
     require_jax_gpu()
-    _require_cudnn(case)
+    require_backend(backend, case)
     import jax
     import jax.numpy as jnp
     from test_jax_vsa import jax_args, to_numpy, vsa_fn
     inputs = make_inputs(case, seed=zlib.crc32(case.id().encode()) + 2)
-    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"], backend="cudnn")
+    f = vsa_fn(case, inputs["kv_counts"], inputs["q_counts"], backend=backend)
     q, k, v, gate, dout = jax_args(case, inputs)
 
     def loss(q, k, v, gate):
@@ -306,7 +324,7 @@ def test_cudnn_torch_and_jax(case):
     (dq, dk, dv, dgate), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, gate)
     got_jax = to_numpy(case, dict(out=out, dq=dq, dk=dk, dv=dv, **({"dgate": dgate} if case.gate else {})))
     out_inference = to_numpy(case, {"out": jax.jit(f)(q, k, v, gate)})["out"]
-    got_torch = run_torch(case, inputs, backend="cudnn")
+    got_torch = run_torch(case, inputs, backend=backend)
     assert np.array_equal(got_jax["out"], got_torch["out"])
     assert np.array_equal(out_inference, got_torch["out"])
     assert_close(case, got_jax, got_torch)
@@ -316,17 +334,21 @@ def test_cudnn_torch_and_jax(case):
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
 @pytest.mark.parametrize("E", [64, 128])
 def test_cudnn_bad_lists_under_compile_equal_clean_lists(frontend, E):
-    """cuDNN's kernels read lists and block sizes as given: under torch.compile / jax.jit
-    (nothing checked before launch) every bad list row of test_bad_values at once, and KV
-    counts outside [0, E], must give the result of the lists the rule keeps and the
-    clamped counts (the forward cleans given lists before any backend; the cudnn backend
-    clamps the counts). Forward bit for bit, gradients within tolerance (cuDNN's backward
-    uses atomics), and close to the float64 reference of the kept selection."""
+    check_bad_lists_under_compile("cudnn", frontend, E)
+
+
+def check_bad_lists_under_compile(backend: str, frontend: str, E: int):
+    """Under torch.compile / jax.jit (nothing checked before launch) every bad list row of
+    test_bad_values at once, and KV counts outside [0, E], must give the result of the lists
+    the rule keeps and the clamped counts (the forward cleans given lists before any backend;
+    cuDNN's kernels read lists and block sizes as given, so the cudnn backend clamps the
+    counts; ours clamp them in the kernels). Forward bit for bit, gradients within tolerance
+    (both backwards use atomics), and close to the float64 reference of the kept selection."""
     from test_bad_values import BAD_LISTS, kept_lists, lists_with
     from vsa_core import reference as R
 
     case = Case(block=E, head_dim=128, batch=2, heads=3, n_q_blocks=2, n_kv_blocks=4, gate=False)
-    _require_cudnn(case)
+    require_backend(backend, case)
     inputs = make_inputs(case, seed=91, margin=None)  # the selection is given: no top-k margin needed
     idx, num = lists_with(BAD_LISTS)
     kept_idx, kept_num, block_map = kept_lists(idx, num)
@@ -336,7 +358,7 @@ def test_cudnn_bad_lists_under_compile_equal_clean_lists(frontend, E):
     names = ("out", "lse", "dq", "dk", "dv")
     if frontend == "torch":
         def run(q, k, v, idx, num, counts):
-            return vsa_torch.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E, backend="cudnn")
+            return vsa_torch.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E, backend=backend)
 
         results = []
         for fn, lists, counts in ((torch.compile(run, fullgraph=True), (idx, num), bad_counts),
@@ -355,7 +377,7 @@ def test_cudnn_bad_lists_under_compile_equal_clean_lists(frontend, E):
         @jax.jit
         def run(q, k, v, dout, idx, num, counts):
             def f(q, k, v):
-                return vsa_jax.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E, backend="cudnn")
+                return vsa_jax.block_sparse_attn_from_indices(q, k, v, idx, num, counts, E, backend=backend)
             (out, lse), vjp = jax.vjp(f, q, k, v)
             return out, lse, *vjp((dout, jnp.zeros_like(lse)))
 

@@ -381,7 +381,7 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id())
-@pytest.mark.parametrize("backend", ["triton", "cute", "cudnn"])
+@pytest.mark.parametrize("backend", ["triton", "cute", "cudnn", "sm90"])
 @pytest.mark.parametrize("frontend", list(RUNNERS))
 def test_zeros_is_fastvideos_function_gpu(frontend, backend, case):
     skip_unavailable(backend, _unavailable(case, backend, frontend))
@@ -392,7 +392,7 @@ def test_zeros_is_fastvideos_function_gpu(frontend, backend, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id())
-@pytest.mark.parametrize("backend", ["triton", "cute", "cudnn"])
+@pytest.mark.parametrize("backend", ["triton", "cute", "cudnn", "sm90"])
 @pytest.mark.parametrize("frontend", list(RUNNERS))
 def test_ignore_never_reads_the_padding_gpu(frontend, backend, case):
     """NaN / inf in every padded row: finite results, padded rows 0, the reference; bit for bit

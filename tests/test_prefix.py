@@ -166,11 +166,11 @@ GPU_CASES = [GPU_CASE, dataclasses.replace(GPU_CASE, block=64, batch=2, layout="
 @pytest.mark.gpu
 @pytest.mark.parametrize("P, mode", [(P, m) for P in range(5) for m in MODES], ids=lambda x: str(x))
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"E{c.E}-{c.layout}")
-@pytest.mark.parametrize("backend", ["cute", "cudnn"])
+@pytest.mark.parametrize("backend", ["cute", "cudnn", "sm90"])
 @pytest.mark.parametrize("frontend", list(RUNNERS))
 def test_gpu_backends_match_float64_reference(frontend, backend, case, P, mode):
-    """The library fine stages (FA4, cuDNN BSA) on the prefix lists: D 128, bf16 (a shape both
-    can run forward and backward; FA4 skips 64-token blocks, saying why)."""
+    """The CuTe fine stages (FA4, cuDNN BSA, ours) on the prefix lists: D 128, bf16 (a shape they
+    run forward and backward; FA4 skips 64-token blocks and ours 128-token ones, saying why)."""
     if frontend == "jax" and jax.default_backend() != "gpu":
         pytest.skip("jax has no GPU backend")
     x = draw(case, P, mode, _seed("gpu", P, mode, case.E))

@@ -34,6 +34,7 @@ REGISTRY = {
     "triton": "vsa_core.backends.triton_backend",
     "cute": "vsa_core.backends.cute_backend",
     "cudnn": "vsa_core.backends.cudnn_backend",
+    "sm90": "vsa_core.backends.sm90_backend",
 }
 
 NAMES: Tuple[str, ...] = tuple(REGISTRY)
