@@ -82,7 +82,8 @@ def fake_args(dtype, D):
     sel_idx, sel_num, kv_counts, q_counts = i32t((B, H, NQ, CAP)), i32t((B, H, NQ)), i32t((NKV,)), i32t((NQ,))
     gate = tok(S)
     out_c = f32((B, H, NQ, D))
-    out_fine = make_fake_tensor(cutlass.Float32, (B, H, S, D), (i32(), i32(), i32(), 1), assumed_align=4)
+    div4 = lambda: cute.sym_int32(divisibility=4)  # noqa: E731
+    out_fine = make_fake_tensor(cutlass.Float32, (B, H, S, D), (div4(), div4(), div4(), 1), assumed_align=16)
     NG, UCAP = i32(), i32()
     union_idx, union_num = i32t((B, H, NG, UCAP)), i32t((B, H, NG))  # shared_kv (placeholders otherwise)
     return [q, k, v, o, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_c, out_fine, union_idx, union_num]

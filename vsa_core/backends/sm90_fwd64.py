@@ -185,15 +185,24 @@ class BlockSparseFwd64Sm90:
         NR = self.rings
         # (S, D, H, B) views for Q, K, O (D contiguous: K-major operands) and (D, S, H, B) for V
         # (the PV wgmma's B operand is V^T, N = D contiguous: MN-major); head dim static.
-        def tok_major(t):
+        def tok_major(t, divby=None):
+            # divby: the strides' known divisibility (in elements; 16 bytes), so that the epilogue's
+            # register <-> global copies of neighbouring columns vectorize
+            st = (t.stride[2], t.stride[1], t.stride[0])
+            if cutlass.const_expr(divby is not None):
+                st = tuple(cute.assume(x, divby=divby) for x in st)
             return cute.make_tensor(t.iterator, cute.make_layout(
-                (t.shape[2], D, t.shape[1], t.shape[0]), stride=(t.stride[2], 1, t.stride[1], t.stride[0])))
+                (t.shape[2], D, t.shape[1], t.shape[0]), stride=(st[0], 1, st[1], st[2])))
 
         def dim_major(t):
             return cute.make_tensor(t.iterator, cute.make_layout(
                 (D, t.shape[2], t.shape[1], t.shape[0]), stride=(1, t.stride[2], t.stride[1], t.stride[0])))
 
-        gQ4, gK4, gV4, gO4 = tok_major(mQ), tok_major(mK), dim_major(mV), tok_major(mO)
+        gQ4, gK4, gV4, gO4 = tok_major(mQ), tok_major(mK), dim_major(mV), tok_major(mO, 8)
+        if cutlass.const_expr(self.has_gate):
+            mGate = tok_major(mGate, 8)
+        if cutlass.const_expr(self.store_fine):
+            mOutFine = tok_major(mOutFine, 4)
 
         k_major = LayoutEnum.from_tensor(gK4)
         v_major = LayoutEnum.from_tensor(gV4)
@@ -675,7 +684,14 @@ class BlockSparseFwd64Sm90:
     @cute.jit
     def _epilogue(self, qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
                   mQCounts, mGate, mOutC, mOutFine, c):
-        """Normalise, lse (natural log; -inf where nothing was seen), and the stores."""
+        """Normalise, lse (natural log; -inf where nothing was seen), and the stores. With the coarse
+        branch the gate tile is loaded first (its latency under the normalisation), the mix runs in
+        registers (one explicit FMA, so out's bits do not depend on whether out_fine is stored) and
+        out / out_fine leave by vectorized copies of the accumulator partition."""
+        D = self.head_dim
+        if cutlass.const_expr(self.has_gate):
+            rG = cute.make_rmem_tensor_like(accO, self.dtype)
+            cute.autovec_copy(thr_pv.partition_C(cute.local_tile(mGate[None, None, h, b], (BLOCK, D), (qb, 0))), rG)
         n_rows = cute.size(O, mode=[0])
         lse = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         for ri in cutlass.range_constexpr(n_rows):
@@ -688,14 +704,12 @@ class BlockSparseFwd64Sm90:
             alpha[ri] = inv
         self._rescale(O, alpha)
 
-        cO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK, self.head_dim)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK, D)))
         cO_rc = rows_cols(cO)
         row0 = qb * BLOCK
-        mO = gO4[None, None, h, b]
+        tOg = thr_pv.partition_C(cute.local_tile(gO4[None, None, h, b], (BLOCK, D), (qb, 0)))
+        rO = cute.make_rmem_tensor_like(accO, self.dtype)
         if cutlass.const_expr(not self.has_coarse):
-            gO = cute.local_tile(mO, (BLOCK, self.head_dim), (qb, 0))
-            tOg = thr_pv.partition_C(gO)
-            rO = cute.make_rmem_tensor_like(accO, self.dtype)
             rO.store(accO.load().to(self.dtype))
             cute.autovec_copy(rO, tOg)
             if tidx % 4 == 0:
@@ -704,22 +718,32 @@ class BlockSparseFwd64Sm90:
         else:
             # VSA: rows past the block's q count are outputs of nothing (out 0, out_fine 0, lse +inf)
             q_valid = cutlass.min(cutlass.max(mQCounts[qb], 0), BLOCK)
+            rO_rc = rows_cols(rO)
+            if cutlass.const_expr(self.store_fine):
+                rF = cute.make_rmem_tensor_like(accO, cutlass.Float32)
+                rF_rc = rows_cols(rF)
+            if cutlass.const_expr(self.has_gate):
+                rG_rc = rows_cols(rG)
             for ri in cutlass.range_constexpr(n_rows):
-                r = cO_rc[ri, 0][0]
-                row_ok = r < q_valid
                 if tidx % 4 == 0:
-                    mLSE[b, h, row0 + r] = lse[ri] if row_ok else cutlass.Float32.inf
-                for ci in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    d = cO_rc[ri, ci][1]
+                    r = cO_rc[ri, 0][0]
+                    mLSE[b, h, row0 + r] = lse[ri] if r < q_valid else cutlass.Float32.inf
+            for ci in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                coarse = mOutC[b, h, qb, cO_rc[0, ci][1]]
+                for ri in cutlass.range_constexpr(n_rows):
+                    row_ok = cO_rc[ri, 0][0] < q_valid
                     fine = O[ri, ci] if row_ok else cutlass.Float32(0.0)
                     if cutlass.const_expr(self.store_fine):
-                        mOutFine[b, h, row0 + r, d] = fine
-                    mix = cutlass.Float32(0.0)
-                    if row_ok:
-                        mix = mOutC[b, h, qb, d]
-                        if cutlass.const_expr(self.has_gate):
-                            mix = mix * mGate[b, h, row0 + r, d].to(cutlass.Float32)
-                    mO[row0 + r, d] = (fine + mix).to(self.dtype)
+                        rF_rc[ri, ci] = fine
+                    if cutlass.const_expr(self.has_gate):
+                        g = rG_rc[ri, ci].to(cutlass.Float32) if row_ok else cutlass.Float32(0.0)
+                        rO_rc[ri, ci] = cute.math.fma(g, coarse, fine).to(self.dtype)
+                    else:
+                        rO_rc[ri, ci] = (fine + (coarse if row_ok else cutlass.Float32(0.0))).to(self.dtype)
+            cute.autovec_copy(rO, tOg)
+            if cutlass.const_expr(self.store_fine):
+                cute.autovec_copy(rF, thr_pv.partition_C(
+                    cute.local_tile(mOutFine[None, None, h, b], (BLOCK, D), (qb, 0))))
 
     # ---- helpers ----------------------------------------------------------------------------------
     @cute.jit
@@ -895,10 +919,11 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
             raise ValueError(f"sm90_fwd64 needs {name} {list(shape)} {dtype} (got {list(t.shape)} {t.dtype})")
         if t.stride(-1) != 1:
             raise ValueError(f"sm90_fwd64 needs {name} with a contiguous last dimension")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"sm90_fwd64 needs {name} with a contiguous head dim, strides in multiples of 8 "
-                             "elements and a 16-byte aligned start (TMA)")
+    vectors = (("q", q), ("k", k), ("v", v), ("out", out), ("gate", gate), ("out_fine", out_fine))
+    for name, t in ((n, t) for n, t in vectors if t is not None):
+        if t.stride(-1) != 1 or any(st % (16 // t.element_size()) for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"sm90_fwd64 needs {name} with a contiguous head dim, strides in multiples of 16 "
+                             "bytes and a 16-byte aligned start (TMA loads, vector stores)")
     has_coarse = out_coarse is not None
     scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
     placeholder = sel_num  # never read when its feature is off
@@ -927,7 +952,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
            warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv)
-    cargs = [cute_tensor(t, 16 if i < 4 else 4) for i, t in enumerate(args)]
+    vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
+    cargs = [cute_tensor(t, 16 if i in vector_args else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fn = _COMPILED.get(key)
     if fn is None:
