@@ -176,13 +176,15 @@ def test_backward_lists_match_numpy(E):
     np.testing.assert_array_equal(inv_idx_t.cpu().numpy().reshape(-1, nq), inv_idx)  # the input is untouched
 
 
+@pytest.mark.parametrize("fine_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("padding", ["zeros", "ignore"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("gate", [True, False])
-def test_mix_coarse_dlse_and_block_grads(layout, gate, padding):
+def test_mix_coarse_dlse_and_block_grads(layout, gate, padding, fine_dtype):
     """The library backends' epilogues. "zeros": every row of a block is mixed and gets the
     pooling gradient (lse untouched); "ignore": the padded rows end out 0, out_fine 0, lse
-    +inf and gradient exactly 0, whatever the library left there (NaN included)."""
+    +inf and gradient exactly 0, whatever the library left there (NaN included). out_fine in
+    q's dtype (what the library backends keep) or fp32 holds the fine output exactly."""
     E, D, B, H, nq = 128, 64, 2, 2, 2
     p = _problem(batch=B, heads=H, q_len=nq * E, kv_len=nq * E, block_elems=E, head_dim=D, layout=layout,
                  padding=padding)
@@ -200,7 +202,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate, padding):
         gate_t = torch.where(valid, gate_t, torch.tensor(float("inf"), dtype=torch.bfloat16))
     keep = valid if ignore else torch.ones_like(valid)
     out = lay(fine.clone())
-    out_fine = torch.empty_like(out, dtype=torch.float32)
+    out_fine = torch.empty_like(out, dtype=fine_dtype)
     lse_in = torch.randn(B, H, nq * E, generator=g)
     lse = lse_in.clone().to(DEV)
     stages.mix_coarse(p, out, lse, coarse.to(DEV), q_counts.to(DEV), gate=lay(gate_t) if gate else None,

@@ -117,6 +117,11 @@ class AttnProblem:
     softmax_scale: Optional[float] = None
     # the padded rows of each block (past its count): "zeros" or "ignore" (PADDINGS)
     padding: str = "zeros"
+    # dtype of the fine output kept for the backward (VSA training, `out_fine`): "float32" where the
+    # fine kernel has it from its fp32 accumulators (triton, sm90), "input" (q's dtype) where a
+    # library writes the fine output in q's dtype anyway (cute, cudnn: fp32 would hold the same
+    # values at twice the bytes). Set from the backend (`backends.fine_residual`).
+    fine_residual: str = "float32"
 
     def __post_init__(self):
         object.__setattr__(self, "softmax_scale", resolve_softmax_scale(self.softmax_scale, self.head_dim))
@@ -182,7 +187,7 @@ class AttnProblem:
                 "sel_mask": ((B, H, nq, nk), "int8"),
             })
             if self.training:
-                bufs["out_fine"] = (self.token_shape(self.q_len), "float32")
+                bufs["out_fine"] = (self.token_shape(self.q_len), self.fine_residual)
         else:
             # lists from the map, or the given lists as the rule reads them (varlen: kept to each
             # query's own sequence); the backward takes these

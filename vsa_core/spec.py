@@ -27,6 +27,7 @@ import functools
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
+from .backends import fine_residual
 from .problem import AttnProblem, dtype_name
 
 
@@ -163,4 +164,4 @@ def _op_problem(s: OpStatics, q_shape, k_shape, dtype: str, n_seqs: int) -> Attn
                        block_elems=s.block_elems, dtype=dtype, layout=s.layout, topk=s.topk, has_gate=s.has_gate,
                        selection=s.selection, training=s.training, n_seqs=n_seqs, list_capacity=s.list_capacity,
                        prefix_blocks=s.prefix_blocks, prefix_mode=s.prefix_mode, seq_prefix=s.seq_prefix,
-                       softmax_scale=s.softmax_scale, padding=s.padding)
+                       softmax_scale=s.softmax_scale, padding=s.padding, fine_residual=fine_residual(s.backend))

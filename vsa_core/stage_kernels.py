@@ -653,7 +653,8 @@ def mix_coarse_kernel(
     HAS_GATE: tl.constexpr, STORE_FINE: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
 ):
     """OUT holds the fine output on entry; on exit out_fine + gate * out_c (or + out_c).
-    STORE_FINE also keeps the fine output in fp32 for the backward's delta.
+    STORE_FINE also keeps the fine output (in OUT_FINE's dtype: the values are OUT's, so q's
+    dtype holds them exactly) for the backward's delta.
     Padded query rows (past Q_COUNTS) as in sparse_attn_fwd_kernel: like any row, or with
     IGNORE_PADDING out 0, out_fine 0 and LSE +inf, so that the library's backward gives
     them probability 0 (no gradient from them to K and V, none to them)."""
@@ -672,7 +673,7 @@ def mix_coarse_kernel(
     ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     fine = tl.where(valid[:, None], tl.load(OUT + ptr).to(tl.float32), 0.0)
     if STORE_FINE:
-        tl.store(OUT_FINE + ptr, fine)
+        tl.store(OUT_FINE + ptr, fine.to(OUT_FINE.dtype.element_ty))
     coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
     if HAS_GATE:
         out = fine + tl.load(GATE + ptr, mask=valid[:, None], other=0.0).to(tl.float32) * coarse[None, :]

@@ -232,7 +232,8 @@ def _epilogue_rows(p: AttnProblem) -> int:
 
 def mix_coarse(p: AttnProblem, out, lse, out_coarse, q_counts, gate=None, out_fine=None) -> None:
     """`out` holds the library's fine output: turns it into out_fine + gate * out_c (or
-    + out_c) in place; with `out_fine`, keeps the fine output in fp32 for the backward.
+    + out_c) in place; with `out_fine`, keeps the fine output for the backward (in out_fine's
+    dtype: q's for the library backends, `AttnProblem.fine_residual`).
     padding="ignore": the padded query rows (past q_counts) get out 0, out_fine 0 and lse
     +inf (in place in the library's `lse`), so the library's backward takes nothing from them."""
     rows = _epilogue_rows(p)

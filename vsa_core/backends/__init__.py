@@ -38,6 +38,15 @@ REGISTRY = {
 }
 
 NAMES: Tuple[str, ...] = tuple(REGISTRY)
+
+# the backends whose fine kernel writes its output in q's dtype only (a library kernel): the fine
+# output kept for the backward (`out_fine`) is then q's dtype too; the others keep it in fp32
+_FINE_OUTPUT_IN_INPUT_DTYPE = frozenset({"cute", "cudnn"})
+
+
+def fine_residual(name: str) -> str:
+    """`AttnProblem.fine_residual` of backend `name`: "input" or "float32"."""
+    return "input" if name in _FINE_OUTPUT_IN_INPUT_DTYPE else "float32"
 CHOICES: Tuple[str, ...] = ("auto",) + NAMES
 
 

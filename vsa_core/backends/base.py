@@ -31,7 +31,8 @@ Buffer = Any  # a launch view of a caller's buffer: a torch tensor or a vsa_core
 class FineForward:
     """Buffers of the fine forward. Writes `out` and `lse`; with the coarse branch
     (`out_coarse` given) `out` is out_fine + gate * out_coarse, and `out_fine` (training
-    only) keeps the fine output in fp32 for the backward. Padding (`p.padding`): under
+    only) keeps the fine output for the backward, in `p.fine_residual` (fp32 from the
+    kernels' accumulators, or q's dtype where a library writes only that). Padding (`p.padding`): under
     "zeros" the padded query rows (past `q_counts`) are computed like any row; under
     "ignore" no padded row of q, k, v or the gate may reach a result (NaN / inf included),
     and with the coarse branch (VSA) the padded query rows must end with out 0, out_fine 0

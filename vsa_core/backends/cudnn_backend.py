@@ -33,13 +33,12 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   coarse branch and padding="ignore", `mix_coarse` sets the padded query rows' lse to +inf
   (out and out_fine to 0 there), so the backward's probabilities are 0 on those rows.
 - coarse mixing (VSA): like the CuTe backend, `mix_coarse` turns the fine output in
-  `out` into out_fine + gate * out_c in place and, training, keeps the fine output in
-  fp32 (`out_fine`, holding exactly the values written in q's dtype).
+  `out` into out_fine + gate * out_c in place and, training, keeps the fine output
+  (`out_fine`, in q's dtype: `AttnProblem.fine_residual`, the values cuDNN wrote).
 - backward delta: cuDNN's backward forms delta = rowsum(O * dO) from the O it is given
-  and has no dlse input. With the coarse branch we give it O = out_fine cast back to
-  q's dtype (exact: those are the fine output's own values), so its delta is our
-  rowsum(dO * out_fine) up to summation order: FlashAttention's recipe from a bf16 O,
-  as in the CuTe backend. This allocates one O-sized tensor per backward.
+  and has no dlse input. With the coarse branch we give it O = out_fine (the fine
+  output's own values, in q's dtype), so its delta is our rowsum(dO * out_fine) up to
+  summation order: FlashAttention's recipe from a bf16 O, as in the CuTe backend.
 - pooling gradients (VSA): cuDNN writes dq/dk/dv of the fine branch; then
   `add_block_grad` adds dq_pool/q_count, dk_pool/kv_count, dv_pool/kv_count in place
   (padding="ignore": to the valid rows only, 0 to the padded ones).
@@ -243,8 +242,8 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
     k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))
     if out_coarse is not None:
         if out_fine is None:
-            raise ValueError("the cudnn backend's VSA backward needs the forward's fp32 fine output `out_fine`")
-        o = out_fine.to(q.dtype)  # the fine output's own values (exact), for cuDNN's delta = rowsum(O * dO)
+            raise ValueError("the cudnn backend's VSA backward needs the forward's fine output `out_fine`")
+        o = out_fine  # the fine output's own values (q's dtype), for cuDNN's delta = rowsum(O * dO)
     else:
         if out is None:
             raise ValueError("the cudnn backend's backward needs the forward output `out`")

@@ -29,7 +29,7 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
   reach no gradient (FA4 resets only a -inf lse, to 0, before the backward).
 - Coarse mixing: FA4 writes only the fine output, in the input dtype. It goes into
   `out`, then `mix_coarse_kernel` turns `out` into out_fine + gate * out_c in place
-  and, training, fills the fp32 `out_fine` buffer (with the bf16-rounded values:
+  and, training, fills the `out_fine` buffer (q's dtype, `AttnProblem.fine_residual`:
   FA4 has no fp32 output, so the backward's delta = rowsum(dO * out_fine) is
   FlashAttention's recipe, not the Triton backend's fp32 one; see the note there
   on its cost at large logits).
