@@ -33,8 +33,11 @@ VARIANTS = {
     "redov": dict(stages=2),  # the default: dq_red + dk_overlap
     "redov-d64": dict(stages=2, head_dim=64),
     "redov-fp16": dict(stages=2, dtype=cutlass.Float16),
+    "redov-pool": dict(stages=2, pool_grads=True),  # the sm90 backend's VSA backward
+    "redov-pool-ignore": dict(stages=2, pool_grads=True, ignore_padding=True),
     "post": dict(postprocess=True),
     "post-d64": dict(postprocess=True, head_dim=64),
+    "post-pool-ignore": dict(postprocess=True, pool_grads=True, ignore_padding=True),
 }
 
 
@@ -53,7 +56,8 @@ def fake_args(dtype, D):
 
     stat = lambda: make_fake_tensor(cutlass.Float32, (B, H, S), (div4(), div4(), 1), assumed_align=16)  # noqa: E731
     dq_acc = make_fake_tensor(cutlass.Float32, (B, H, NQ, 64 * D), (div4(), div4(), 64 * D, 1), assumed_align=16)
-    return dict(q=tok(S), k=tok(SK), v=tok(SK), do=tok(S), lse=stat(), delta=stat(), dq_acc=dq_acc, dk=tok(SK),
+    pool = lambda n: make_fake_tensor(cutlass.Float32, (B, H, n, D), (i32(), i32(), i32(), 1), assumed_align=4)  # noqa: E731
+    return dict(dq_pool=pool(NQ), k_pool=pool(NKV), v_pool=pool(NKV), q_counts=i32t((NQ,)),q=tok(S), k=tok(SK), v=tok(SK), do=tok(S), lse=stat(), delta=stat(), dq_acc=dq_acc, dk=tok(SK),
                 dv=tok(SK), inv_idx=i32t((B, H, NKV, CAP)), inv_num=i32t((B, H, NKV)), kv_counts=i32t((NKV,)),
                 dq=tok(S))
 
@@ -63,13 +67,14 @@ def compile_variant(name, kw):
     post = kw.pop("postprocess", False)
     dtype, D = kw.get("dtype", cutlass.BFloat16), kw.get("head_dim", 128)
     a = fake_args(dtype, D)
+    flags = {n: kw.pop(n) for n in ("pool_grads", "ignore_padding") if n in kw}
     if post:
-        kernel = MOD.DqPostprocess(dtype, D)
-        args = [a["dq_acc"], a["dq"]]
+        kernel = MOD.DqPostprocess(dtype, D, **flags)
+        args = [a["dq_acc"], a["dq"], a["dq_pool"], a["q_counts"]]
     else:
-        kernel = MOD.BlockSparseBwd64Sm90(**kw)
+        kernel = MOD.BlockSparseBwd64Sm90(**kw, **flags)
         args = [a[n] for n in ("q", "k", "v", "do", "lse", "delta", "dq_acc", "dk", "dv", "inv_idx", "inv_num",
-                               "kv_counts")]
+                               "kv_counts", "k_pool", "v_pool")]
     return compile_report(kernel, args)
 
 

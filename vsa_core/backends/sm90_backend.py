@@ -18,7 +18,8 @@ What this module adds to the kernels:
   is NaN), so under "ignore" they read copies with the padded rows written 0
   (`valid_rows_copy`): K and V in the forward, Q, K, V and dO in the backward, as the
   library backends do.
-- The pooling gradients (VSA) are added after the fine backward (`add_block_grad`).
+- The pooling gradients (VSA) are added where the gradients are formed: dq in the dQ
+  postprocess, dk and dv in the backward's epilogue (one rounding to q's dtype, no extra pass).
 - Layouts: the kernels take [B, H, S, D] views with any strides; BSHD buffers are passed
   transposed (no copy).
 - Streams: the launches go to torch's current stream, which is the caller's
@@ -43,7 +44,7 @@ from typing import Optional
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
-from ..stages import add_block_grad, valid_rows_copy
+from ..stages import valid_rows_copy
 from .base import FineBackward, FineForward
 
 name = "sm90"
@@ -139,17 +140,17 @@ def sparse_backward(p: AttnProblem, a: FineBackward):
 
 
 def _sparse_backward(p: AttnProblem, a: FineBackward):
-    """dq, dk, dv of the fine stage from the KV-owned lists and the core's delta, then the
+    """dq, dk, dv of the fine stage from the KV-owned lists and the core's delta, with the
     pooling gradients. `out`, `sel_idx`, `sel_num` are not read."""
     from .sm90_bwd64 import prepare_backward64
     q, dout = a.q, a.dout
     if a.q_counts is not None:  # padding="ignore": what the kernel multiplies by zero weights is read as 0
         q, dout = (valid_rows_copy(p, x, a.q_counts, p.q_len) for x in (q, dout))
     k, v = (valid_rows_copy(p, x, a.kv_counts, p.kv_len) for x in (a.k, a.v))
+    pools = {}
+    if a.dq_pool is not None:  # VSA: the pooling gradients, added where dq / dk / dv are formed
+        pools = dict(dq_pool=a.dq_pool, dk_pool=a.dk_pool, dv_pool=a.dv_pool, q_counts=a.q_counts,
+                     ignore_padding=p.padding == "ignore")
     prepare_backward64(_bhsd(p, q), _bhsd(p, k), _bhsd(p, v), _bhsd(p, dout), a.lse, a.delta, _bhsd(p, a.dq),
                        _bhsd(p, a.dk), _bhsd(p, a.dv), a.inv_idx, a.inv_num, a.kv_counts,
-                       softmax_scale=p.softmax_scale, **BACKWARD)()
-    if a.dq_pool is not None:
-        add_block_grad(p, a.dq, a.dq_pool, a.q_counts, p.q_len)
-        add_block_grad(p, a.dk, a.dk_pool, a.kv_counts, p.kv_len)
-        add_block_grad(p, a.dv, a.dv_pool, a.kv_counts, p.kv_len)
+                       softmax_scale=p.softmax_scale, **pools, **BACKWARD)()

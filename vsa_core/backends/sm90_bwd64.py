@@ -1,7 +1,8 @@
 """Our own block-sparse attention backward for 64-token blocks on sm_90 (Hopper), in CuTe DSL.
 
-Not registered as a backend yet: `sparse_backward64` is a launcher on torch tensors;
-benchmarks/sm90_bwd64_check.py checks it against float64 and the Triton backward and times it.
+The sm90 backend's backward (`sm90_backend`); `sparse_backward64` / `prepare_backward64` are its
+launchers on torch tensors; benchmarks/sm90_bwd64_check.py checks it against float64 and the Triton
+backward and times it.
 
 What it computes (the contract of `base.FineBackward`, the fine branch only, and of
 `triton_fine_kernels.sparse_attn_bwd_dq_kernel` / `sparse_attn_bwd_dkdv_kernel`): with
@@ -16,8 +17,8 @@ adds exact zeros). Keys past `kv_counts[n]` (clamped to [0, 64]) are masked (the
 exactly 0). A query row whose lse is -inf (it saw nothing) gets P = 0, like lse +inf (the padded
 query rows of a VSA forward under padding="ignore"). Padded rows are multiplied by zero weights, as in
 cuDNN's kernel: under padding="ignore" the caller hands in copies with them zeroed
-(`stages.valid_rows_copy`), and the pooling gradients (VSA) are added afterwards
-(`stages.add_block_grad`).
+(`stages.valid_rows_copy`). The pooling gradients (VSA) are added where the gradients are formed
+when given (`pool_grads`: dk_pool / dv_pool in the epilogue, dq_pool in the dQ postprocess).
 
 Design: KV-major, one CTA (one warpgroup, 128 threads) per 64-token KV block, walking its list of
 query blocks. K and V come once by TMA; Q and dO tiles (and the 64 lse / delta values of the
@@ -143,10 +144,35 @@ def _red_add_v4_f32(gmem_ptr: cute.Pointer, v0, v1, v2, v3, *, loc=None, ip=None
         "l,f,f,f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-def _tok_major(t: cute.Tensor, D: int) -> cute.Tensor:
-    """(S, D, H, B) view of a [B, H, S, D] tensor, head dim static and contiguous."""
+def _tok_major(t: cute.Tensor, D: int, divby: Optional[int] = None) -> cute.Tensor:
+    """(S, D, H, B) view of a [B, H, S, D] tensor, head dim static and contiguous. divby: the strides'
+    known divisibility in elements (16 bytes, checked on the host), so that the register -> global
+    stores of neighbouring columns vectorize."""
+    st = (t.stride[2], t.stride[1], t.stride[0])
+    if cutlass.const_expr(divby is not None):
+        st = tuple(cute.assume(x, divby=divby) for x in st)
     return cute.make_tensor(t.iterator, cute.make_layout(
-        (t.shape[2], D, t.shape[1], t.shape[0]), stride=(t.stride[2], 1, t.stride[1], t.stride[0])))
+        (t.shape[2], D, t.shape[1], t.shape[0]), stride=(st[0], 1, st[1], st[2])))
+
+
+@cute.jit
+def _pooling_grad(pool: cute.Tensor, count, ignore_padding: cutlass.Constexpr, acc_rc: cute.Tensor,
+                  c_rc: cute.Tensor, scale):
+    """acc = acc * scale + pool[col] / count in place over a (row, col) accumulator view (`c_rc`: its
+    coordinates): the mean pooling's gradient (VSA) added where the gradient is formed, one rounding
+    to the input dtype instead of two. ignore_padding: rows past the count get nothing (their
+    fine-stage gradient is exactly 0 already: masked keys, zeroed query rows); count 0: nothing."""
+    n = cutlass.min(cutlass.max(count, 0), BLOCK)
+    inv = cutlass.Float32(0.0)
+    if n > 0:
+        inv = cutlass.Float32(1.0) / cutlass.Float32(n)
+    for ci in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+        g = pool[c_rc[0, ci][1]] * inv
+        for ri in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+            add = g
+            if cutlass.const_expr(ignore_padding):
+                add = g if c_rc[ri, 0][0] < n else cutlass.Float32(0.0)
+            acc_rc[ri, ci] = cute.math.fma(acc_rc[ri, ci], scale, add)
 
 
 def _staging_layout(D: int):
@@ -174,7 +200,8 @@ class BlockSparseBwd64Sm90:
     dQ reduction staged in it has been read)."""
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 2,
-                 ctas_per_sm: Optional[int] = None, dq_red: bool = True, dk_overlap: bool = True):
+                 ctas_per_sm: Optional[int] = None, dq_red: bool = True, dk_overlap: bool = True,
+                 pool_grads: bool = False, ignore_padding: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert stages >= 2, "the dQ staging reuses a Q / dO slot: 2 slots at least"
@@ -184,6 +211,8 @@ class BlockSparseBwd64Sm90:
         self.stages = stages
         self.dq_red = dq_red          # dQ by red.global.add.v4.f32 from the accumulator registers
         self.dk_overlap = dk_overlap  # dQ issued before dK; dK retires under the next S / dP
+        self.pool_grads = pool_grads  # VSA: dk_pool / dv_pool spread over the block's rows in the epilogue
+        self.ignore_padding = ignore_padding  # ... to its valid rows only (padding="ignore")
         tile_bytes = BLOCK * head_dim * 2
         # K, V; Q + dO per stage; dS; lse + delta per stage; barriers
         self.smem_bytes = tile_bytes * (2 + 2 * stages) + BLOCK * BLOCK * 2 + 2 * 4 * BLOCK * stages + 1024
@@ -195,14 +224,15 @@ class BlockSparseBwd64Sm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mDQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
-                 softmax_scale: cutlass.Float32, stream):
+                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, softmax_scale: cutlass.Float32, stream):
         """q, k, v, dout, dk, dv: [B, H, S, D]; lse, delta [B, H, Sq] fp32; dq_accum [B, H, nQ, 64 * D]
-        fp32 (zeroed by the caller); inv_idx [B, H, nKV, cap], inv_num [B, H, nKV], kv_counts [nKV] int32."""
+        fp32 (zeroed by the caller); inv_idx [B, H, nKV, cap], inv_num [B, H, nKV], kv_counts [nKV] int32;
+        dk_pool, dv_pool [B, H, nKV, D] fp32 with pool_grads (placeholders otherwise, never read)."""
         D = self.head_dim
         S = self.stages
         dt = self.dtype
         gQ4, gK4, gV4, gdO4 = (_tok_major(t, D) for t in (mQ, mK, mV, mdO))
-        gdK4, gdV4 = _tok_major(mdK, D), _tok_major(mdV, D)
+        gdK4, gdV4 = _tok_major(mdK, D, 8), _tok_major(mdV, D, 8)
 
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
@@ -243,8 +273,8 @@ class BlockSparseBwd64Sm90:
 
         grid = (mInvIdx.shape[2], mQ.shape[1], mQ.shape[0])
         self.kernel(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, mDQacc, gdK4, gdV4,
-                    mInvIdx, mInvNum, mKVCounts, mma_s, mma_kv, mma_dq, sKV_layout, sQdO_layout, sdS_layout,
-                    softmax_scale * LOG2_E, softmax_scale).launch(
+                    mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool, mma_s, mma_kv, mma_dq, sKV_layout, sQdO_layout,
+                    sdS_layout, softmax_scale * LOG2_E, softmax_scale).launch(
             grid=grid, block=(THREADS, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
 
@@ -254,6 +284,7 @@ class BlockSparseBwd64Sm90:
                tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mDQacc: cute.Tensor, gdK4: cute.Tensor, gdV4: cute.Tensor,
                mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
+               mdKPool: cute.Tensor, mdVPool: cute.Tensor,
                mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma,
                sKV_layout: cute.ComposedLayout, sQdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                c: cutlass.Float32, scale: cutlass.Float32):
@@ -453,7 +484,15 @@ class BlockSparseBwd64Sm90:
         gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
         gdV = cute.local_tile(gdV4[None, None, h, b], (BLOCK, D), (kvb, 0))
         rOut = cute.make_rmem_tensor_like(accdK, dt)
-        rOut.store((accdK.load() * scale).to(dt))
+        if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradients, one rounding
+            cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
+            n_kv = mKVCounts[kvb]
+            _pooling_grad(mdKPool[b, h, kvb, None], n_kv, self.ignore_padding, rows_cols(accdK), cKV_rc, scale)
+            _pooling_grad(mdVPool[b, h, kvb, None], n_kv, self.ignore_padding, rows_cols(accdV), cKV_rc,
+                          cutlass.Float32(1.0))
+            rOut.store(accdK.load().to(dt))
+        else:
+            rOut.store((accdK.load() * scale).to(dt))
         cute.autovec_copy(rOut, thr_kv.partition_C(gdK))
         rOut.store(accdV.load().to(dt))
         cute.autovec_copy(rOut, thr_kv.partition_C(gdV))
@@ -492,22 +531,29 @@ class BlockSparseBwd64Sm90:
 class DqPostprocess:
     """dq = scale * dq_accum in the input dtype, any strides: one CTA per query block, each thread
     reading back its own dQ accumulator registers (the backward's staging order) and storing them
-    through the same accumulator partition."""
+    through the same accumulator partition. pool_grads (VSA): + dq_pool / q_count over the block's
+    rows (its valid rows only with ignore_padding)."""
 
-    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128):
+    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, pool_grads: bool = False,
+                 ignore_padding: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.pool_grads = pool_grads
+        self.ignore_padding = ignore_padding
 
     @cute.jit
-    def __call__(self, mDQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32, stream):
+    def __call__(self, mDQacc: cute.Tensor, mdQ: cute.Tensor, mdQPool: cute.Tensor, mQCounts: cute.Tensor,
+                 softmax_scale: cutlass.Float32, stream):
+        """dq_pool [B, H, nQ, D] fp32 and q_counts [nQ] int32 with pool_grads (placeholders otherwise)."""
         D = self.head_dim
         mma_dq = _dq_mma(self.dtype, D)
         grid = (mDQacc.shape[2], mdQ.shape[1], mdQ.shape[0])
-        self.kernel(mDQacc, _tok_major(mdQ, D), mma_dq, softmax_scale).launch(
+        self.kernel(mDQacc, _tok_major(mdQ, D, 8), mdQPool, mQCounts, mma_dq, softmax_scale).launch(
             grid=grid, block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mDQacc: cute.Tensor, gdQ4: cute.Tensor, mma_dq: cute.TiledMma, scale: cutlass.Float32):
+    def kernel(self, mDQacc: cute.Tensor, gdQ4: cute.Tensor, mdQPool: cute.Tensor, mQCounts: cute.Tensor,
+               mma_dq: cute.TiledMma, scale: cutlass.Float32):
         D = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         qb, h, b = cute.arch.block_idx()
@@ -516,7 +562,12 @@ class DqPostprocess:
         src = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
         cute.autovec_copy(src[None, None, tidx], _regs_4(acc))
         out = cute.make_rmem_tensor_like(acc, self.dtype)
-        out.store((acc.load() * scale).to(self.dtype))
+        if cutlass.const_expr(self.pool_grads):
+            c_rc = rows_cols(thr.partition_C(cute.make_identity_tensor((BLOCK, D))))
+            _pooling_grad(mdQPool[b, h, qb, None], mQCounts[qb], self.ignore_padding, rows_cols(acc), c_rc, scale)
+            out.store(acc.load().to(self.dtype))
+        else:
+            out.store((acc.load() * scale).to(self.dtype))
         gdQ = cute.local_tile(gdQ4[None, None, h, b], (BLOCK, D), (qb, 0))
         cute.autovec_copy(out, thr.partition_C(gdQ))
 
@@ -568,7 +619,8 @@ def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_
 
 def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, *,
                        softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = True,
-                       dk_overlap: bool = True, dq_accum=None):
+                       dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
+                       q_counts=None, ignore_padding: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -576,7 +628,10 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
 
     q, k, v, dout, dq, dk, dv (bf16 / fp16): [B, H, S, D] views, BHSD or a BSHD tensor transposed;
     lse, delta [B, H, Sq] fp32; inv_idx [B, H, nKV, capacity], inv_num [B, H, nKV], kv_counts [nKV]
-    int32. dq_accum: an fp32 workspace [B, H, nQ, 64 * D] (allocated here when not given)."""
+    int32. dq_accum: an fp32 workspace [B, H, nQ, 64 * D] (allocated here when not given).
+    VSA: dq_pool [B, H, nQ, D], dk_pool / dv_pool [B, H, nKV, D] fp32 and q_counts [nQ] int32 (all or
+    none): the mean pooling's gradients, dx_pool[block] / count added to every row of the block (to
+    its valid rows only with ignore_padding), in the dQ postprocess and the dK / dV epilogue."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -600,6 +655,14 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                   inv_idx=((B, H, nkv, inv_idx.shape[-1]), torch.int32), inv_num=((B, H, nkv), torch.int32),
                   kv_counts=((nkv,), torch.int32))
     given = dict(lse=lse, delta=delta, dq_accum=dq_accum, inv_idx=inv_idx, inv_num=inv_num, kv_counts=kv_counts)
+    pools = (dq_pool, dk_pool, dv_pool, q_counts)
+    pool_grads = dq_pool is not None
+    if any((x is None) == pool_grads for x in pools):
+        raise ValueError("sm90_bwd64: dq_pool, dk_pool, dv_pool and q_counts come together (all or none)")
+    if pool_grads:
+        expect.update(dq_pool=((B, H, nq, D), torch.float32), dk_pool=((B, H, nkv, D), torch.float32),
+                      dv_pool=((B, H, nkv, D), torch.float32), q_counts=((nq,), torch.int32))
+        given.update(dq_pool=dq_pool, dk_pool=dk_pool, dv_pool=dv_pool, q_counts=q_counts)
     for name, (shape, dtype) in expect.items():
         t = given[name]
         if tuple(t.shape) != shape or t.dtype != dtype:
@@ -617,17 +680,22 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                              "elements and a 16-byte aligned start (TMA)")
     scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
     lists = [inv_idx.contiguous(), inv_num.contiguous(), kv_counts.contiguous()]
-    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists]
+    placeholder = lse  # never read when pool_grads is off
+    pool_kv = [dk_pool.contiguous(), dv_pool.contiguous()] if pool_grads else [placeholder, placeholder]
+    pool_q = [dq_pool.contiguous(), q_counts.contiguous()] if pool_grads else [placeholder, placeholder]
+    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists, *pool_kv]
     main_c = [cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
-    post_c = [cute_tensor(dq_accum), cute_tensor(dq)]
+    post_c = [cute_tensor(dq_accum), cute_tensor(dq), *(cute_tensor(t, 4) for t in pool_q)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
-    key = (q.dtype, D, stages, dq_red, dk_overlap)
+    ignore_padding = bool(ignore_padding and pool_grads)
+    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding)
     fns = _COMPILED.get(key)
     if fns is None:
-        fns = (cute.compile(BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap),
-                            *main_c, scale, fake_stream),
-               cute.compile(DqPostprocess(cutlass_dtype(q), D), *post_c, scale, fake_stream))
+        flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding)
+        fns = (cute.compile(BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap,
+                                                 **flags), *main_c, scale, fake_stream),
+               cute.compile(DqPostprocess(cutlass_dtype(q), D, **flags), *post_c, scale, fake_stream))
         _COMPILED[key] = fns
     main_fn, post_fn = fns
 
@@ -636,5 +704,5 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
         main_fn(*main_c, scale, stream)
         post_fn(*post_c, scale, stream)
 
-    launch.keep_alive = main_args + [dq]  # the contiguous copies the views point into
+    launch.keep_alive = main_args + [dq] + pool_q  # the contiguous copies the views point into
     return launch

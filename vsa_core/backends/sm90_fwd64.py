@@ -1,7 +1,7 @@
 """Our own block-sparse attention forward for 64-token blocks on sm_90 (Hopper), in CuTe DSL.
 
-Not registered as a backend yet (it trails cuDNN's kernel, which `auto` takes at 64-token blocks):
-`sparse_forward64` is a launcher on torch tensors; benchmarks/sm90_fwd64_check.py checks every
+The sm90 backend's forward (`sm90_backend`, which runs one configuration); `sparse_forward64` /
+`prepare_forward64` are its launchers on torch tensors; benchmarks/sm90_fwd64_check.py checks every
 variant against float64 and times it against cuDNN BSA and our Triton kernel.
 
 What it computes (the contract of `base.FineForward` and of `triton_fine_kernels.sparse_attn_fwd_kernel`):
