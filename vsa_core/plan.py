@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Tuple
 
@@ -253,36 +252,14 @@ class CompiledLaunch:
     global_scratch_size: int
 
 
-class _TargetDriver:
-    """Stands in for Triton's active driver while compiling for a target without running
-    on it: device and stream are dummies (nothing is launched), the target is ours."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def get_current_device(self):
-        return ("vsa-plan", self.target.arch)  # its own entry in the kernel's per-device caches
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def __getattr__(self, name):
-        raise AttributeError(f"compiling for {self.target} without a device: driver.{name} is not available")
-
-
-_compile_lock = threading.Lock()
-
-
 def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> CompiledLaunch:
     """Compiles `launch` for GPUTarget("cuda", capability, 32) (PTX and cubin, with
     Triton's ptxas) through `JITFunction.warmup`, as an eager launch of these arguments
     would be (buffers stand in as 16-byte aligned pointers of their dtype)."""
     from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver as driver_config
-    from triton.runtime.jit import JITFunction, MockTensor
+    from triton.runtime.jit import JITFunction
+
+    from .triton_shim import compile_for_target, mock_pointer
 
     if not isinstance(launch.kernel, JITFunction):
         raise RuntimeError("compiling needs Triton's compiler: unset TRITON_INTERPRET")
@@ -291,17 +268,11 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
     for a in launch.args:
         if a.kind == "buffer":
             shape, dtype = shapes[a.value]
-            args.append(MockTensor(Dtype(plan.problem.dtype if dtype == "input" else dtype)))
+            args.append(mock_pointer(Dtype(plan.problem.dtype if dtype == "input" else dtype)))
         else:
             args.append(a.value)
-    target = GPUTarget("cuda", capability, 32)
-    with _compile_lock:
-        saved = driver_config._active
-        driver_config.set_active(_TargetDriver(target))
-        try:
-            compiled = launch.kernel.warmup(*args, grid=launch.grid, **dict(launch.options))
-        finally:
-            driver_config._active = saved
+    compiled = compile_for_target(launch.kernel, args, launch.grid, dict(launch.options),
+                                  GPUTarget("cuda", capability, 32))
     signature = compiled.src.signature
     attrs = getattr(compiled.src, "attrs", {}) or {}
     params = []
