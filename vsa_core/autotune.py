@@ -10,31 +10,41 @@ the config it chose. Triton's own `@triton.autotune` keys on the arguments' `str
 chose on its own and the two could run different tiles, so bitwise different results.
 
 Without timing (autotune off, no GPU, the interpreter, a launcher that runs nothing) the
-first candidate, the default, runs, and nothing is stored.
+caller runs the first candidate, the default, without asking the store.
 """
 
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Callable, Dict, Sequence, Tuple
+
+import numpy as np
 
 from .problem import dtype_name
 
 Tile = Tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 Key = Tuple
 
-_PLAIN = (bool, int, float, str, type(None))
+def _plain(name: str, value):
+    """value as a Python bool, int, float, str or None (numpy scalars included), else TypeError."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"tile_key: {name} must be a plain value (int, bool, float, str, None), got {type(value).__name__}")
 
 
 def tile_key(kernel_name: str, dtype, **values) -> Key:
     """(kernel name, dtype name, (name, value), ...) in name order: the same for the same
     problem from any frontend. `dtype` may be a framework dtype or its name; the values
-    must be plain Python values (TypeError otherwise, naming it)."""
-    for name, value in values.items():
-        if not isinstance(value, _PLAIN):
-            raise TypeError(f"tile_key: {name} must be a plain value (int, bool, float, str, None), "
-                            f"got {type(value).__name__}")
-    return (kernel_name, dtype_name(dtype)) + tuple(sorted(values.items()))
+    must be plain values (Python or numpy scalars; TypeError otherwise, naming it)."""
+    dtype = getattr(dtype, "dtype", dtype)  # a scalar type (jnp.bfloat16) names its dtype
+    return (kernel_name, dtype_name(dtype)) + tuple(sorted((n, _plain(n, v)) for n, v in values.items()))
 
 
 class TileStore:
@@ -50,21 +60,26 @@ class TileStore:
         """The tile config chosen for `key`, or None when none was timed yet."""
         return self._chosen.get(key)
 
-    def choose(self, key: Key, candidates: Sequence[Tile], time: Callable[[Tile], float] = None) -> Tile:
-        """The config of `key`: the one chosen before, else, with `time` (ms of one candidate;
-        inf for one that cannot run), the fastest candidate, stored; without it the first."""
+    def choose(self, key: Key, candidates: Sequence[Tile], time: Callable[[Tile], float]) -> Tile:
+        """The config of `key`: the one chosen before, else the fastest candidate by `time`
+        (ms of one candidate; inf for one that cannot run), stored. A single candidate is
+        returned untimed."""
         if not candidates:
             raise ValueError(f"no tile config fits {key}")
         tile = self._chosen.get(key)
         if tile is not None:
             return tile
-        if time is None or len(candidates) == 1:
+        if len(candidates) == 1:
             return candidates[0]
         with self._lock:
             if key not in self._chosen:
                 timings = {c: time(c) for c in candidates}
                 self._chosen[key] = min(candidates, key=lambda c: timings[c])  # ties: the earlier
             return self._chosen[key]
+
+    def entries(self) -> Dict[Key, Tile]:
+        """A copy of every (key, chosen config) so far."""
+        return dict(self._chosen)
 
     def clear(self) -> None:
         with self._lock:

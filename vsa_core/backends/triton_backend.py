@@ -76,7 +76,7 @@ class _TunedKernel:
         self.kernel = kernel
         self.name = kernel.fn.__name__
         self.candidates = [self.INTERPRETER_CONFIG] if INTERPRETING else candidates
-        self.key = key
+        self.key_args = key
         self.tiled_args = tiled_args
 
     @staticmethod
@@ -95,20 +95,24 @@ class _TunedKernel:
         self._set_block_shapes({**dict(zip(kernel.arg_names, args)), **meta})
         launcher.triton(kernel, grid(meta), *args, **kwargs, **meta, num_warps=w, num_stages=s)
 
+    def store_key(self, p: AttnProblem, named_args) -> tuple:
+        """The tile store's key of a launch of `p` with these arguments by name: the dtype's
+        name and the `key` arguments' values, plain values whichever frontend launches."""
+        return tile_key(self.name, p.dtype, **{name: named_args[name] for name in self.key_args})
+
     def _tile(self, launcher, p: AttnProblem, grid, args, kwargs):
         """The tile config of this compiled launch (see the class doc)."""
         forced = launcher.config.forced_tile(self.name)
         if forced is not None:
             return forced
-        named = {**dict(zip(self.kernel.arg_names, args)), **kwargs}
-        key = tile_key(self.name, p.dtype, **{name: named[name] for name in self.key})
         fitting = [c for c in self.candidates if self._fits(kwargs["BLOCK_ELEMS"], c[0], c[1])]
         # Triton's benchmark times with torch (events on torch's current stream, an L2 flush):
         # a process without torch (vsa_jax alone) runs the default config; under a raw-stream
         # launch (JAX) torch's current stream is made that stream, so the timed kernels and the
         # events share it
         if not (launcher.config.autotune and launcher.runs_kernels and torch_loaded()):
-            return TILES.choose(key, fitting)
+            return fitting[0]  # the default, even where a tuned entry exists (autotune switched off)
+        key = self.store_key(p, {**dict(zip(self.kernel.arg_names, args)), **kwargs})
         with caller_stream():
             return TILES.choose(key, fitting, lambda tile: median_ms(
                 lambda: self._launch(launcher, self.kernel, grid, tile, args, kwargs)))
