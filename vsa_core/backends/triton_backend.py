@@ -100,7 +100,7 @@ class _TunedKernel:
         name and the `key` arguments' values, plain values whichever frontend launches."""
         return tile_key(self.name, p.dtype, **{name: named_args[name] for name in self.key_args})
 
-    def _tile(self, launcher, p: AttnProblem, grid, args, kwargs):
+    def tile_for(self, launcher, p: AttnProblem, grid, args, kwargs):
         """The tile config of this compiled launch (see the class doc)."""
         forced = launcher.config.forced_tile(self.name)
         if forced is not None:
@@ -122,7 +122,7 @@ class _TunedKernel:
         if interpreted(like):
             kernel, tile = getattr(kernels_for(like, K), self.name), self.INTERPRETER_CONFIG
         else:
-            kernel, tile = self.kernel, self._tile(launcher, p, grid, args, kwargs)
+            kernel, tile = self.kernel, self.tile_for(launcher, p, grid, args, kwargs)
         self._launch(launcher, kernel, grid, tile, args, kwargs)
 
 
