@@ -46,15 +46,14 @@ def bits(x) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
 
 
-def run_torch(d):
-    dev = torch.device("cuda")
+def run_torch(d, device: str = "cuda"):
+    dev = torch.device(device)
     q, k, v = (torch.tensor(d[n], device=dev, dtype=torch.bfloat16, requires_grad=True) for n in ("q", "k", "v"))
     out, lse = vsa_torch.block_sparse_attn_from_indices(
         q, k, v, torch.tensor(d["idx"], device=dev), torch.tensor(d["num"], device=dev),
         torch.tensor(d["kv_counts"], device=dev), E, layout="bshd", backend="triton")
     out.backward(torch.tensor(d["dout"], device=dev, dtype=torch.bfloat16))
     got = {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    torch.cuda.synchronize()
     return {n: bits(t.detach().float().cpu().numpy()) for n, t in got.items()}
 
 
