@@ -24,13 +24,11 @@ def install_stream_driver(current_launch) -> None:
     """Makes Triton's active driver one that reads device, capability and stream from
     `current_launch()` ((index, capability, stream) or None: `runtime.raw_cuda_launches`).
 
-    Upstream gap: no public API passes a stream (or device) per launch.
-
     Triton's JITFunction launches on `driver.active.get_current_stream(
     driver.active.get_current_device())` and takes no stream argument (3.6 - 3.9), and its
     CUDA driver reads both from torch when torch is loaded (3.6: always; without torch, 3.6
-    finds no active driver and 3.9 launches on the device's default stream). No public API
-    passes a stream per launch, so this subclasses Triton's CUDA driver and installs it with
+    finds no active driver and 3.9 launches on the device's default stream). Upstream gap: no
+    public API passes a stream per launch, so this subclasses Triton's CUDA driver and installs it with
     the public `triton.runtime.driver.set_active`: inside `raw_cuda_launches` it answers the
     scope's device, capability and stream; elsewhere (another thread, a torch launch) it
     defers to Triton's default driver, so torch's behaviour is unchanged. The CUDA context
