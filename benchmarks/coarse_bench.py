@@ -113,20 +113,21 @@ def pool_before(p, b):
 def pool_after(p, b):
     """The pooling as vsa_core.ops.forward launches it."""
     if hasattr(T, "block_mean_pool_qkv"):
-        S.block_mean_pool_qkv(eager_launcher, p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"], b["k_pool"],
-                              b["v_pool"])
+        S.block_mean_pool_qkv(eager_launcher, p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
+                              b["k_pool"], b["v_pool"])
     else:
         pool_before(p, b)
 
 
 def coarse_forward(p, b):
-    S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"], b["out_coarse"],
-                     b["lse_coarse"])
+    S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
+                     b["out_coarse"], b["lse_coarse"])
 
 
 def backward_stage(p, b):
-    S.coarse_backward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"], b["lse_coarse"],
-                      b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"], b["p_coarse"], b["ds_coarse"])
+    S.coarse_backward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
+                      b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"], b["p_coarse"],
+                      b["ds_coarse"])
 
 
 class Version:

@@ -87,8 +87,8 @@ def main():
             S.coarse_forward(eager_launcher, p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
 
         def bwd():
-            S.coarse_backward(eager_launcher, p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"], b["dv"], b["P"],
-                              b["dS"])
+            S.coarse_backward(eager_launcher, p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"],
+                              b["dv"], b["P"], b["dS"])
 
         ref = exact(qc[0], kc[0], vc[0], counts.bool(), dout[0])
         rows = {}
@@ -120,8 +120,8 @@ def main():
             S.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools)
             keep = counts.bool()[None, None, :, None]
             err = rel(pools[0].float() * keep, ref_pool * keep)
-            ms = do_bench(lambda: S.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools), warmup=10, rep=50,
-                          return_mode="median")
+            ms = do_bench(lambda: S.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools),
+                          warmup=10, rep=50, return_mode="median")
             gbs = 3 * q.numel() * 2 / ms / 1e6 if ms else 0.0
             rows[f"pool {cand}"] = {"ms": ms, "err": err, "ok": err < 1e-2, "GB/s": gbs}
             print(f"{shape} pool {cand}: {rows[f'pool {cand}']}", flush=True)

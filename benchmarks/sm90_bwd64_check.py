@@ -265,10 +265,10 @@ def run_triton(case):
     g = alloc_grads(case)
     delta = bwd64().backward_delta(case["out"], case["dout"])
     q, k, v, do = (raw(case[n], L) for n in ("q", "k", "v", "dout"))
-    T.sparse_backward_dq(eager_launcher, p, q, k, v, case["lse"], do, delta, raw(g["dq"], L), case["sel_idx"], case["sel_num"],
-                         case["kv_counts"])
-    T.sparse_backward_dkdv(eager_launcher, p, q, k, v, case["lse"], do, delta, raw(g["dk"], L), raw(g["dv"], L), case["inv_idx"],
-                           case["inv_num"], case["kv_counts"])
+    T.sparse_backward_dq(eager_launcher, p, q, k, v, case["lse"], do, delta, raw(g["dq"], L), case["sel_idx"],
+                         case["sel_num"], case["kv_counts"])
+    T.sparse_backward_dkdv(eager_launcher, p, q, k, v, case["lse"], do, delta, raw(g["dk"], L), raw(g["dv"], L),
+                           case["inv_idx"], case["inv_num"], case["kv_counts"])
     torch.cuda.synchronize()
     return g
 

@@ -308,7 +308,8 @@ def test_fa4_lists_apply_the_rule(E_fa4):
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)  # noqa: E731
     out_idx = torch.full((2, B, H, nq, width), -1, dtype=torch.int32, device=DEVICE)
     out_num = torch.full((2, B, H, nq), -1, dtype=torch.int32, device=DEVICE)
-    cute_backend.forward_lists(eager_launcher, p, t(idx), t(num), t(counts), out_idx[0], out_num[0], out_idx[1], out_num[1])
+    cute_backend.forward_lists(eager_launcher, p, t(idx), t(num), t(counts), out_idx[0], out_num[0], out_idx[1],
+                               out_num[1])
     sub_counts = torch.full((nk * sub,), -1, dtype=torch.int32, device=DEVICE)
     cute_backend.sub_block_counts(eager_launcher, p, t(counts), sub_counts)
     clamped = np.clip(counts, 0, E_fa4)

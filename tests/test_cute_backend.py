@@ -135,8 +135,8 @@ def test_forward_lists_match_numpy(E, cap_kind):
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEV)  # noqa: E731
     idx = torch.full((2, B, H, nq, width), -1, dtype=torch.int32, device=DEV)
     num = torch.full((2, B, H, nq), -1, dtype=torch.int32, device=DEV)
-    cute_backend.forward_lists(eager_launcher, p, t(sel_idx.reshape(B, H, nq, cap)), t(sel_num.reshape(B, H, nq)), t(counts),
-                               idx[0], num[0], idx[1], num[1])
+    cute_backend.forward_lists(eager_launcher, p, t(sel_idx.reshape(B, H, nq, cap)), t(sel_num.reshape(B, H, nq)),
+                               t(counts), idx[0], num[0], idx[1], num[1])
     sub_counts = torch.full((nk * (E // 128),), -1, dtype=torch.int32, device=DEV)
     cute_backend.sub_block_counts(eager_launcher, p, t(counts), sub_counts)
     sc = _sub_counts_np(counts, E)
@@ -163,7 +163,8 @@ def test_backward_lists_match_numpy(E):
     inv_idx_t = t(inv_idx.reshape(B, H, nk, nq))
     idx = inv_idx_t if sub == 1 else torch.full((B, H, nk * sub, nq), -1, dtype=torch.int32, device=DEV)
     num = torch.full((2, B, H, nk * sub), -1, dtype=torch.int32, device=DEV)
-    cute_backend.backward_lists(eager_launcher, p, inv_idx_t, t(inv_num.reshape(B, H, nk)), t(counts), idx, num[0], num[1])
+    cute_backend.backward_lists(eager_launcher, p, inv_idx_t, t(inv_num.reshape(B, H, nk)), t(counts), idx, num[0],
+                                num[1])
     sc = _sub_counts_np(counts, E)
     idx = idx.cpu().numpy().reshape(B * H, nk * sub, nq)
     num = num.cpu().numpy().reshape(2, B * H, nk * sub)

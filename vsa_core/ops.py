@@ -88,8 +88,8 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
             block_mask = b["sel_mask"]
             S.lists_to_mask(launcher, p, b["sel_idx"], b["sel_num"], block_mask)
         S.columns_to_lists(launcher, p, block_mask, b["inv_idx"], b["inv_num"])
-        S.backward_preprocess(launcher, p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"], gate=b.get("gate"),
-                              out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
+        S.backward_preprocess(launcher, p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"],
+                              gate=b.get("gate"), out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
                               dout_coarse=b.get("dout_coarse"), q_counts=b.get("q_counts"))
         if p.is_vsa:
             S.coarse_backward(launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
