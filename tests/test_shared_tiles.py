@@ -42,8 +42,8 @@ def _problems():
 
 def _named_args(p):
     """The key arguments of an attention launch of p, as the launchers pass them."""
-    return dict(BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=False, q_len=p.q_len,
-                IGNORE_PADDING=p.padding == "ignore", n_kv_blocks=p.n_kv_blocks)
+    return dict(BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=False, HAS_GATE=False, q_len=p.q_len,
+                IGNORE_PADDING=p.padding == "ignore", USE_TMA=True, n_kv_blocks=p.n_kv_blocks)
 
 
 def test_store_key_is_framework_neutral():

@@ -135,11 +135,13 @@ def _tiles(launcher, p: AttnProblem, x, seq_len: int):
                             [1, 1, 16, p.head_dim])
 
 
-_KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len", "IGNORE_PADDING"]
+# with the dtype, the tile store's key (`_TunedKernel.store_key`): what Triton's own autotuner
+# keyed on, whose key also held whether each pointer was absent (the gate) or a descriptor (TMA)
+_KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len", "IGNORE_PADDING", "USE_TMA"]
 
 _sparse_fwd = _TunedKernel(
     K.sparse_attn_fwd_kernel,
-    [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 4)], _KEY,
+    [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 4)], _KEY + ["HAS_GATE"],
     {"K": "BLOCK_N", "V": "BLOCK_N"})
 _sparse_bwd_dq = _TunedKernel(
     K.sparse_attn_bwd_dq_kernel,
