@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from vsa_core import stages as S
+from vsa_core.config import config, configure
+from vsa_core.launch import eager_launcher
 from vsa_core.problem import describe_attention
 
 SHAPES = {
@@ -99,32 +101,33 @@ def select_before(p, b):
 
 
 def select_after(p, b):
-    S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    S.topk_select(eager_launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
 
 
 def pool_before(p, b):
-    S.block_mean_pool(p, b["q"], b["q_counts"], b["q_pool"], p.q_len)
-    S.block_mean_pool(p, b["k"], b["kv_counts"], b["k_pool"], p.kv_len)
-    S.block_mean_pool(p, b["v"], b["kv_counts"], b["v_pool"], p.kv_len)
+    S.block_mean_pool(eager_launcher, p, b["q"], b["q_counts"], b["q_pool"], p.q_len)
+    S.block_mean_pool(eager_launcher, p, b["k"], b["kv_counts"], b["k_pool"], p.kv_len)
+    S.block_mean_pool(eager_launcher, p, b["v"], b["kv_counts"], b["v_pool"], p.kv_len)
 
 
 def pool_after(p, b):
     """The pooling as vsa_core.ops.forward launches it."""
     if hasattr(T, "block_mean_pool_qkv"):
-        S.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"], b["k_pool"],
-                              b["v_pool"])
+        S.block_mean_pool_qkv(eager_launcher, p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
+                              b["k_pool"], b["v_pool"])
     else:
         pool_before(p, b)
 
 
 def coarse_forward(p, b):
-    S.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"], b["out_coarse"],
-                     b["lse_coarse"])
+    S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
+                     b["out_coarse"], b["lse_coarse"])
 
 
 def backward_stage(p, b):
-    S.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"], b["lse_coarse"],
-                      b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"], b["p_coarse"], b["ds_coarse"])
+    S.coarse_backward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
+                      b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"], b["p_coarse"],
+                      b["ds_coarse"])
 
 
 class Version:
@@ -287,10 +290,10 @@ def main():
         return _do_bench(fn, warmup=20, rep=args.rep_ms, return_mode="median")
 
     if args.precision:
-        S.COARSE_DOT_PRECISION = args.precision
+        configure(coarse_precision=args.precision)
     shapes = args.shapes.split(",")
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-    say(f"coarse stage, {device_name}, {args.dtype}, precision {S.COARSE_DOT_PRECISION}, "
+    say(f"coarse stage, {device_name}, {args.dtype}, precision {config().coarse_precision}, "
         f"x16 q/k activations; ms, median")
     say(f"  before: 29bb075 configs {BEFORE_CONFIGS[128]} (D=128), 3 pool launches, 64-bit selection keys, 4 warps")
     say(f"  after:  configs {S.COARSE_CONFIGS[128]} (D=128), selection warps {S.select_warps(1024)} per row "

@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from vsa_core import stage_kernels as K  # noqa: E402
 from vsa_core import stages as S  # noqa: E402
+from vsa_core.config import COARSE_PRECISIONS, config  # noqa: E402
 
 # largest dynamic shared memory of one block, bytes
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -87,7 +88,7 @@ def ptxas_usage(ptx: str, arch: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, choices=sorted(SMEM_LIMIT))
-    parser.add_argument("--precision", default=S.COARSE_DOT_PRECISION, choices=["ieee", "tf32"])
+    parser.add_argument("--precision", default=config().coarse_precision, choices=list(COARSE_PRECISIONS))
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--sweep", metavar="STAGE=TILES/WARPS/STAGES,...",
                         help="report these configs instead, e.g. ds=64x64/8/2,grads=64x8x64/4/2 (D=128)")

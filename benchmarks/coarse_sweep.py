@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from vsa_core import stages as S  # noqa: E402
+from vsa_core.launch import eager_launcher  # noqa: E402
 from vsa_core.problem import AttnProblem  # noqa: E402
 
 SHAPES = {"480p-64": (12, 39936, 64), "720p-256": (40, 92160, 256), "480p-256": (12, 39936, 256),
@@ -83,11 +84,11 @@ def main():
              "P": torch.empty(1, H, n, n, **f32), "dS": torch.empty(1, H, n, n, **f32)}
 
         def fwd():
-            S.coarse_forward(p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
+            S.coarse_forward(eager_launcher, p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
 
         def bwd():
-            S.coarse_backward(p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"], b["dv"], b["P"],
-                              b["dS"])
+            S.coarse_backward(eager_launcher, p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"],
+                              b["dv"], b["P"], b["dS"])
 
         ref = exact(qc[0], kc[0], vc[0], counts.bool(), dout[0])
         rows = {}
@@ -116,11 +117,11 @@ def main():
         saved = S.POOL_CONFIG
         for cand in POOL_CANDIDATES:
             S.POOL_CONFIG = cand
-            S.block_mean_pool_qkv(p, q, k, v, counts, counts, *pools)
+            S.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools)
             keep = counts.bool()[None, None, :, None]
             err = rel(pools[0].float() * keep, ref_pool * keep)
-            ms = do_bench(lambda: S.block_mean_pool_qkv(p, q, k, v, counts, counts, *pools), warmup=10, rep=50,
-                          return_mode="median")
+            ms = do_bench(lambda: S.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools),
+                          warmup=10, rep=50, return_mode="median")
             gbs = 3 * q.numel() * 2 / ms / 1e6 if ms else 0.0
             rows[f"pool {cand}"] = {"ms": ms, "err": err, "ok": err < 1e-2, "GB/s": gbs}
             print(f"{shape} pool {cand}: {rows[f'pool {cand}']}", flush=True)

@@ -37,6 +37,7 @@ import peers  # noqa: E402
 import vsa_torch  # noqa: E402
 from vsa_core.backends import cudnn_backend, resolve_backend  # noqa: E402
 from vsa_core import stages  # noqa: E402
+from vsa_core.launch import eager_launcher  # noqa: E402
 from vsa_core.problem import AttnProblem  # noqa: E402
 from vsa_torch.ops import device_info  # noqa: E402
 
@@ -221,7 +222,7 @@ def time_topk(B, H, n, topk, dev) -> dict:
     n_pad = max(16, triton.next_power_of_2(n))
 
     def new_call():
-        stages.topk_select(p, scores, *bufs)
+        stages.topk_select(eager_launcher, p, scores, *bufs)
 
     def old_call():
         _topk_rounds_kernel[(B * H * n,)](scores, *old, n, topk, topk, N_PAD=n_pad, num_warps=4)

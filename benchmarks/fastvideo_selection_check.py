@@ -18,6 +18,7 @@ import torch
 
 from vsa_core.api import prepare_vsa
 from vsa_core import stages as S
+from vsa_core.launch import eager_launcher
 
 
 def fastvideo_selection(q, k, E: int, topk: int):
@@ -40,10 +41,10 @@ def our_selection(q, k, E: int, topk: int):
     p = prepare_vsa(q, k, k, kv_counts, q_counts, topk, E).problem
     b = {n: torch.empty(shape, device=q.device, dtype=q.dtype if kind == "input" else getattr(torch, kind))
          for n, (shape, kind) in p.forward_buffers().items()}
-    S.block_mean_pool_qkv(p, q, k, k, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
-    S.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
+    S.block_mean_pool_qkv(eager_launcher, p, q, k, k, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
+    S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
                      b["lse_coarse"])
-    S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    S.topk_select(eager_launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
     return b["sel_mask"].bool()
 
 

@@ -15,6 +15,8 @@ from triton.testing import do_bench
 from vsa_core import ops
 from vsa_core.backends import triton_backend as T
 from vsa_core.backends.base import FineForward
+from vsa_core.config import config, overridden
+from vsa_core.launch import eager_launcher
 from vsa_core.problem import describe_attention
 
 DTYPES = {"input": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
@@ -39,29 +41,27 @@ def main():
     ops.forward(p, T, b)
     ops.backward(p, T, b)
     flops = 4.0 * B * H * D * S * topk * E
-    print(f"shape B{B} H{H} S{S} D{D} E{E} topk{topk}  (VSA_TMA={int(T.USE_TMA)})")
+    print(f"shape B{B} H{H} S{S} D{D} E{E} topk{topk}  (VSA_TMA={int(config().tma)})")
     runs = {
-        "fwd": (T._sparse_fwd, lambda: T.sparse_forward(p, FineForward(q, k, v, b["out"], b["lse"], b["sel_idx"],
-                                                                     b["sel_num"], counts))),
-        "bwd_dq": (T._sparse_bwd_dq, lambda: T.sparse_backward_dq(p, q, k, v, b["lse"], dout, b["delta"], b["dq"],
-                                                                   b["sel_idx"], b["sel_num"], counts)),
-        "bwd_dkdv": (T._sparse_bwd_dkdv, lambda: T.sparse_backward_dkdv(p, q, k, v, b["lse"], dout, b["delta"],
-                                                                         b["dk"], b["dv"], b["inv_idx"], b["inv_num"],
-                                                                         counts)),
+        "fwd": (T._sparse_fwd, lambda: T.sparse_forward(
+            eager_launcher, p, FineForward(q, k, v, b["out"], b["lse"], b["sel_idx"], b["sel_num"], counts))),
+        "bwd_dq": (T._sparse_bwd_dq, lambda: T.sparse_backward_dq(
+            eager_launcher, p, q, k, v, b["lse"], dout, b["delta"], b["dq"], b["sel_idx"], b["sel_num"], counts)),
+        "bwd_dkdv": (T._sparse_bwd_dkdv, lambda: T.sparse_backward_dkdv(
+            eager_launcher, p, q, k, v, b["lse"], dout, b["delta"], b["dk"], b["dv"], b["inv_idx"], b["inv_num"],
+            counts)),
     }
     best = {}
     for name, (kernel, launch) in runs.items():
         for cfg in kernel.candidates:
             if E % cfg[0] or E % cfg[1]:
                 continue
-            kernel.forced = cfg
             try:
-                ms = do_bench(launch, warmup=50, rep=200, return_mode="median")
+                with overridden(forced_tiles=((kernel.name, cfg),)):
+                    ms = do_bench(launch, warmup=50, rep=200, return_mode="median")
             except Exception as e:  # e.g. out of shared memory for a config on this GPU
                 print(f"  {name:9s} {cfg}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
-            finally:
-                kernel.forced = None
             best[name] = min(best.get(name, ms), ms)
             tflops = (flops if name == "fwd" else 2.5 * flops) / ms / 1e9
             print(f"  {name:9s} M{cfg[0]:<4d}N{cfg[1]:<4d}w{cfg[2]} s{cfg[3]}  {ms:8.3f} ms  {tflops:6.0f}", flush=True)

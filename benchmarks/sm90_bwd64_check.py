@@ -260,14 +260,15 @@ def problem(case):
 
 def run_triton(case):
     from vsa_core.backends import triton_backend as T
+    from vsa_core.launch import eager_launcher
     p, L = problem(case), case["layout"]
     g = alloc_grads(case)
     delta = bwd64().backward_delta(case["out"], case["dout"])
     q, k, v, do = (raw(case[n], L) for n in ("q", "k", "v", "dout"))
-    T.sparse_backward_dq(p, q, k, v, case["lse"], do, delta, raw(g["dq"], L), case["sel_idx"], case["sel_num"],
-                         case["kv_counts"])
-    T.sparse_backward_dkdv(p, q, k, v, case["lse"], do, delta, raw(g["dk"], L), raw(g["dv"], L), case["inv_idx"],
-                           case["inv_num"], case["kv_counts"])
+    T.sparse_backward_dq(eager_launcher, p, q, k, v, case["lse"], do, delta, raw(g["dq"], L), case["sel_idx"],
+                         case["sel_num"], case["kv_counts"])
+    T.sparse_backward_dkdv(eager_launcher, p, q, k, v, case["lse"], do, delta, raw(g["dk"], L), raw(g["dv"], L),
+                           case["inv_idx"], case["inv_num"], case["kv_counts"])
     torch.cuda.synchronize()
     return g
 
@@ -336,6 +337,7 @@ def bench(fn) -> float:
 
 def real_shape(B=1, H=12, S=39936, D=128, topk=62, timing=True) -> dict:
     from vsa_core import stages
+    from vsa_core.launch import eager_launcher
     from vsa_core.backends import triton_backend as T
     dev = torch.device(DEV)
     n = S // E
@@ -382,11 +384,11 @@ def real_shape(B=1, H=12, S=39936, D=128, topk=62, timing=True) -> dict:
 
     def triton_bwd():
         g = grads["triton"]
-        T.sparse_backward_dq(p, q, k, v, lse, do, delta, g["dq"], sel_idx, sel_num, counts)
-        T.sparse_backward_dkdv(p, q, k, v, lse, do, delta, g["dk"], g["dv"], inv_idx, inv_num, counts)
+        T.sparse_backward_dq(eager_launcher, p, q, k, v, lse, do, delta, g["dq"], sel_idx, sel_num, counts)
+        T.sparse_backward_dkdv(eager_launcher, p, q, k, v, lse, do, delta, g["dk"], g["dv"], inv_idx, inv_num, counts)
 
     calls["triton fine backward (dq + dkdv)"] = triton_bwd
-    calls["triton preprocess (delta)"] = lambda: stages.backward_preprocess(p, out32, do, delta)
+    calls["triton preprocess (delta)"] = lambda: stages.backward_preprocess(eager_launcher, p, out32, do, delta)
     try:
         from cudnn.block_sparse_attention import api as cudnn_api
 

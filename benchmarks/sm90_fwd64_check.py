@@ -217,13 +217,14 @@ MAIN_ONLY = ("head dim 64", "fp16", "vsa no gate, inference")
 def shared_lists(sel_idx, sel_num, n_kv, group):
     """(union_idx, union_num, own_pos, own_num) of `stages.shared_kv_lists` on the GPU."""
     from vsa_core import stages
+    from vsa_core.launch import eager_launcher
     B, H, nq, cap = sel_idx.shape
     ng = -(-nq // group)
     out = [torch.empty((B, H, ng, group * cap), dtype=torch.int32, device=sel_idx.device),
            torch.empty((B, H, ng), dtype=torch.int32, device=sel_idx.device),
            torch.empty((B, H, nq, cap), dtype=torch.int32, device=sel_idx.device),
            torch.empty((B, H, nq), dtype=torch.int32, device=sel_idx.device)]
-    stages.shared_kv_lists(sel_idx.contiguous(), sel_num.contiguous(), n_kv, group, *out)
+    stages.shared_kv_lists(eager_launcher, sel_idx.contiguous(), sel_num.contiguous(), n_kv, group, *out)
     return out
 
 
@@ -302,6 +303,7 @@ def smooth_problem():
     field, with VSA's own lists over it (pooling, coarse attention, top-k: `vsa_core.stages`)."""
     import stage_breakdown
     from vsa_core import stages
+    from vsa_core.launch import eager_launcher
     from vsa_core.problem import AttnProblem
     shape = stage_breakdown.SHAPES["480p-64"]
     B, H, video, D, tile, topk = shape
@@ -312,10 +314,10 @@ def smooth_problem():
                     dtype="bfloat16", topk=topk)
     dtypes = {"input": q.dtype, "float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
     b = {name: torch.empty(shp, dtype=dtypes[dt], device="cuda") for name, (shp, dt) in p.forward_buffers().items()}
-    stages.block_mean_pool_qkv(p, q, k, v, counts, counts, b["q_pool"], b["k_pool"], b["v_pool"])
-    stages.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], counts, b["scores"], b["out_coarse"],
-                          b["lse_coarse"])
-    stages.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    stages.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, b["q_pool"], b["k_pool"], b["v_pool"])
+    stages.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], counts, b["scores"],
+                          b["out_coarse"], b["lse_coarse"])
+    stages.topk_select(eager_launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
     torch.cuda.synchronize()
     return q, k, v, b["sel_idx"].contiguous(), b["sel_num"].contiguous(), counts
 

@@ -97,6 +97,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from vsa_core.config import configure  # noqa: E402
+
 
 @dataclass
 class Row:
@@ -275,7 +277,7 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
                     n = len(head_chunks(hp, int(chunks)))
                     if n not in local_of:
                         local_of[n] = median_ms(timed(local_chunked(stage, n)), args.repeats)
-                    os.environ["VSA_ULYSSES_CHUNKS"] = chunks  # read at each call
+                    configure(ulysses_chunks=int(chunks))
                     ms["many"] = median_ms(timed(many_in(group)), args.repeats)
                     rows.append(asdict(Row("torch", backend, stage, int(chunks), priority, ms["one"], ms["many"],
                                            ms["local"], ms["a2a"], bitwise=equal, local_chunked_ms=local_of[n])))
@@ -284,7 +286,7 @@ def torch_rank(rank: int, P: int, args, port: Optional[int], out_file: str) -> N
                             f"{local_of[n]:.2f}")
         if args.profile and cuda:
             chunks = args.chunks.split(",")[-1]
-            os.environ["VSA_ULYSSES_CHUNKS"] = chunks
+            configure(ulysses_chunks=int(chunks))
             for priority, group in groups.items():
                 summary = profile_overlap(fwd_bwd(many, shards, dout_shard, group=group), dist.barrier,
                                           rank == 0)
@@ -434,7 +436,7 @@ def run_jax(args, P: int) -> List[dict]:
         def one(q, k, v, gate):
             return video_sparse_attn_bshd(q, k, v, counts, counts, topk, E, gate, backend=backend)
 
-        def many_of():  # a new function for each VSA_ULYSSES_CHUNKS (read when traced)
+        def many_of():  # a new function for each ulysses_chunks setting (read when traced)
             def many(q, k, v, gate):
                 return ulysses_video_sparse_attn_on_mesh(q, k, v, counts, counts, topk, E, gate, mesh=mesh,
                                                          axis_name="sp", backend=backend)
@@ -443,7 +445,7 @@ def run_jax(args, P: int) -> List[dict]:
         one_fwd, one_bwd = jax.jit(one), with_grads(one)
         base = {}  # stage -> one, local, a2a (measured once, not per chunks setting)
         for chunks in args.chunks.split(","):
-            os.environ["VSA_ULYSSES_CHUNKS"] = chunks
+            configure(ulysses_chunks=int(chunks))
             many_fwd, many_bwd = jax.jit(many_of()), with_grads(many_of())
             out_equal = bool(np.array_equal(np.asarray(many_fwd(*sharded[:4])), np.asarray(one_fwd(*full[:4]))))
             grads_equal = all(np.array_equal(np.asarray(g), np.asarray(w))

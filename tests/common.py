@@ -280,6 +280,7 @@ def kernel_selection(case: Case, inputs: dict, device: str, padding: str = "zero
     runs on these Triton kernels, whatever the fine stage's backend and the frontend."""
     from vsa_core.api import prepare_vsa
     from vsa_core import stages as S
+    from vsa_core.launch import eager_launcher
     if torch is None:
         raise RuntimeError("a near-tie draw needs the kernel's selection, read here through torch (not installed)")
     dtype = getattr(torch, case.dtype)
@@ -289,10 +290,10 @@ def kernel_selection(case: Case, inputs: dict, device: str, padding: str = "zero
                     softmax_scale=case.softmax_scale, padding=padding).problem
     b = {name: torch.empty(shape, device=device, dtype=dtype if kind == "input" else getattr(torch, kind))
          for name, (shape, kind) in p.forward_buffers().items()}
-    S.block_mean_pool_qkv(p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
-    S.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
+    S.block_mean_pool_qkv(eager_launcher, p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
+    S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
                      b["lse_coarse"])
-    S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
+    S.topk_select(eager_launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
     return b["sel_mask"].bool().cpu().numpy()
 
 

@@ -51,3 +51,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def launch_config():
+    """`launch_config(**changes)` changes the launch configuration (`vsa_core.config`) for the
+    rest of the test; the configuration before it comes back at teardown."""
+    import contextlib
+
+    from vsa_core.config import overridden
+
+    with contextlib.ExitStack() as scopes:
+        yield lambda **changes: scopes.enter_context(overridden(**changes))

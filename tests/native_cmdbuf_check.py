@@ -22,12 +22,10 @@ import numpy as np  # noqa: E402
 
 import vsa_jax  # noqa: E402
 from common import Case, assert_close, make_inputs, reference  # noqa: E402
-from vsa_core.backends import triton_backend as T  # noqa: E402
+from vsa_core.config import configure  # noqa: E402
 from vsa_jax import native  # noqa: E402
 
-for kernel in (T._sparse_fwd, T._sparse_bwd_dq, T._sparse_bwd_dkdv):
-    kernel.tuned = None  # the default config everywhere, as the plan runs
-T.USE_TMA = False
+configure(autotune=False, tma=False)  # the default tile config and pointer loads everywhere, as the plan runs
 
 case = Case(batch=1)
 

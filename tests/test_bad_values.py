@@ -292,6 +292,7 @@ def test_fa4_lists_apply_the_rule(E_fa4):
     """The CuTe backend's list builder (a Triton kernel: runs without FA4) keeps what the
     rule keeps, on random garbage lists and counts; out-of-range token counts act clamped."""
     from vsa_core.backends import cute_backend
+    from vsa_core.launch import eager_launcher
     from vsa_core.problem import AttnProblem
 
     rng = np.random.default_rng(E_fa4)
@@ -307,9 +308,10 @@ def test_fa4_lists_apply_the_rule(E_fa4):
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)  # noqa: E731
     out_idx = torch.full((2, B, H, nq, width), -1, dtype=torch.int32, device=DEVICE)
     out_num = torch.full((2, B, H, nq), -1, dtype=torch.int32, device=DEVICE)
-    cute_backend.forward_lists(p, t(idx), t(num), t(counts), out_idx[0], out_num[0], out_idx[1], out_num[1])
+    cute_backend.forward_lists(eager_launcher, p, t(idx), t(num), t(counts), out_idx[0], out_num[0], out_idx[1],
+                               out_num[1])
     sub_counts = torch.full((nk * sub,), -1, dtype=torch.int32, device=DEVICE)
-    cute_backend.sub_block_counts(p, t(counts), sub_counts)
+    cute_backend.sub_block_counts(eager_launcher, p, t(counts), sub_counts)
     clamped = np.clip(counts, 0, E_fa4)
     sc = np.array([min(max(int(clamped[n // sub]) - (n % sub) * 128, 0), 128) for n in range(nk * sub)])
     np.testing.assert_array_equal(sub_counts.cpu().numpy(), sc)
@@ -329,6 +331,7 @@ def test_clean_lists_apply_the_rule(packed):
     in range, counts within the capacity, 0 past the count. Packed: entries of another
     sequence are dropped first, then the rule."""
     from vsa_core.backends import triton_backend
+    from vsa_core.launch import eager_launcher
     from vsa_core import stages
     from vsa_core.problem import AttnProblem
 
@@ -354,7 +357,7 @@ def test_clean_lists_apply_the_rule(packed):
     out_idx = torch.full((B, H, nq, cap), -7, dtype=torch.int32, device=DEVICE)
     out_num = torch.full((B, H, nq), -7, dtype=torch.int32, device=DEVICE)
     seqs = (t(q_seq), t(kv_seq)) if packed else (None, None)
-    stages.clean_lists(p, t(idx), t(num), out_idx, out_num, *seqs)
+    stages.clean_lists(eager_launcher, p, t(idx), t(num), out_idx, out_num, *seqs)
     out_idx, out_num = out_idx.cpu().numpy(), out_num.cpu().numpy()
     kept = 0
     for row in np.ndindex(B, H, nq):

@@ -2,8 +2,8 @@
 
 The coarse kernels multiply fp32 tiles (P@V forward; dP, dQ, dK, dV backward). On the GPU
 Triton runs such a `tl.dot` as TF32 (inputs cut to 10-bit mantissas) unless told otherwise;
-`vsa_core.stages.COARSE_DOT_PRECISION` ("ieee" by default, read from
-VSA_COARSE_PRECISION at import) makes them exact fp32. The CPU interpreter computes fp32
+the launch configuration's `coarse_precision` ("ieee" by default, read from
+VSA_COARSE_PRECISION once: `vsa_core.config`) makes them exact fp32. The CPU interpreter computes fp32
 whatever that says.
 
 1. The coarse stage alone (`test_coarse_stage_*`): pooled q, k, v (bf16 / fp16 values) and an
@@ -40,6 +40,8 @@ import torch
 from common import Case, assert_close, make_inputs, reference
 from test_torch_vsa import run_torch
 from vsa_core.backends import triton_backend
+from vsa_core.config import config
+from vsa_core.launch import eager_launcher
 from vsa_core import stages as S
 from vsa_core.problem import AttnProblem
 
@@ -100,9 +102,9 @@ def run_coarse_stage(qc, kc, vc, counts, dout, device):
     scores, lse = torch.empty(1, H, nq, nk, **f32), torch.empty(1, H, nq, **f32)
     out, dq = torch.empty(1, H, nq, D, **f32), torch.empty(1, H, nq, D, **f32)
     dk, dv = torch.empty(1, H, nk, D, **f32), torch.empty(1, H, nk, D, **f32)
-    S.coarse_forward(p, q_pool, k_pool, v_pool, kv_counts, scores, out, lse)
+    S.coarse_forward(eager_launcher, p, q_pool, k_pool, v_pool, kv_counts, scores, out, lse)
     workspaces = torch.empty(1, H, nq, nk, **f32), torch.empty(1, H, nq, nk, **f32)
-    S.coarse_backward(p, q_pool, k_pool, v_pool, kv_counts, out, lse, dout_c, dq, dk, dv, *workspaces)
+    S.coarse_backward(eager_launcher, p, q_pool, k_pool, v_pool, kv_counts, out, lse, dout_c, dq, dk, dv, *workspaces)
     return {n: t[0].double().cpu() for n, t in (("out_c", out), ("dq_c", dq), ("dk_c", dk), ("dv_c", dv))}
 
 
@@ -157,8 +159,8 @@ def test_coarse_stage_is_fp32_accurate(dtype, head_dim, heads, n_q, n_kv, std):
         assert tf32_level > MIN_LEVEL_RATIO * fp32_level, f"this case cannot tell TF32 from fp32: {lines[-1]}"
         if not err < bound:
             over.append(lines[-1])
-    print(f"coarse dots {S.COARSE_DOT_PRECISION}: " + "; ".join(lines))
-    assert not over, f"coarse dots ({S.COARSE_DOT_PRECISION}) above the fp32 level: " + "; ".join(over)
+    print(f"coarse dots {config().coarse_precision}: " + "; ".join(lines))
+    assert not over, f"coarse dots ({config().coarse_precision}) above the fp32 level: " + "; ".join(over)
 
 
 def test_tf32_model_rounds_to_10_mantissa_bits():
@@ -223,7 +225,7 @@ def test_x16_gradients_match_float64_reference(case, structured):
 def test_coarse_dots_are_exact_fp32_by_default():
     """The launch options the coarse kernels get on the GPU: exact fp32 products, and
     configs within the shared memory the comments in vsa_core.stages measured."""
-    assert S.COARSE_DOT_PRECISION == os.environ.get("VSA_COARSE_PRECISION", "ieee")
+    assert config().coarse_precision == (os.environ.get("VSA_COARSE_PRECISION") or "ieee")
     assert set(S.COARSE_CONFIGS) == {64, 128}
     for head_dim, stages in S.COARSE_CONFIGS.items():
         assert set(stages) == {"fwd", "ds", "grads"}

@@ -18,6 +18,7 @@ from common import Case, assert_close, errors, make_inputs, reference, skip_unav
 from test_torch_vsa import run_torch
 from vsa_core.backends import BackendUnavailableError, cute_backend, resolve_backend, triton_backend
 from vsa_core import stages
+from vsa_core.launch import eager_launcher
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
 from vsa_torch.ops import device_info
@@ -134,10 +135,10 @@ def test_forward_lists_match_numpy(E, cap_kind):
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEV)  # noqa: E731
     idx = torch.full((2, B, H, nq, width), -1, dtype=torch.int32, device=DEV)
     num = torch.full((2, B, H, nq), -1, dtype=torch.int32, device=DEV)
-    cute_backend.forward_lists(p, t(sel_idx.reshape(B, H, nq, cap)), t(sel_num.reshape(B, H, nq)), t(counts),
-                               idx[0], num[0], idx[1], num[1])
+    cute_backend.forward_lists(eager_launcher, p, t(sel_idx.reshape(B, H, nq, cap)), t(sel_num.reshape(B, H, nq)),
+                               t(counts), idx[0], num[0], idx[1], num[1])
     sub_counts = torch.full((nk * (E // 128),), -1, dtype=torch.int32, device=DEV)
-    cute_backend.sub_block_counts(p, t(counts), sub_counts)
+    cute_backend.sub_block_counts(eager_launcher, p, t(counts), sub_counts)
     sc = _sub_counts_np(counts, E)
     np.testing.assert_array_equal(sub_counts.cpu().numpy(), sc)
     idx, num = idx.cpu().numpy().reshape(2, -1, width), num.cpu().numpy().reshape(2, -1)
@@ -162,7 +163,8 @@ def test_backward_lists_match_numpy(E):
     inv_idx_t = t(inv_idx.reshape(B, H, nk, nq))
     idx = inv_idx_t if sub == 1 else torch.full((B, H, nk * sub, nq), -1, dtype=torch.int32, device=DEV)
     num = torch.full((2, B, H, nk * sub), -1, dtype=torch.int32, device=DEV)
-    cute_backend.backward_lists(p, inv_idx_t, t(inv_num.reshape(B, H, nk)), t(counts), idx, num[0], num[1])
+    cute_backend.backward_lists(eager_launcher, p, inv_idx_t, t(inv_num.reshape(B, H, nk)), t(counts), idx, num[0],
+                                num[1])
     sc = _sub_counts_np(counts, E)
     idx = idx.cpu().numpy().reshape(B * H, nk * sub, nq)
     num = num.cpu().numpy().reshape(2, B * H, nk * sub)
@@ -205,7 +207,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate, padding, fine_dtype):
     out_fine = torch.empty_like(out, dtype=fine_dtype)
     lse_in = torch.randn(B, H, nq * E, generator=g)
     lse = lse_in.clone().to(DEV)
-    stages.mix_coarse(p, out, lse, coarse.to(DEV), q_counts.to(DEV), gate=lay(gate_t) if gate else None,
+    stages.mix_coarse(eager_launcher, p, out, lse, coarse.to(DEV), q_counts.to(DEV), gate=lay(gate_t) if gate else None,
                               out_fine=out_fine)
     c = coarse.repeat_interleave(E, dim=2)
     want = torch.where(keep, fine.float() + (gate_t.float() * c if gate else c), 0.0)
@@ -216,7 +218,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate, padding, fine_dtype):
 
     delta = torch.randn(B, H, nq * E, generator=g)
     dlse = delta.clone().to(DEV)
-    cute_backend.delta_to_dlse(p, out, lay(dout), dlse)
+    cute_backend.delta_to_dlse(eager_launcher, p, out, lay(dout), dlse)
     # FA4 forms rowsum(out * dO) - dlse: that must give back our delta
     fa4_delta = (back(out) * dout.float()).sum(-1) - dlse.cpu()
     torch.testing.assert_close(fa4_delta, delta, rtol=1e-5, atol=1e-4)
@@ -231,7 +233,7 @@ def test_mix_coarse_dlse_and_block_grads(layout, gate, padding, fine_dtype):
             x = torch.where(valid, x, torch.tensor(float("nan"), dtype=torch.bfloat16))
         pooled = torch.randn(B, H, nq, D, generator=g)
         got = lay(x.clone())
-        stages.add_block_grad(p, got, pooled.to(DEV), counts.to(DEV), nq * E)
+        stages.add_block_grad(eager_launcher, p, got, pooled.to(DEV), counts.to(DEV), nq * E)
         per_block = torch.where(counts[:, None] > 0, pooled / counts.clamp_min(1)[:, None].float(),
                                 torch.zeros(()))
         keep = valid if ignore else torch.ones_like(valid)  # "ignore": padded rows exactly 0

@@ -25,6 +25,7 @@ import vsa_torch
 from common import Case, assert_close, from_layout, make_inputs, reference, skip_unavailable, to_layout
 from vsa_core import plan as core_plan
 from vsa_core.backends import triton_backend as T
+from vsa_core.config import config, from_environment, overridden
 from vsa_core.problem import AttnProblem
 from vsa_jax import native
 
@@ -132,20 +133,24 @@ def test_schedule_feeds_each_kernel_its_buffers(stage, p):
     assert sorted(born) == sorted(plan.buffers)
 
 
-def test_recording_leaves_the_eager_launchers_as_they_were():
+def test_recording_patches_nothing():
+    """Recording goes through its own launcher: Triton's kernel classes and the process's
+    launch configuration are the same before and after, and the plan still takes the
+    default tiles with pointer loads while the configuration asks for TMA and autotuning."""
     from vsa_core import stage_kernels as K
     kernel_type = type(K.topk_select_kernel)
-    getitem, tma = kernel_type.__getitem__, T.USE_TMA
-    tuned = [k.tuned for k in (T._sparse_fwd, T._sparse_bwd_dq, T._sparse_bwd_dkdv)]
-    _plan("forward", PROBLEMS[0])
-    assert kernel_type.__getitem__ is getitem and T.USE_TMA is tma
-    assert [k.tuned for k in (T._sparse_fwd, T._sparse_bwd_dq, T._sparse_bwd_dkdv)] == tuned
+    getitem = kernel_type.__getitem__
+    with overridden(tma=True, autotune=True) as before:
+        plan = _plan("forward", PROBLEMS[0])
+        assert kernel_type.__getitem__ is getitem and config() is before
+    sparse = next(launch for launch in plan.launches if launch.kernel_name == SPARSE_FWD)
+    assert sparse.arg("USE_TMA").value is False
 
 
 # ---- the JAX executor (CPU: lowered, not run) ----------------------------------------------------
-def test_callback_stays_the_default(monkeypatch):
-    monkeypatch.delenv("VSA_JAX_LAUNCH", raising=False)
-    monkeypatch.setattr(native, "_launch_mode", None)
+def test_callback_stays_the_default(launch_config):
+    assert from_environment({}).jax_launch == "callback"
+    launch_config(jax_launch=from_environment({}).jax_launch)
     assert native.launch_mode() == "callback"
     assert not native.selected(T)
     with pytest.raises(ValueError, match="launch"):
@@ -170,8 +175,8 @@ def _grad_fn(case, inputs, backend="triton"):
     return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
 
 
-def test_native_on_cpu_raises_a_clear_error(monkeypatch):
-    monkeypatch.setattr(native, "_launch_mode", "native")
+def test_native_on_cpu_raises_a_clear_error(launch_config):
+    launch_config(jax_launch="native")
     case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=2)
     inputs, (q, k, v, gate, dout) = _small_case_args(case)
     if jax.default_backend() == "gpu":
@@ -180,11 +185,11 @@ def test_native_on_cpu_raises_a_clear_error(monkeypatch):
         jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout)
 
 
-def test_native_program_is_one_custom_call_per_launch(monkeypatch):
+def test_native_program_is_one_custom_call_per_launch(monkeypatch, launch_config):
     """Traced with compiling stubbed out (no CUDA here): forward + backward lower to the
     plans' launches as triton_kernel_call_ffi custom calls with in-place aliases, and no
     Python callback."""
-    monkeypatch.setattr(native, "_launch_mode", "native")
+    launch_config(jax_launch="native")
     monkeypatch.setattr(native, "_capability", lambda: 90)
     monkeypatch.setattr(native.core_plan, "compile_launch",
                         lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
@@ -204,7 +209,7 @@ def test_native_program_is_one_custom_call_per_launch(monkeypatch):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
-def test_native_program_under_shard_map_is_typed_and_lowers(monkeypatch):
+def test_native_program_under_shard_map_is_typed_and_lowers(monkeypatch, launch_config):
     """Native launches inside jax.shard_map (check_vma on) over 2 devices, heads split, traced
     and lowered with compiling stubbed out (no CUDA here): the custom calls' results are
     typed as varying like the inputs (vsa_jax.ops._run), so the out_specs type-check, and
@@ -213,7 +218,7 @@ def test_native_program_under_shard_map_is_typed_and_lowers(monkeypatch):
     from jax.sharding import PartitionSpec as P
     from test_jax_spmd import mesh_of, out_and_grads_fn
 
-    monkeypatch.setattr(native, "_launch_mode", "native")
+    launch_config(jax_launch="native")
     monkeypatch.setattr(native, "_capability", lambda: 90)
     monkeypatch.setattr(native.core_plan, "compile_launch",
                         lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
@@ -290,15 +295,14 @@ GPU_CASES = [Case(), Case(head_dim=128, layout="bshd", gate=False), Case(block=1
 
 
 @pytest.fixture
-def fixed_configs(monkeypatch):
+def fixed_configs(launch_config):
     """Every path runs the attention kernels' default tile config (the plan cannot
     autotune; autotuning may pick another summation order)."""
-    for kernel in (T._sparse_fwd, T._sparse_bwd_dq, T._sparse_bwd_dkdv):
-        monkeypatch.setattr(kernel, "tuned", None)
+    launch_config(autotune=False)
 
 
-def _run_jax(case, inputs, mode, monkeypatch):
-    monkeypatch.setattr(native, "_launch_mode", mode)
+def _run_jax(case, inputs, mode, launch_config):
+    launch_config(jax_launch=mode)
     dtype = jnp.dtype(case.dtype)
     q, k, v, gate, dout = (jnp.asarray(to_layout(inputs[n], case.layout), dtype) for n in ("q", "k", "v", "gate",
                                                                                          "dout"))
@@ -332,13 +336,13 @@ def _run_torch(case, inputs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager_tma", [False, True], ids=["eager-pointer-loads", "eager-tma"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id())
-def test_native_matches_callback_and_torch_bitwise(case, eager_tma, fixed_configs, monkeypatch):
+def test_native_matches_callback_and_torch_bitwise(case, eager_tma, fixed_configs, launch_config):
     """The native path runs pointer loads; the eager paths run them too ("eager-pointer-loads")
     or TMA descriptors (the default, "eager-tma": same arithmetic, other loads)."""
-    monkeypatch.setattr(T, "USE_TMA", eager_tma)
+    launch_config(tma=eager_tma)
     inputs = make_inputs(case, seed=11)
-    got_native = _run_jax(case, inputs, "native", monkeypatch)
-    got_callback = _run_jax(case, inputs, "callback", monkeypatch)
+    got_native = _run_jax(case, inputs, "native", launch_config)
+    got_callback = _run_jax(case, inputs, "callback", launch_config)
     got_torch = _run_torch(case, inputs)
     assert_close(case, got_native, reference(case, inputs))
     for name in got_torch:
@@ -363,11 +367,11 @@ def test_native_under_xla_command_buffers():
 
 
 @pytest.mark.gpu
-def test_native_runs_no_python_per_call(fixed_configs, monkeypatch):
+def test_native_runs_no_python_per_call(fixed_configs, monkeypatch, launch_config):
     """Once compiled, the native program never calls back into vsa_core: with the operators
     replaced by a function that raises, new inputs (and counts, traced) still run, and right
     (the callback path would fail)."""
-    monkeypatch.setattr(native, "_launch_mode", "native")
+    launch_config(jax_launch="native")
     case = Case(batch=1)
     dtype = jnp.dtype(case.dtype)
 
@@ -415,7 +419,7 @@ def test_kernel_call_protos_carry_the_plan():
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2, reason="needs 2 GPUs in jax")
 @pytest.mark.parametrize("how", ["shard_map", "jit"])
-def test_native_two_gpus_heads_split_equal_one_gpu(how, monkeypatch):
+def test_native_two_gpus_heads_split_equal_one_gpu(how, monkeypatch, launch_config):
     """The native path on 2 GPUs (heads split; shard_map, or jit over arrays sharded over
     the heads) equals the native path on 1 GPU bit for bit: out and every gradient. Both
     run the plan's fixed tile config, so only the heads per device differ."""
@@ -424,7 +428,7 @@ def test_native_two_gpus_heads_split_equal_one_gpu(how, monkeypatch):
     from test_jax_spmd import NAMES, assert_bitwise, mesh_of, out_and_grads_fn
     from test_jax_vsa import jax_args
 
-    monkeypatch.setattr(native, "_launch_mode", "native")
+    launch_config(jax_launch="native")
     case = Case(block=64, head_dim=128, n_q_blocks=16, n_kv_blocks=16, batch=1, heads=4, topk=4)
     inputs = make_inputs(case, seed=81, margin=None)  # two runs of our kernels: no reference, no margin
     args = jax_args(case, inputs)

@@ -314,6 +314,7 @@ def test_valid_rows_copy(layout):
     import dataclasses
 
     from vsa_core import stages as S
+    from vsa_core.launch import eager_launcher
     from vsa_core.problem import AttnProblem
     E, B, H, D = 128, 2, 2, 64
     counts = np.array([E, 37, 0], np.int32)
@@ -323,11 +324,12 @@ def test_valid_rows_copy(layout):
     junk = with_non_finite_padding({"k": x, "kv_counts": counts}, E, names=("k",))["k"]
     in_layout = junk if layout == "bhsd" else np.ascontiguousarray(junk.transpose(0, 2, 1, 3))
     t = torch.from_numpy(in_layout).to(TORCH_DEVICE, torch.bfloat16)
-    got = S.valid_rows_copy(p, t, torch.from_numpy(counts).to(TORCH_DEVICE), 3 * E).float().cpu().numpy()
+    counts_t = torch.from_numpy(counts).to(TORCH_DEVICE)
+    got = S.valid_rows_copy(eager_launcher, p, t, counts_t, 3 * E).float().cpu().numpy()
     got = got if layout == "bhsd" else got.transpose(0, 2, 1, 3)
     want = np.where(R.valid_tokens(counts, E)[:, None], R.round_to_dtype(x, "bfloat16"), 0.0)
     np.testing.assert_array_equal(got, want)
-    assert S.valid_rows_copy(dataclasses.replace(p, padding="zeros"), t, counts, 3 * E) is t
+    assert S.valid_rows_copy(eager_launcher, dataclasses.replace(p, padding="zeros"), t, counts, 3 * E) is t
 
 
 def _call(frontend: str, fn: str, padding):

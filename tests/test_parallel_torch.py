@@ -152,9 +152,9 @@ def _worker(rank: int, port: int, out_dir: str, dist_backend: str, jobs: list, c
 
 
 def spawn(tmp_path, monkeypatch, dist_backend: str, jobs: list, check_errors: bool = False) -> list:
-    # the spawned ranks inherit the environment: one fixed tile config per Triton kernel
-    # (autotuning would let each process time and pick its own), and the heads of a rank in
-    # 2 chunks (3 heads per rank: chunks of 2 and 1)
+    # the spawned ranks inherit the environment (each reads it at its first call: vsa_core.config):
+    # one fixed tile config per Triton kernel (autotuning would let each process time and pick its
+    # own), and the heads of a rank in 2 chunks (3 heads per rank: chunks of 2 and 1)
     monkeypatch.setenv("VSA_AUTOTUNE", "0")
     monkeypatch.setenv("VSA_ULYSSES_CHUNKS", "2")
     mp.spawn(_worker, args=(free_port(), str(tmp_path), dist_backend, jobs, check_errors), nprocs=WORLD)

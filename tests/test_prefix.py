@@ -30,6 +30,7 @@ from frontends import run_jax_vjp, run_torch
 from vsa_core import reference as R
 from vsa_core.backends import BackendUnavailableError
 from vsa_core import stages
+from vsa_core.launch import eager_launcher
 from vsa_core.problem import AttnProblem
 
 GPU = torch.cuda.is_available()
@@ -101,7 +102,7 @@ def run_select(scores: np.ndarray, topk: int, P: int, mode: str):
     sel_num = torch.full((1, 1, n_q), -7, dtype=torch.int32, device=DEVICE)
     sel_mask = torch.full((1, 1, n_q, n_kv), 7, dtype=torch.int8, device=DEVICE)
     s = torch.from_numpy(np.ascontiguousarray(scores)).reshape(1, 1, n_q, n_kv).to(DEVICE)
-    stages.topk_select(p, s, sel_idx, sel_num, sel_mask)
+    stages.topk_select(eager_launcher, p, s, sel_idx, sel_num, sel_mask)
     return (sel_idx.cpu().numpy()[0, 0], sel_num.cpu().numpy()[0, 0], sel_mask.cpu().numpy()[0, 0])
 
 

@@ -9,6 +9,7 @@ import torch
 
 from vsa_core import reference as R
 from vsa_core import stages
+from vsa_core.launch import eager_launcher
 
 
 def _lists(seed, B, H, nq, nkv, cap, bad):
@@ -31,7 +32,7 @@ def _run(idx, num, nkv, group, device):
     union_num = torch.full((B, H, ng), -7, dtype=torch.int32, device=device)
     own_pos = torch.full((B, H, nq, cap), -1, dtype=torch.int32, device=device)
     own_num = torch.full((B, H, nq), -7, dtype=torch.int32, device=device)
-    stages.shared_kv_lists(sel_idx, sel_num, nkv, group, union_idx, union_num, own_pos, own_num)
+    stages.shared_kv_lists(eager_launcher, sel_idx, sel_num, nkv, group, union_idx, union_num, own_pos, own_num)
     return [t.cpu().numpy().astype(np.int64) for t in (union_idx, union_num, own_pos, own_num)]
 
 

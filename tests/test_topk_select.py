@@ -8,6 +8,7 @@ import torch
 
 from vsa_core import reference as R
 from vsa_core import stages
+from vsa_core.launch import eager_launcher
 from vsa_core.problem import AttnProblem
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +38,7 @@ def run_kernel(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32"
     sel_num = torch.full((1, 1, rows), -7, dtype=torch.int32, device=DEV)
     sel_mask = torch.full((1, 1, rows, n), 7, dtype=torch.int8, device=DEV)
     s = torch.from_numpy(np.ascontiguousarray(scores, np.float32)).reshape(1, 1, rows, n).to(DEV)
-    stages.topk_select(p, s, sel_idx, sel_num, sel_mask, scores_rounded_to=scores_rounded_to)
+    stages.topk_select(eager_launcher, p, s, sel_idx, sel_num, sel_mask, scores_rounded_to=scores_rounded_to)
     return sel_idx.cpu().numpy().reshape(rows, cap), sel_num.cpu().numpy().reshape(rows), \
         sel_mask.cpu().numpy().reshape(rows, n)
 

@@ -9,7 +9,7 @@ second time, as a separate module decorated under the interpreter (the device fu
 imports from another kernels module rebound to that module's interpreted twin), and runs
 each launch of it with
 triton.language's jit helpers swapped for interpreted twins (restored afterwards, so
-CUDA launches in the same process are unaffected). With TRITON_INTERPRET=1 set before
+CUDA launches in the same process are unaffected: `triton_shim.interpreted_language`). With TRITON_INTERPRET=1 set before
 triton was imported (the tests' conftest), everything is interpreted already and the
 package's own module is used as is.
 
@@ -19,7 +19,6 @@ meant for tests and small checks; the first CPU call warns once per process.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import sys
@@ -27,9 +26,10 @@ import threading
 import warnings
 
 import triton
-import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
+
+from .triton_shim import interpreted_language
 
 
 INTERPRETER_WARNING = ("vsa: {arrays} run the Triton kernels under Triton's interpreter. This path is for "
@@ -67,55 +67,6 @@ def warn_interpreted(arrays: str = "CPU tensors", gpu: str = "CUDA tensors") -> 
 _LOCK = threading.RLock()  # one interpreted launch at a time: the language swap is process-wide
 
 
-@functools.lru_cache(maxsize=None)
-def _language_twins():
-    """(module, name, compiled, interpreted) for every jit function of triton.language."""
-    try:  # imported lazily by Triton's argument specialisation; it must see the compiled helpers
-        import triton.experimental.gluon  # noqa: F401
-    except ImportError:
-        pass
-    twins = []
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or not (mod_name == "triton.language" or mod_name.startswith("triton.language.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                twins.append((module, attr, value, InterpretedFunction(value.fn)))
-    return twins
-
-
-@contextlib.contextmanager
-def _language_restored():
-    """Undoes every patch the interpreter makes to triton.language during the block.
-
-    The interpreter rebinds triton.language's builtins to its numpy builder for each
-    launch and restores them afterwards, but a call of one jit function from another
-    (`_dot`, `tl.zeros`, ...) patches them again and never restores: without this, every
-    kernel compiled for the GPU later in the process would be built by the interpreter's
-    builder and fail ("'value' object has no attribute 'dtype'"). So each patch's
-    original values are recorded as it is made and put back, latest first, at the end.
-    """
-    made = []
-    patch = _interp._patch_lang
-
-    def recording_patch(fn):
-        scope = patch(fn)
-        made.extend(scope._changes)  # (object, attribute, value before this patch)
-        return scope
-
-    _interp._patch_lang = recording_patch
-    try:
-        yield
-    finally:
-        _interp._patch_lang = patch
-        for obj, name, original in reversed(made):
-            if original is _interp._MISSING:
-                if name in vars(obj):
-                    delattr(obj, name)
-            else:
-                setattr(obj, name, original)
-
-
 class _InterpretedLaunch:
     """An interpreted kernel whose launches run with triton.language interpreted too."""
 
@@ -126,15 +77,8 @@ class _InterpretedLaunch:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            with _LOCK, _language_restored():
-                twins = _language_twins()
-                try:
-                    for module, attr, _, twin in twins:
-                        setattr(module, attr, twin)
-                    return self.kernel[grid](*args, **kwargs)
-                finally:
-                    for module, attr, original, _ in twins:
-                        setattr(module, attr, original)
+            with _LOCK, interpreted_language():
+                return self.kernel[grid](*args, **kwargs)
         return launch
 
     def __call__(self, *args, **kwargs):  # a device-function call from another kernel

@@ -5,8 +5,9 @@ problem (from `vsa_core.api.prepare_*` / `vsa_core.spec.op_problem`), the resolv
 (inputs, outputs and workspaces named as in `AttnProblem.forward_buffers` /
 `backward_buffers`), the stream to launch on and the frontend's `BufferAdapter`
 (`vsa_core.runtime`: how its buffers and stream reach the launchers; the default takes
-torch tensors or `DeviceBuffer`s as they are). It allocates nothing, never synchronises,
-and writes every element of every output.
+torch tensors or `DeviceBuffer`s as they are), and the launcher every Triton launch goes
+through (`vsa_core.launch`; `eager_launcher` by default, `vsa_core.plan` records with its
+own). It allocates nothing, never synchronises, and writes every element of every output.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Mapping, Optional
 
 from . import stages as S
 from .backends.base import FineBackward, FineForward
+from .launch import Launcher, eager_launcher
 from .problem import AttnProblem
 from .runtime import RAW_BUFFERS, BufferAdapter
 
@@ -32,16 +34,16 @@ def _fine_args(contract, b: dict):
     return contract(*[b[name] if required else b.get(name) for name, required in _FIELDS[contract]])
 
 
-def _sequence_ids(p: AttnProblem, b: dict) -> None:
+def _sequence_ids(launcher: Launcher, p: AttnProblem, b: dict) -> None:
     """Packed sequences: the sequence id of every query and KV block, from the offsets
     cu_seqlens_q / cu_seqlens_k (device inputs, never read on the host)."""
     if p.varlen:
-        S.block_seq_ids(p, b["cu_seqlens_q"], b["q_seq"], p.n_q_blocks)
-        S.block_seq_ids(p, b["cu_seqlens_k"], b["kv_seq"], p.n_kv_blocks)
+        S.block_seq_ids(launcher, p, b["cu_seqlens_q"], b["q_seq"], p.n_q_blocks)
+        S.block_seq_ids(launcher, p, b["cu_seqlens_k"], b["kv_seq"], p.n_kv_blocks)
 
 
 def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None,
-            adapter: BufferAdapter = RAW_BUFFERS) -> None:
+            adapter: BufferAdapter = RAW_BUFFERS, launcher: Launcher = eager_launcher) -> None:
     """VSA (p.selection == "topk") or block-sparse attention forward.
 
     Inputs: q, k, v, kv_counts, and q_counts (+ gate; + seq_prefix when p.seq_prefix) for VSA, block_map or
@@ -54,44 +56,44 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
     """
     b = adapter.views(buffers)
     with adapter.launch_scope(b["q"], stream):
-        _sequence_ids(p, b)
+        _sequence_ids(launcher, p, b)
         if p.is_vsa:
-            S.block_mean_pool_qkv(p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
+            S.block_mean_pool_qkv(launcher, p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
                                   b["k_pool"], b["v_pool"])
-            S.coarse_forward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
+            S.coarse_forward(launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
                              b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
-            S.topk_select(p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"], q_seq=b.get("q_seq"),
+            S.topk_select(launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"], q_seq=b.get("q_seq"),
                           cu_seqlens_q=b.get("cu_seqlens_q"), cu_seqlens_k=b.get("cu_seqlens_k"),
                           seq_prefix=b.get("seq_prefix"), scores_rounded_to=p.dtype)
         elif p.selection == "block_map":
-            S.rows_to_lists(p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
+            S.rows_to_lists(launcher, p, b["block_map"], b["sel_idx"], b["sel_num"], b.get("q_seq"), b.get("kv_seq"))
         else:  # given lists: the entries that count by the rule (packed: of the query's own sequence)
-            S.clean_lists(p, b["given_idx"], b["given_num"], b["sel_idx"], b["sel_num"], b.get("q_seq"),
+            S.clean_lists(launcher, p, b["given_idx"], b["given_num"], b["sel_idx"], b["sel_num"], b.get("q_seq"),
                           b.get("kv_seq"))
-        backend.sparse_forward(p, _fine_args(FineForward, b))
+        backend.sparse_forward(launcher, p, _fine_args(FineForward, b))
 
 
 def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = None,
-             adapter: BufferAdapter = RAW_BUFFERS) -> None:
+             adapter: BufferAdapter = RAW_BUFFERS, launcher: Launcher = eager_launcher) -> None:
     """Gradients of `forward`. Inputs: the forward's inputs and outputs plus dout.
     Outputs: p.backward_buffers() (dq, dk, dv, dgate with a gate; the rest are workspaces)."""
     b = adapter.views(buffers)
     with adapter.launch_scope(b["q"], stream):
         if p.is_vsa:
-            _sequence_ids(p, b)
+            _sequence_ids(launcher, p, b)
             block_mask = b["sel_mask"]
         elif p.selection == "block_map" and not p.varlen:
             block_mask = b["block_map"]
         else:
             block_mask = b["sel_mask"]
-            S.lists_to_mask(p, b["sel_idx"], b["sel_num"], block_mask)
-        S.columns_to_lists(p, block_mask, b["inv_idx"], b["inv_num"])
-        S.backward_preprocess(p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"], gate=b.get("gate"),
-                              out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
+            S.lists_to_mask(launcher, p, b["sel_idx"], b["sel_num"], block_mask)
+        S.columns_to_lists(launcher, p, block_mask, b["inv_idx"], b["inv_num"])
+        S.backward_preprocess(launcher, p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"],
+                              gate=b.get("gate"), out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
                               dout_coarse=b.get("dout_coarse"), q_counts=b.get("q_counts"))
         if p.is_vsa:
-            S.coarse_backward(p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
+            S.coarse_backward(launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
                               b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],
                               b["p_coarse"], b["ds_coarse"],
                               q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
-        backend.sparse_backward(p, _fine_args(FineBackward, b))
+        backend.sparse_backward(launcher, p, _fine_args(FineBackward, b))

@@ -2,15 +2,16 @@
 
 `record_plan` runs the very launchers the eager path runs (`vsa_core.ops.forward` /
 `backward`), but hands them placeholder buffers (`DeviceBuffer`s on a "meta" device, with
-no memory) and
-captures each Triton launch instead of running it: the kernel, its grid, each argument
+no memory) and a `RecordingLauncher` (`vsa_core.launch`), which records each Triton launch
+instead of running it: the kernel, its grid, each argument
 as a named buffer (an input, or an output/workspace of the problem's buffer table), a
 scalar or a constexpr, and num_warps/num_stages. The plan is built once per problem, at
 trace time; an executor (`vsa_jax.native`) replays it with no Python per call.
 
-While recording, the attention kernels take their fixed default tile config (no autotune:
-a replay cannot time candidates) and pointer loads instead of TMA host descriptors (a
-host descriptor embeds the buffer's address, which only exists at run time).
+The recording launcher's configuration turns autotuning off (the attention kernels take
+their fixed default tile config: a replay cannot time candidates) and TMA off (pointer
+loads: a host descriptor embeds the buffer's address, which only exists at run time);
+nothing of Triton is patched, so eager launches on other threads are unaffected.
 
 `compile_launch` compiles one recorded launch for a CUDA target through Triton's own
 specialization (`JITFunction.warmup`), so the binary comes from the same Triton source,
@@ -19,12 +20,13 @@ with the same signature and attributes, as an eager launch with the same argumen
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import inspect
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Tuple
 
+from .config import LaunchConfig, config
+from .launch import Launcher
 from .problem import AttnProblem
 from .runtime import DeviceBuffer, DeviceInfo, Dtype
 from .spec import forward_results
@@ -89,15 +91,26 @@ class Step:
 
 
 # ---- recording ------------------------------------------------------------------------------
-_record_lock = threading.Lock()
+class RecordingLauncher(Launcher):
+    """A launcher that records each launch instead of running it (`record_plan` passes it to
+    `vsa_core.ops`). Its configuration is the current one without autotuning (a replay
+    cannot time candidates: the attention kernels take their default tile config) and with
+    pointer loads (a host TMA descriptor embeds the buffer's address, known only at run time)."""
 
-
-class _Recorder:
     def __init__(self, names_by_id: Mapping[int, str]):
         self.names_by_id = names_by_id
         self.launches = []
+        self._config = dataclasses.replace(config(), autotune=False, tma=False)
 
-    def capture(self, kernel, grid, args, kwargs):
+    @property
+    def config(self) -> LaunchConfig:
+        return self._config
+
+    @property
+    def runs_kernels(self) -> bool:
+        return False
+
+    def triton(self, kernel, grid, *args, **kwargs) -> None:
         options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
         signature = inspect.signature(kernel.fn)
         bound = signature.bind(*args, **kwargs)
@@ -133,54 +146,6 @@ def _constexpr_names(kernel, signature) -> set:
             if prm.annotation is tl.constexpr or "constexpr" in str(prm.annotation)}
 
 
-_recording = threading.local()  # the recorder of this thread, while it records
-
-
-def _recording_getitem(original):
-    """`kernel[grid]` that records on a thread that is recording, and launches elsewhere."""
-    def getitem(self, grid):
-        recorder = getattr(_recording, "recorder", None)
-        if recorder is None:
-            return original(self, grid)
-        return lambda *args, **kwargs: recorder.capture(self, grid, args, dict(kwargs))
-    getitem.vsa_original = original
-    return getitem
-
-
-@contextlib.contextmanager
-def _capturing(recorder: _Recorder):
-    """Every `kernel[grid](...)` of the Triton kernels on this thread records instead of
-    launching; the attention kernels run their default config with pointer loads."""
-    from . import stage_kernels
-    from .backends import triton_backend as T
-
-    kernel_types = {type(obj) for module in (stage_kernels, T.K) for obj in vars(module).values()
-                    if hasattr(obj, "fn") and hasattr(obj, "run")}
-    tuned_type = getattr(T, "_TunedKernel", None)
-    tuned = [obj for obj in vars(T).values() if tuned_type is not None and isinstance(obj, tuned_type)]
-    with _record_lock:
-        saved_getitem = {cls: cls.__getitem__ for cls in kernel_types}
-        saved_tuned = [obj.tuned for obj in tuned]
-        saved_tma = getattr(T, "USE_TMA", None)
-        try:
-            for cls in kernel_types:
-                cls.__getitem__ = _recording_getitem(cls.__getitem__)
-            for obj in tuned:
-                obj.tuned = None
-            if saved_tma is not None:
-                T.USE_TMA = False
-            _recording.recorder = recorder
-            yield
-        finally:
-            _recording.recorder = None
-            for cls, getitem in saved_getitem.items():
-                cls.__getitem__ = getitem
-            for obj, value in zip(tuned, saved_tuned):
-                obj.tuned = value
-            if saved_tma is not None:
-                T.USE_TMA = saved_tma
-
-
 def _placeholder(shape, dtype: str, problem: AttnProblem) -> DeviceBuffer:
     """A buffer of this shape and dtype at address 0 (16-byte aligned, as Triton assumes
     of a pointer it specializes), never read or written."""
@@ -203,10 +168,9 @@ def record_plan(stage: str, problem: AttnProblem, inputs: Mapping[str, Tuple[Tup
     if both:
         raise ValueError(f"buffers {sorted(both)} are both inputs and outputs of the {stage}")
     placeholders = {n: _placeholder(s, d, problem) for n, (s, d) in {**inputs, **table}.items()}
-    recorder = _Recorder({id(t): n for n, t in placeholders.items()})
+    recorder = RecordingLauncher({id(t): n for n, t in placeholders.items()})
     run = ops.forward if stage == "forward" else ops.backward
-    with _capturing(recorder):
-        run(problem, triton_backend, placeholders)
+    run(problem, triton_backend, placeholders, launcher=recorder)
     return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches))
 
 
@@ -288,36 +252,14 @@ class CompiledLaunch:
     global_scratch_size: int
 
 
-class _TargetDriver:
-    """Stands in for Triton's active driver while compiling for a target without running
-    on it: device and stream are dummies (nothing is launched), the target is ours."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def get_current_device(self):
-        return ("vsa-plan", self.target.arch)  # its own entry in the kernel's per-device caches
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def __getattr__(self, name):
-        raise AttributeError(f"compiling for {self.target} without a device: driver.{name} is not available")
-
-
-_compile_lock = threading.Lock()
-
-
 def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> CompiledLaunch:
     """Compiles `launch` for GPUTarget("cuda", capability, 32) (PTX and cubin, with
     Triton's ptxas) through `JITFunction.warmup`, as an eager launch of these arguments
     would be (buffers stand in as 16-byte aligned pointers of their dtype)."""
     from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver as driver_config
-    from triton.runtime.jit import JITFunction, MockTensor
+    from triton.runtime.jit import JITFunction
+
+    from .triton_shim import compile_for_target, mock_pointer
 
     if not isinstance(launch.kernel, JITFunction):
         raise RuntimeError("compiling needs Triton's compiler: unset TRITON_INTERPRET")
@@ -326,17 +268,11 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
     for a in launch.args:
         if a.kind == "buffer":
             shape, dtype = shapes[a.value]
-            args.append(MockTensor(Dtype(plan.problem.dtype if dtype == "input" else dtype)))
+            args.append(mock_pointer(Dtype(plan.problem.dtype if dtype == "input" else dtype)))
         else:
             args.append(a.value)
-    target = GPUTarget("cuda", capability, 32)
-    with _compile_lock:
-        saved = driver_config._active
-        driver_config.set_active(_TargetDriver(target))
-        try:
-            compiled = launch.kernel.warmup(*args, grid=launch.grid, **dict(launch.options))
-        finally:
-            driver_config._active = saved
+    compiled = compile_for_target(launch.kernel, args, launch.grid, dict(launch.options),
+                                  GPUTarget("cuda", capability, 32))
     signature = compiled.src.signature
     attrs = getattr(compiled.src, "attrs", {}) or {}
     params = []

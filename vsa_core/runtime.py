@@ -150,72 +150,11 @@ def host_buffer(array, dtype=None) -> DeviceBuffer:
 
 # ---- launching on a raw stream without a framework ---------------------------------------
 _current = threading.local()  # (device index, capability, stream) of this thread's raw launches
-_driver_lock = threading.Lock()
-_driver_installed = False
 
 
 def current_raw_launch() -> Optional[Tuple[int, Tuple[int, int], int]]:
     """(device index, capability, cudaStream_t) while this thread runs `raw_cuda_launches`."""
     return getattr(_current, "launch", None)
-
-
-def _install_raw_stream_driver() -> None:
-    """Makes Triton's active driver one that reads device and stream from `raw_cuda_launches`.
-
-    Triton's JITFunction launches on `driver.active.get_current_stream(
-    driver.active.get_current_device())` and takes no stream argument (3.6 - 3.9), and its
-    CUDA driver reads both from torch when torch is loaded (3.6: always; without torch, 3.6
-    finds no active driver and 3.9 launches on the device's default stream). No public API
-    passes a stream per launch, so this subclasses Triton's CUDA driver and installs it with
-    the public `triton.runtime.driver.set_active`: inside `raw_cuda_launches` it answers the
-    scope's device, capability and stream; elsewhere (another thread, a torch launch) it
-    defers to Triton's default driver, so torch's behaviour is unchanged. The CUDA context
-    is the one current on the calling thread (XLA's, inside a buffer callback); Triton loads
-    and launches its kernels there.
-    """
-    global _driver_installed
-    with _driver_lock:
-        if _driver_installed:
-            return
-        from triton.backends.nvidia.driver import CudaDriver, CudaLauncher, CudaUtils
-        from triton.runtime import driver as driver_config
-
-        class RawStreamDriver(CudaDriver):
-            def __init__(self):  # not CudaDriver.__init__: Triton 3.6's imports torch
-                # one CudaUtils per process: CudaUtils() is a singleton whose __init__ reloads
-                # the helper module, and with it the PyCUtensorMap type the launchers check TMA
-                # descriptors against ("object must be of type PyCUtensorMap" after a reload)
-                existing = getattr(CudaUtils, "instance", None)
-                self.utils = existing if hasattr(existing, "load_binary") else CudaUtils()
-                self.launcher_cls = CudaLauncher
-
-            @staticmethod
-            def _default():
-                return driver_config.default  # Triton's own driver (created on first use)
-
-            def get_current_device(self):
-                launch = current_raw_launch()
-                return launch[0] if launch is not None else self._default().get_current_device()
-
-            def get_current_stream(self, device=None):
-                launch = current_raw_launch()
-                if launch is not None:
-                    return launch[2]
-                return self._default().get_current_stream(device)
-
-            def get_device_capability(self, device=None):
-                launch = current_raw_launch()
-                return launch[1] if launch is not None else self._default().get_device_capability(device)
-
-            def set_current_device(self, device):
-                launch = current_raw_launch()
-                if launch is None:
-                    return self._default().set_current_device(device)
-                if device != launch[0]:
-                    raise RuntimeError(f"Triton asked for device {device} inside a launch scope on device {launch[0]}")
-
-        driver_config.set_active(RawStreamDriver())
-        _driver_installed = True
 
 
 @contextlib.contextmanager
@@ -225,7 +164,7 @@ def raw_cuda_launches(index: int, capability: Tuple[int, int], stream: int):
 
     Where torch is already loaded, Triton's own driver reads the device and stream from
     torch, so they are made torch's current ones for the duration (no second driver in a
-    process that also launches from torch); without torch, through `_install_raw_stream_driver`."""
+    process that also launches from torch); without torch, through `triton_shim.install_stream_driver`."""
     saved = current_raw_launch()
     _current.launch = (int(index), tuple(capability), int(stream))
     try:
@@ -233,7 +172,10 @@ def raw_cuda_launches(index: int, capability: Tuple[int, int], stream: int):
             with caller_stream():
                 yield
         else:
-            _install_raw_stream_driver()
+            # Triton's driver reads device and stream from torch or nowhere: installed once, it
+            # reads them from this scope (`triton_shim.install_stream_driver`)
+            from .triton_shim import install_stream_driver
+            install_stream_driver(current_raw_launch)
             yield
     finally:
         _current.launch = saved

@@ -9,29 +9,29 @@ describe the problem each device then runs.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .config import config
 from .problem import AttnProblem, block_elements, describe_attention
 
 # each device's H/P heads go through the exchanges and VSA in this many chunks, so that
-# one chunk's transfers overlap another's computation (VSA_ULYSSES_CHUNKS replaces it)
+# one chunk's transfers overlap another's computation (the configured `ulysses_chunks`,
+# VSA_ULYSSES_CHUNKS: vsa_core.config, replaces it)
 DEFAULT_CHUNKS = 4
 
 
 def head_chunks(heads_per_device: int, chunks: Optional[int] = None) -> List[Tuple[int, int]]:
     """[h0, h1) ranges splitting a device's heads into `chunks` near-equal parts (default:
-    VSA_ULYSSES_CHUNKS, else DEFAULT_CHUNKS; fewer when there are fewer heads). A chunk
+    the configured `ulysses_chunks`, else DEFAULT_CHUNKS; fewer when there are fewer heads). A chunk
     stands for the same range in every device's heads: device p's global heads
     p*H/P + [h0, h1)."""
     if chunks is None:
-        text = os.environ.get("VSA_ULYSSES_CHUNKS", "")
-        chunks = int(text) if text.strip() else DEFAULT_CHUNKS
+        chunks = config().ulysses_chunks or DEFAULT_CHUNKS
     if chunks < 1:
-        raise ValueError(f"VSA_ULYSSES_CHUNKS must be >= 1, got {chunks}")
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
     n = min(chunks, heads_per_device)
     bounds = [round(i * heads_per_device / n) for i in range(n + 1)]
     return list(zip(bounds[:-1], bounds[1:]))

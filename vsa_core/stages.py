@@ -3,15 +3,14 @@ backend's fine stage (pooling, coarse attention, top-k selection, list building 
 cleaning, the backward's preprocess) and the epilogues of the backends whose fine stage is a
 library kernel (coarse mix, pooled-gradient add, valid-row copy).
 
-Their kernels are `vsa_core.stage_kernels`; launch configurations live here. CPU tensors
+Their kernels are `vsa_core.stage_kernels`; launch configurations live here. Each stage
+takes the launcher its launches go through first (`vsa_core.launch`). CPU tensors
 run the same kernels under Triton's interpreter: each launch picks the kernels module by
 the tensors' device (`kernels_for`, which the backends use for their own kernels too; see
 `vsa_core.interpreter`).
 """
 
 from __future__ import annotations
-
-import os
 
 import triton
 
@@ -21,13 +20,12 @@ from .problem import AttnProblem
 from .runtime import INTERPRETING
 
 # Precision of the coarse kernels' products with fp32 operands (P@V forward; dP, dQ, dK, dV
-# backward). "ieee": exact fp32 products (bf16 parts on the tensor cores, `_coarse_dot` in
-# stage_kernels). "tf32" cuts the fp32 operands to 10-bit mantissas, which measured 5e-2
-# relative error in dK at x16 activations (the coarse softmax is sharp there and
-# rowsum(dO_c * out_c) cancels against dP): VSA_COARSE_PRECISION=tf32 runs it for comparisons
-# only (benchmarks/coarse_bench.py, the TF32 detector of tests/test_coarse_precision.py); the
-# interpreter computes fp32 whatever this says.
-COARSE_DOT_PRECISION = os.environ.get("VSA_COARSE_PRECISION", "ieee")
+# backward): the launcher's `config.coarse_precision`. "ieee" (the default): exact fp32 products
+# (bf16 parts on the tensor cores, `_coarse_dot` in stage_kernels). "tf32" cuts the fp32 operands
+# to 10-bit mantissas, which measured 5e-2 relative error in dK at x16 activations (the coarse
+# softmax is sharp there and rowsum(dO_c * out_c) cancels against dP): VSA_COARSE_PRECISION=tf32
+# runs it for comparisons only (benchmarks/coarse_bench.py, the TF32 detector of
+# tests/test_coarse_precision.py); the interpreter computes fp32 whatever this says.
 
 
 def interpreted(x) -> bool:
@@ -64,14 +62,14 @@ COARSE_INTERPRETER_CONFIG = {"fwd": (16, 16, 4, 1), "ds": (16, 16, 4, 1), "grads
 _INPUT_PARTS = {"bfloat16": 1, "float16": 2}
 
 
-def _coarse_config(p: AttnProblem, x, stage: str):
+def _coarse_config(launcher, p: AttnProblem, x, stage: str):
     """(kernels module, launch options) of one coarse kernel for tensors like x."""
     config = COARSE_INTERPRETER_CONFIG[stage] if interpreted(x) else COARSE_CONFIGS[p.head_dim][stage]
     *tiles, warps, stages = config
     names = ("BLOCK_M", "BLOCK_K", "BLOCK_D") if stage == "grads" else ("BLOCK_M", "BLOCK_N")
-    return kernels_for(x), dict(zip(names, tiles), HEAD_DIM=p.head_dim, DOT_PRECISION=COARSE_DOT_PRECISION,
-                                UPCAST=interpreted(x), INPUT_PARTS=_INPUT_PARTS[p.dtype], num_warps=warps,
-                                num_stages=stages)
+    return kernels_for(x), dict(zip(names, tiles), HEAD_DIM=p.head_dim,
+                                DOT_PRECISION=launcher.config.coarse_precision, UPCAST=interpreted(x),
+                                INPUT_PARTS=_INPUT_PARTS[p.dtype], num_warps=warps, num_stages=stages)
 
 
 def _pow2(n: int) -> int:
@@ -87,10 +85,10 @@ def _ignore(p: AttnProblem) -> bool:
     return p.padding == "ignore"
 
 
-def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
+def block_mean_pool(launcher, p: AttnProblem, x, counts, pooled, seq_len: int):
     sb, sh, ss = p.token_strides(seq_len)
     n_blocks = seq_len // p.block_elems
-    kernels_for(x).block_mean_pool_kernel[(n_blocks, _bh(p))](
+    launcher.triton(kernels_for(x).block_mean_pool_kernel, (n_blocks, _bh(p)),
         x, counts, pooled, sb, sh, ss, p.heads, n_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems), IGNORE_PADDING=_ignore(p))
 
@@ -100,41 +98,41 @@ def block_mean_pool(p: AttnProblem, x, counts, pooled, seq_len: int):
 POOL_CONFIG = (64, 2)
 
 
-def block_mean_pool_qkv(p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
+def block_mean_pool_qkv(launcher, p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
     """block_mean_pool of q, k and v in one launch."""
     rows, warps = POOL_CONFIG
-    kernels_for(q).block_mean_pool_qkv_kernel[(p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p))](
+    launcher.triton(kernels_for(q).block_mean_pool_qkv_kernel, (p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p)),
         q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
         *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems), IGNORE_PADDING=_ignore(p),
         num_warps=warps)
 
 
-def coarse_forward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
+def coarse_forward(launcher, p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
                    q_seq=None, kv_seq=None):
     """Coarse attention, and into `scores` the scores the selection ranks (rounded to the
     input dtype as FastVideo's are: `coarse_attn_fwd_kernel`). q_seq / kv_seq (packed
     sequences): sequence id per block; other sequences' KV blocks are masked like empty ones."""
-    kernels, opts = _coarse_config(p, q_pool, "fwd")
-    kernels.coarse_attn_fwd_kernel[(triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p))](
+    kernels, opts = _coarse_config(launcher, p, q_pool, "fwd")
+    launcher.triton(kernels.coarse_attn_fwd_kernel, (triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p)),
         q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq,
         p.n_q_blocks, p.n_kv_blocks, p.softmax_scale, VARLEN=q_seq is not None, RANK_DTYPE=p.dtype, **opts)
 
 
-def coarse_backward(p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
+def coarse_backward(launcher, p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
                     dq_pool, dk_pool, dv_pool, p_coarse, ds_coarse, q_seq=None, kv_seq=None):
     """dq_c, dk_c, dv_c (fp32) of the coarse attention in two launches: P and dS tile by tile
     into the fp32 workspaces p_coarse / ds_coarse ([B, H, nQ, nKV]), then their products."""
     scale = p.softmax_scale
-    kernels, opts = _coarse_config(p, q_pool, "ds")
+    kernels, opts = _coarse_config(launcher, p, q_pool, "ds")
     grid = (triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), triton.cdiv(p.n_kv_blocks, opts["BLOCK_N"]), _bh(p))
-    kernels.coarse_attn_bwd_ds_kernel[grid](
+    launcher.triton(kernels.coarse_attn_bwd_ds_kernel, grid,
         q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse, p_coarse, ds_coarse, q_seq, kv_seq,
         p.n_q_blocks, p.n_kv_blocks, scale, VARLEN=q_seq is not None, **opts)
-    kernels, opts = _coarse_config(p, q_pool, "grads")
+    kernels, opts = _coarse_config(launcher, p, q_pool, "grads")
     grid = (triton.cdiv(max(p.n_q_blocks, p.n_kv_blocks), opts["BLOCK_M"]), 3 * (p.head_dim // opts["BLOCK_D"]),
             _bh(p))
-    kernels.coarse_attn_bwd_grads_kernel[grid](
+    launcher.triton(kernels.coarse_attn_bwd_grads_kernel, grid,
         q_pool, k_pool, dout_coarse, p_coarse, ds_coarse, dq_pool, dk_pool, dv_pool, p.n_q_blocks, p.n_kv_blocks,
         scale, **opts)
 
@@ -153,8 +151,8 @@ _PREFIX_MODES = {"exempt": 1, "compete": 2}
 _ROUNDED_ZERO_BITS = {"bfloat16": 16, "float16": 13, "float32": 0}
 
 
-def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None, q_seq=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, seq_prefix=None, scores_rounded_to: str = "float32"):
+def topk_select(launcher, p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None, q_seq=None,
+                cu_seqlens_q=None, cu_seqlens_k=None, seq_prefix=None, scores_rounded_to: str = "float32"):
     """Query-owned lists of the top-k selection; with a prefix (p.has_prefix) the dense prefix
     rows and the prefix columns too. Packed sequences with a prefix need the query blocks'
     sequence ids and the offsets (each sequence's prefix starts at its first block), and
@@ -167,7 +165,7 @@ def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=No
         raise ValueError("a packed prefix selection needs q_seq, cu_seqlens_q and cu_seqlens_k")
     if p.seq_prefix and seq_prefix is None:
         raise ValueError("this problem takes per-sequence prefix counts: seq_prefix is required")
-    kernels_for(scores).topk_select_kernel[(_bh(p) * p.n_q_blocks,)](
+    launcher.triton(kernels_for(scores).topk_select_kernel, (_bh(p) * p.n_q_blocks,),
         scores, sel_idx, sel_num, sel_mask, q_seq if varlen else None, cu_seqlens_q if varlen else None,
         cu_seqlens_k if varlen else None, seq_prefix if p.seq_prefix else None,
         p.n_q_blocks, p.n_kv_blocks, p.topk, p.select_capacity, p.prefix_blocks, max(p.n_seqs, 1),
@@ -176,52 +174,52 @@ def topk_select(p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=No
         num_warps=num_warps or select_warps(n_pad))
 
 
-def rows_to_lists(p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
+def rows_to_lists(launcher, p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
     """Query-owned lists from a [B, H, nQ, nKV] mask (one line per query block); with the
     sequence ids (packed sequences) blocks of another sequence are left out."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
-    kernels_for(block_mask).compact_mask_kernel[(nq, _bh(p))](
+    launcher.triton(kernels_for(block_mask).compact_mask_kernel, (nq, _bh(p)),
         block_mask, sel_idx, sel_num, q_seq, kv_seq, nq, nk, nq * nk, nk, 1, sel_idx.shape[-1], N_PAD=_pow2(nk),
         SAME_SEQ=q_seq is not None, num_warps=4)
 
 
-def columns_to_lists(p: AttnProblem, block_mask, inv_idx, inv_num):
+def columns_to_lists(launcher, p: AttnProblem, block_mask, inv_idx, inv_num):
     """KV-owned (inverse) lists from a [B, H, nQ, nKV] mask (one line per KV block)."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
-    kernels_for(block_mask).compact_mask_kernel[(nk, _bh(p))](
+    launcher.triton(kernels_for(block_mask).compact_mask_kernel, (nk, _bh(p)),
         block_mask, inv_idx, inv_num, None, None, nk, nq, nq * nk, 1, nk, inv_idx.shape[-1], N_PAD=_pow2(nq),
         num_warps=4)
 
 
-def block_seq_ids(p: AttnProblem, cu_seqlens, seq, n_blocks: int):
+def block_seq_ids(launcher, p: AttnProblem, cu_seqlens, seq, n_blocks: int):
     """seq[i] (int32) = the sequence of block i, from the int32 token offsets [N + 1]."""
-    kernels_for(seq).block_seq_ids_kernel[(triton.cdiv(n_blocks, 256),)](
+    launcher.triton(kernels_for(seq).block_seq_ids_kernel, (triton.cdiv(n_blocks, 256),),
         cu_seqlens, seq, n_blocks, p.n_seqs, BLOCK_ELEMS=p.block_elems, BLOCK=256, num_warps=4)
 
 
-def clean_lists(p: AttnProblem, given_idx, given_num, sel_idx, sel_num, q_seq=None, kv_seq=None):
+def clean_lists(launcher, p: AttnProblem, given_idx, given_num, sel_idx, sel_num, q_seq=None, kv_seq=None):
     """The caller's lists as the kernels' rule reads them (`clean_lists_kernel`): ascending,
     in range, counts within the capacity; with the sequence ids (packed sequences) the
     entries outside the query block's own sequence dropped too."""
     cap = given_idx.shape[-1]
-    kernels_for(sel_idx).clean_lists_kernel[(_bh(p) * p.n_q_blocks,)](
+    launcher.triton(kernels_for(sel_idx).clean_lists_kernel, (_bh(p) * p.n_q_blocks,),
         given_idx, given_num, q_seq, kv_seq, sel_idx, sel_num, p.n_q_blocks, p.n_kv_blocks, cap,
         SLOTS=_pow2(cap), SAME_SEQ=q_seq is not None, num_warps=4)
 
 
-def backward_preprocess(p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
+def backward_preprocess(launcher, p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
                         dout_coarse=None, q_counts=None):
     """delta for the fine backward; with the coarse branch also dgate and dout_coarse
     (padding="ignore": dout of the padded query rows, past q_counts, read as 0)."""
-    kernels_for(dout).sparse_attn_bwd_preprocess_kernel[(p.n_q_blocks, _bh(p))](
+    launcher.triton(kernels_for(dout).sparse_attn_bwd_preprocess_kernel, (p.n_q_blocks, _bh(p)),
         dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, q_counts, *p.token_strides(p.q_len),
         p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
         HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, IGNORE_PADDING=_ignore(p))
 
 
-def lists_to_mask(p: AttnProblem, sel_idx, sel_num, block_mask):
-    kernels_for(sel_idx).lists_to_mask_kernel[(_bh(p) * p.n_q_blocks,)](
+def lists_to_mask(launcher, p: AttnProblem, sel_idx, sel_num, block_mask):
+    launcher.triton(kernels_for(sel_idx).lists_to_mask_kernel, (_bh(p) * p.n_q_blocks,),
         sel_idx, sel_num, block_mask, p.n_kv_blocks, sel_idx.shape[-1], N_PAD=_pow2(p.n_kv_blocks), num_warps=4)
 
 
@@ -230,30 +228,30 @@ def _epilogue_rows(p: AttnProblem) -> int:
     return min(64, p.block_elems)
 
 
-def mix_coarse(p: AttnProblem, out, lse, out_coarse, q_counts, gate=None, out_fine=None) -> None:
+def mix_coarse(launcher, p: AttnProblem, out, lse, out_coarse, q_counts, gate=None, out_fine=None) -> None:
     """`out` holds the library's fine output: turns it into out_fine + gate * out_c (or
     + out_c) in place; with `out_fine`, keeps the fine output for the backward (in out_fine's
     dtype: q's for the library backends, `AttnProblem.fine_residual`).
     padding="ignore": the padded query rows (past q_counts) get out 0, out_fine 0 and lse
     +inf (in place in the library's `lse`), so the library's backward takes nothing from them."""
     rows = _epilogue_rows(p)
-    K.mix_coarse_kernel[(p.q_len // rows, _bh(p))](
+    launcher.triton(K.mix_coarse_kernel, (p.q_len // rows, _bh(p)),
         out, lse, gate, out_coarse, out_fine, q_counts, *p.token_strides(p.q_len), p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows,
         HAS_GATE=gate is not None, STORE_FINE=out_fine is not None, IGNORE_PADDING=_ignore(p), num_warps=4)
 
 
-def add_block_grad(p: AttnProblem, x, pooled, counts, seq_len: int) -> None:
+def add_block_grad(launcher, p: AttnProblem, x, pooled, counts, seq_len: int) -> None:
     """x[token] += pooled[its block] / counts[block] for every token of the block, in place:
     the mean pooling's gradient added to a library's fine-stage gradient; padding="ignore":
     to the valid tokens only, the padded ones (past counts) set to exactly 0."""
     rows = _epilogue_rows(p)
-    K.add_block_grad_kernel[(seq_len // rows, _bh(p))](
+    launcher.triton(K.add_block_grad_kernel, (seq_len // rows, _bh(p)),
         x, pooled, counts, *p.token_strides(seq_len), p.heads, seq_len // p.block_elems,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, IGNORE_PADDING=_ignore(p), num_warps=4)
 
 
-def valid_rows_copy(p: AttnProblem, x, counts, seq_len: int):
+def valid_rows_copy(launcher, p: AttnProblem, x, counts, seq_len: int):
     """A copy of token tensor x (the problem's layout) with the padded rows of each block
     (past counts) written 0, or x itself under padding="zeros": what a library kernel reads
     under padding="ignore", since it multiplies padded rows by zero weights (0 * inf is
@@ -262,14 +260,14 @@ def valid_rows_copy(p: AttnProblem, x, counts, seq_len: int):
         return x
     y = x.new_empty(x.shape)
     rows = _epilogue_rows(p)
-    K.valid_rows_copy_kernel[(seq_len // rows, _bh(p))](
+    launcher.triton(K.valid_rows_copy_kernel, (seq_len // rows, _bh(p)),
         x, y, counts, *p.token_strides(seq_len), p.heads,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
     return y
 
 
 # ---- the shared-KV lists of sm90_fwd64 (not an AttnProblem stage: the kernel is not a backend yet)
-def shared_kv_lists(sel_idx, sel_num, n_kv_blocks: int, group: int, union_idx, union_num, own_pos, own_num):
+def shared_kv_lists(launcher, sel_idx, sel_num, n_kv_blocks: int, group: int, union_idx, union_num, own_pos, own_num):
     """For groups of `group` neighbouring query blocks (the CTAs of sm90_fwd64's shared_kv
     variants): the ascending union of their lists by the list rule and each query block's
     positions in it (`shared_kv_lists_kernel`). sel_idx [B, H, nQ, cap], sel_num [B, H, nQ]
@@ -277,6 +275,6 @@ def shared_kv_lists(sel_idx, sel_num, n_kv_blocks: int, group: int, union_idx, u
     [B, H, nQ, cap], own_num [B, H, nQ] int32, nG = ceil(nQ / group)."""
     B, H, nq, cap = sel_idx.shape
     n_groups = -(-nq // group)
-    kernels_for(sel_idx).shared_kv_lists_kernel[(n_groups, B * H)](
+    launcher.triton(kernels_for(sel_idx).shared_kv_lists_kernel, (n_groups, B * H),
         sel_idx, sel_num, union_idx, union_num, own_pos, own_num, nq, n_kv_blocks, cap, n_groups,
         GROUP=group, CH=min(64, _pow2(cap)), num_warps=4)

@@ -12,8 +12,8 @@ Every output and workspace of the stage is an XLA buffer: it is born as a result
 first launch that takes it, and passed on to later launches with an input/output alias
 (updated in place), as `vsa_core.plan.schedule` lays out.
 
-Selected with `set_launch("native")` or VSA_JAX_LAUNCH=native (read at trace time: a
-function already jitted keeps the path it was traced with); "callback" (buffer_callback
+Selected with `set_launch("native")` or VSA_JAX_LAUNCH=native (the configured `jax_launch`,
+`vsa_core.config`, read at trace time: a function already jitted keeps the path it was traced with); "callback" (buffer_callback
 over vsa_core.ops) stays the default, the CPU (interpreter) path and the fallback. Only
 the Triton backend runs natively; the cute (FA4) backend stays on the callback path.
 """
@@ -21,7 +21,6 @@ the Triton backend runs natively; the cute (FA4) backend stays on the callback p
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from typing import Dict, Tuple
 
@@ -29,28 +28,24 @@ import jax
 import jax.numpy as jnp
 
 from vsa_core import plan as core_plan
+from vsa_core.config import JAX_LAUNCH_MODES, config, configure
 from vsa_core.problem import AttnProblem
 
 from .adapter import default_device, device_info_of
 
-LAUNCH_MODES = ("callback", "native")
+LAUNCH_MODES = JAX_LAUNCH_MODES
 FFI_TARGET = "triton_kernel_call_ffi"
-_launch_mode = None  # set_launch(); None: VSA_JAX_LAUNCH or "callback"
 
 
 def set_launch(mode: str) -> None:
     """Selects how later traced calls launch the kernels: "callback" or "native"."""
-    global _launch_mode
     if mode not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {mode!r}")
-    _launch_mode = mode
+    configure(jax_launch=mode)
 
 
 def launch_mode() -> str:
-    mode = _launch_mode or os.environ.get("VSA_JAX_LAUNCH", "callback") or "callback"
-    if mode not in LAUNCH_MODES:
-        raise ValueError(f"VSA_JAX_LAUNCH must be one of {LAUNCH_MODES}, got {mode!r}")
-    return mode
+    return config().jax_launch
 
 
 def selected(impl) -> bool:

@@ -1,13 +1,13 @@
 """Backend registry: which implementation runs the fine (block-sparse) stage.
 
 The coarse branch and the sparse metadata always run on the Triton kernels; a
-backend provides `sparse_forward(p, FineForward)` / `sparse_backward(p, FineBackward)`
-for the fine stage, plus `unavailable_reason(problem, device)` (None when it can run):
+backend provides `sparse_forward(launcher, p, FineForward)` / `sparse_backward(launcher, p,
+FineBackward)` for the fine stage, plus `unavailable_reason(problem, device)` (None when it can run):
 the `FineStageBackend` protocol of `base.py`. `backend="auto"`
 takes the first available backend of `auto_table.auto_order(problem, device)`: the
 fastest first, per (architecture, block size, head dim, dtype), from a measured table,
-DEFAULT_ORDER for shapes it has no entry for; `VSA_BACKEND` in the environment
-replaces "auto". Asking for a backend by name that cannot run raises
+DEFAULT_ORDER for shapes it has no entry for; the configured backend (`VSA_BACKEND`,
+`vsa_core.config`) replaces "auto". Asking for a backend by name that cannot run raises
 BackendUnavailableError with the reason.
 
 `REGISTRY` is the one list of backends (the frontends' docstrings, the tests, demo.py and
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Mapping
 from typing import Optional, Tuple
 
+from ..config import config
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING, DeviceInfo
 from .auto_table import auto_order
@@ -131,7 +131,7 @@ def resolve_backend(backend: str, problem: AttnProblem, device: DeviceInfo, arra
 def _resolve(backend: str, problem: AttnProblem, device: DeviceInfo):
     check_backend_name(backend)
     if backend == "auto":
-        backend = os.environ.get("VSA_BACKEND", "auto") or "auto"
+        backend = config().backend
     if backend == "auto":
         reasons = []
         for candidate in auto_order(problem, device):

@@ -98,8 +98,8 @@ class FineStageBackend(Protocol):
     def unavailable_reason(self, problem: AttnProblem, device: DeviceInfo) -> Optional[str]:
         """None when the backend can run `problem` on `device`, else why not."""
 
-    def sparse_forward(self, p: AttnProblem, args: FineForward) -> None:
-        ...
+    def sparse_forward(self, launcher, p: AttnProblem, args: FineForward) -> None:
+        """The fine forward; its Triton launches go through `launcher` (`vsa_core.launch`)."""
 
-    def sparse_backward(self, p: AttnProblem, args: FineBackward) -> None:
-        ...
+    def sparse_backward(self, launcher, p: AttnProblem, args: FineBackward) -> None:
+        """The fine backward; its Triton launches go through `launcher`."""

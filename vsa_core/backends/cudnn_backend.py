@@ -152,24 +152,24 @@ def _block_sizes(p: AttnProblem, kv_counts):
 
 
 # ---- the fine stage -------------------------------------------------------------------------
-def sparse_forward(p: AttnProblem, a: FineForward):
+def sparse_forward(launcher, p: AttnProblem, a: FineForward):
     from ._torch_views import as_torch  # torch loads with this backend's first call
     with caller_stream():
-        _sparse_forward(p, as_torch(a))
+        _sparse_forward(launcher, p, as_torch(a))
 
 
-def _sparse_forward(p: AttnProblem, a: FineForward):
+def _sparse_forward(launcher, p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     _check_aligned(q=q, k=k, v=v, out=out)
-    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))  # padding="ignore" only
+    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))  # padding="ignore" only
     block_sizes = _block_sizes(p, kv_counts)
     if p.prefix_blocks and not p.varlen and p.prefix_blocks < p.n_q_blocks:
         _prefix_first_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
     else:
         _bsa_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
     if out_coarse is not None:
-        mix_coarse(p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
+        mix_coarse(launcher, p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
 
 
 def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):
@@ -224,13 +224,13 @@ def _prefix_first_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, b
     main.wait_stream(side)
 
 
-def sparse_backward(p: AttnProblem, a: FineBackward):
+def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     from ._torch_views import as_torch
     with caller_stream():
-        _sparse_backward(p, as_torch(a))
+        _sparse_backward(launcher, p, as_torch(a))
 
 
-def _sparse_backward(p: AttnProblem, a: FineBackward):
+def _sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage by cuDNN (from the query-owned lists: it builds its own
     K-to-Q lists), then the pooling gradients. `delta`, `inv_idx`, `inv_num` are not used."""
     q, k, v, out, lse, dout, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.dq, a.dk, a.dv
@@ -238,8 +238,8 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
     out_coarse, out_fine, dq_pool, dk_pool, dv_pool = a.out_coarse, a.out_fine, a.dq_pool, a.dk_pool, a.dv_pool
     _, bsa_bwd = _cudnn()
     if q_counts is not None:  # padding="ignore": what cuDNN multiplies by zero weights is read as 0
-        q, dout = (valid_rows_copy(p, x, q_counts, p.q_len) for x in (q, dout))
-    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))
+        q, dout = (valid_rows_copy(launcher, p, x, q_counts, p.q_len) for x in (q, dout))
+    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))
     if out_coarse is not None:
         if out_fine is None:
             raise ValueError("the cudnn backend's VSA backward needs the forward's fine output `out_fine`")
@@ -251,6 +251,6 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
     bsa_bwd(dout, q, k, v, o, lse, sel_idx, None, _block_sizes(p, kv_counts), sel_num, softmax_scale=p.softmax_scale,
             dq_tensor=dq, dk_tensor=dk, dv_tensor=dv, sparse_block_size=p.block_elems, layout=p.layout)
     if dq_pool is not None:
-        add_block_grad(p, dq, dq_pool, q_counts, p.q_len)
-        add_block_grad(p, dk, dk_pool, kv_counts, p.kv_len)
-        add_block_grad(p, dv, dv_pool, kv_counts, p.kv_len)
+        add_block_grad(launcher, p, dq, dq_pool, q_counts, p.q_len)
+        add_block_grad(launcher, p, dk, dk_pool, kv_counts, p.kv_len)
+        add_block_grad(launcher, p, dv, dv_pool, kv_counts, p.kv_len)

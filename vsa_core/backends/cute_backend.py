@@ -152,37 +152,39 @@ def _rows(p: AttnProblem) -> int:
     return min(64, p.block_elems)
 
 
-def sub_block_counts(p: AttnProblem, kv_counts: torch.Tensor, out: torch.Tensor) -> None:
+def sub_block_counts(launcher, p: AttnProblem, kv_counts: torch.Tensor, out: torch.Tensor) -> None:
     """out[n] (int32, n_kv_blocks * E/128) = valid tokens of 128-token KV sub-block n."""
     n_sub = p.n_kv_blocks * _sub(p)
-    K.kv_sub_counts_kernel[(triton.cdiv(n_sub, 256),)](kv_counts, out, n_sub, SUB=_sub(p), TILE=KV_TILE, BLOCK=256)
+    launcher.triton(K.kv_sub_counts_kernel, (triton.cdiv(n_sub, 256),), kv_counts, out, n_sub, SUB=_sub(p),
+                    TILE=KV_TILE, BLOCK=256)
 
 
-def forward_lists(p: AttnProblem, sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num) -> None:
+def forward_lists(launcher, p: AttnProblem, sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx,
+                  mask_num) -> None:
     """FA4's query-owned full/mask lists ([B, H, nQ, C] int32, C = min(cap, nKV) * E/128) and
     their counts ([B, H, nQ]) from our per-query-block lists (bounded: see vsa_core.stage_kernels)."""
     cap = sel_idx.shape[-1]
     sub = _sub(p)
-    K.fa4_fwd_lists_kernel[(p.batch * p.heads * p.n_q_blocks,)](
+    launcher.triton(K.fa4_fwd_lists_kernel, (p.batch * p.heads * p.n_q_blocks,),
         sel_idx, sel_num, kv_counts, full_idx, full_num, mask_idx, mask_num, p.n_kv_blocks, cap,
         full_idx.shape[-1],
         SUB=sub, TILE=KV_TILE, SLOTS=max(16, triton.next_power_of_2(cap * sub)), num_warps=4)
 
 
-def backward_lists(p: AttnProblem, inv_idx, inv_num, kv_counts, idx, full_num, mask_num) -> None:
+def backward_lists(launcher, p: AttnProblem, inv_idx, inv_num, kv_counts, idx, full_num, mask_num) -> None:
     """FA4's KV-owned lists per 128-token sub-block: idx [B, H, nKV*E/128, nQ] (shared by the
     full and mask lists; pass inv_idx itself when E == 128: nothing is copied) and the
     full/mask counts [B, H, nKV*E/128]."""
     sub = _sub(p)
-    K.fa4_bwd_lists_kernel[(p.n_kv_blocks * sub, p.batch * p.heads)](
+    launcher.triton(K.fa4_bwd_lists_kernel, (p.n_kv_blocks * sub, p.batch * p.heads),
         inv_idx, inv_num, kv_counts, idx, full_num, mask_num, p.n_kv_blocks, inv_idx.shape[-1],
         SUB=sub, TILE=KV_TILE, Q_PAD=max(16, triton.next_power_of_2(inv_idx.shape[-1])),
         COPY_IDX=idx.data_ptr() != inv_idx.data_ptr(), num_warps=4)
 
 
-def delta_to_dlse(p: AttnProblem, out, dout, delta) -> None:
+def delta_to_dlse(launcher, p: AttnProblem, out, dout, delta) -> None:
     rows = _rows(p)
-    K.delta_to_dlse_kernel[(p.q_len // rows, p.batch * p.heads)](
+    launcher.triton(K.delta_to_dlse_kernel, (p.q_len // rows, p.batch * p.heads),
         out, dout, delta, *p.token_strides(p.q_len), p.heads, p.q_len,
         HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
 
@@ -201,13 +203,13 @@ def _fa4():
 
 
 # ---- the fine stage -------------------------------------------------------------------------
-def sparse_forward(p: AttnProblem, a: FineForward):
+def sparse_forward(launcher, p: AttnProblem, a: FineForward):
     from ._torch_views import as_torch  # torch loads with this backend's first call
     with caller_stream():
-        _sparse_forward(p, as_torch(a))
+        _sparse_forward(launcher, p, as_torch(a))
 
 
-def _sparse_forward(p: AttnProblem, a: FineForward):
+def _sparse_forward(launcher, p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     fa_fwd, _, BlockSparse, mask_mod = _fa4()
@@ -218,28 +220,28 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
     idx = _int32((2, B, H, nq, width), dev)
     num = _int32((2, B, H, nq), dev)
     sub_counts = _int32((p.n_kv_blocks * _sub(p),), dev)
-    sub_block_counts(p, kv_counts, sub_counts)
-    forward_lists(p, sel_idx, sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
+    sub_block_counts(launcher, p, kv_counts, sub_counts)
+    forward_lists(launcher, p, sel_idx, sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
     lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
                         full_block_idx=idx[0], block_size=(p.block_elems, KV_TILE))
     # padding="ignore": FA4 multiplies the padded V rows by P = 0 (0 * inf = NaN); padded
     # query rows stay in their own rows, which mix_coarse overwrites
-    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))
+    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))
     with _FA4_LOCK:
         fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=p.softmax_scale,
                mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
                out=_bshd(p, out), lse=lse, return_lse=True)
     if out_coarse is not None:
-        mix_coarse(p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
+        mix_coarse(launcher, p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
 
 
-def sparse_backward(p: AttnProblem, a: FineBackward):
+def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     from ._torch_views import as_torch
     with caller_stream():
-        _sparse_backward(p, as_torch(a))
+        _sparse_backward(launcher, p, as_torch(a))
 
 
-def _sparse_backward(p: AttnProblem, a: FineBackward):
+def _sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage by FA4 (KV-owned lists from inv_idx/inv_num), then the
     pooling gradients. `delta` (a workspace) is overwritten with FA4's dlse."""
     q, k, v, out, lse, dout, delta, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.delta, a.dq, a.dk, a.dv
@@ -254,23 +256,23 @@ def _sparse_backward(p: AttnProblem, a: FineBackward):
     idx = inv_idx if _sub(p) == 1 else _int32((B, H, n_sub, inv_idx.shape[-1]), dev)
     num = _int32((2, B, H, n_sub), dev)
     sub_counts = _int32((n_sub,), dev)
-    sub_block_counts(p, kv_counts, sub_counts)
-    backward_lists(p, inv_idx, inv_num, kv_counts, idx, num[0], num[1])
+    sub_block_counts(launcher, p, kv_counts, sub_counts)
+    backward_lists(launcher, p, inv_idx, inv_num, kv_counts, idx, num[0], num[1])
     lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx, full_block_cnt=num[0],
                         full_block_idx=idx, block_size=(p.block_elems, KV_TILE))
     if q_counts is not None:  # padding="ignore": what FA4 multiplies by zero weights is read as 0
-        q, dout = (valid_rows_copy(p, x, q_counts, p.q_len) for x in (q, dout))
-    k, v = (valid_rows_copy(p, x, kv_counts, p.kv_len) for x in (k, v))
+        q, dout = (valid_rows_copy(launcher, p, x, q_counts, p.q_len) for x in (q, dout))
+    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))
     dlse = None
     if out_coarse is not None:
         # `out` holds out_fine + gate * out_c: make FA4's rowsum(out * dO) - dlse equal our delta
-        delta_to_dlse(p, out, dout, delta)
+        delta_to_dlse(launcher, p, out, dout, delta)
         dlse = delta
     with _FA4_LOCK:
         fa_bwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), _bshd(p, out), _bshd(p, dout), lse,
                softmax_scale=p.softmax_scale, mask_mod=mask_mod, aux_tensors=[sub_counts],
                block_sparse_tensors=lists, dlse=dlse, dq=_bshd(p, dq), dk=_bshd(p, dk), dv=_bshd(p, dv))
     if dq_pool is not None:
-        add_block_grad(p, dq, dq_pool, q_counts, p.q_len)
-        add_block_grad(p, dk, dk_pool, kv_counts, p.kv_len)
-        add_block_grad(p, dv, dv_pool, kv_counts, p.kv_len)
+        add_block_grad(launcher, p, dq, dq_pool, q_counts, p.q_len)
+        add_block_grad(launcher, p, dk, dk_pool, kv_counts, p.kv_len)
+        add_block_grad(launcher, p, dv, dv_pool, kv_counts, p.kv_len)

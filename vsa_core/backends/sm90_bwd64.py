@@ -593,6 +593,7 @@ def backward_delta(out, dout, delta=None):
     import torch
     from ..problem import AttnProblem
     from .. import stages  # the preprocess is a shared stage
+    from ..launch import eager_launcher
 
     B, H, Sq, D = dout.shape
     if delta is None:
@@ -604,7 +605,7 @@ def backward_delta(out, dout, delta=None):
     p = AttnProblem(batch=B, heads=H, q_len=Sq, kv_len=Sq, head_dim=D, block_elems=BLOCK,
                     dtype=str(dout.dtype).replace("torch.", ""), layout=layout, selection="indices")
     raw = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
-    stages.backward_preprocess(p, raw(out), raw(dout), delta)
+    stages.backward_preprocess(eager_launcher, p, raw(out), raw(dout), delta)
     return delta
 
 

@@ -933,6 +933,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
         if not warp_specialized or pingpong:
             raise ValueError("sm90_fwd64: shared_kv needs warp_specialized=True (and no pingpong)")
         from vsa_core import stages
+        from ..launch import eager_launcher
         cap = sel_idx.shape[-1]
         n_groups = -(-nq // consumers)
         union_idx = torch.empty((B, H, n_groups, consumers * cap), dtype=torch.int32, device=q.device)
@@ -942,7 +943,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
         given_idx, given_num = sel_idx, sel_num
 
         def lists_step():
-            stages.shared_kv_lists(given_idx, given_num, nkv, consumers, union_idx, union_num, own_pos, own_num)
+            stages.shared_kv_lists(eager_launcher, given_idx, given_num, nkv, consumers, union_idx, union_num, own_pos,
+                                   own_num)
         # the kernel reads its own tiles' union positions where the other variants read the lists
         sel_idx, sel_num = own_pos, own_num
     else:

@@ -2,8 +2,10 @@
 (`triton_fine_kernels`) on caller-provided buffers.
 
 Launch configurations live here. On a GPU each attention kernel is autotuned over a
-short list keyed on the problem's shape (first entry = the default when
-VSA_AUTOTUNE=0); under the interpreter there is one fixed small config.
+short list keyed on the problem's shape, once per problem for the whole process
+(`vsa_core.autotune.TILES`; first entry = the default, run with autotuning off:
+`vsa_core.config`); under the interpreter there is one fixed small config. Every launch
+goes through the launcher passed in (`vsa_core.launch`).
 
 CPU tensors run the same kernels under Triton's interpreter: each launch picks the
 kernels module by the tensors' device (`vsa_core.stages.kernels_for`; see
@@ -14,14 +16,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import threading
 from typing import Optional
 
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import triton_fine_kernels as K
+from ..autotune import TILES, median_ms, tile_key
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING, DeviceInfo, caller_stream, torch_loaded
 from ..stages import _bh, _ignore, interpreted, kernels_for
@@ -57,52 +57,31 @@ def unavailable_reason(problem: AttnProblem, device: DeviceInfo) -> Optional[str
             f"interpreter), got {device.kind} tensors")
 
 
-AUTOTUNE = os.environ.get("VSA_AUTOTUNE", "1") != "0" and not INTERPRETING
-# K/V (forward, dQ) and Q/dO (dK/dV) tiles through tensor descriptors (TMA on Hopper);
-# VSA_TMA=0 falls back to pointer loads. The interpreter runs the descriptor path too.
-USE_TMA = os.environ.get("VSA_TMA", "1") != "0"
-
-# Triton's Autotuner keeps the current call's arguments on the kernel object (`self.nargs`,
-# read by the config's pre_hook and cleared after the launch), so two threads launching
-# the same tuned kernel at once can swap or clear each other's arguments. That happens
-# with several GPUs in one process: XLA runs each device's buffer callback on its own
-# thread. Tuned launches therefore take this lock (held for a launch's host work only).
-_AUTOTUNER_LOCK = threading.Lock()
-
-
 class _TunedKernel:
     """An attention kernel with its candidate tile configs, as
     (BLOCK_M, BLOCK_N, num_warps, num_stages), best default first.
 
     Tiles must not straddle two blocks, so a config fits only if BLOCK_M and BLOCK_N
-    divide the block's token count E. With autotuning (GPU, VSA_AUTOTUNE != 0) Triton
-    times the fitting configs once per key; otherwise the first fitting one runs.
-    `tiled_args` names the descriptor arguments and the tile size ("BLOCK_M"/"BLOCK_N")
-    of their rows; their block shape is set to match the config before each launch.
+    divide the block's token count E. The config of a problem comes from the shared store
+    (`vsa_core.autotune.TILES`, keyed on the dtype and the `key` arguments): timed once per
+    key with autotuning on a GPU, else the first fitting one; the launcher's
+    `config.forced_tiles` overrides both. `tiled_args` names the descriptor arguments and the
+    tile size ("BLOCK_M"/"BLOCK_N") of their rows; their block shape is set to match the
+    config before each launch.
     """
 
     INTERPRETER_CONFIG = (64, 64, 4, 1)
 
     def __init__(self, kernel, candidates, key, tiled_args):
         self.kernel = kernel
+        self.name = kernel.fn.__name__
         self.candidates = [self.INTERPRETER_CONFIG] if INTERPRETING else candidates
+        self.key_args = key
         self.tiled_args = tiled_args
-        self.forced = None  # a config to run regardless of tuning (benchmarks/kernel_sweep.py)
-        self.tuned = None
-        if AUTOTUNE:
-            configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
-                                     pre_hook=self._set_block_shapes)
-                       for m, n, w, s in candidates]
-            self.tuned = triton.autotune(configs=configs, key=key,
-                                         prune_configs_by={"early_config_prune": self._prune})(kernel)
 
     @staticmethod
     def _fits(E, m, n):
         return E % m == 0 and E % n == 0
-
-    def _prune(self, configs, named_args, **kwargs):
-        E = kwargs["BLOCK_ELEMS"]
-        return [c for c in configs if self._fits(E, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]
 
     def _set_block_shapes(self, nargs):
         for name, tile in self.tiled_args.items():
@@ -110,43 +89,59 @@ class _TunedKernel:
             if isinstance(desc, TensorDescriptor):
                 desc.block_shape = [1, 1, nargs[tile], desc.shape[-1]]
 
-    def __call__(self, grid, like, *args, **kwargs):
-        """Launches on args; `like` (a tensor of the call) decides compiled or interpreted."""
-        E = kwargs["BLOCK_ELEMS"]
-        kernel = self.kernel
-        if interpreted(like):
-            kernel = getattr(kernels_for(like, K), self.kernel.fn.__name__)
-            m, n, w, s = self.INTERPRETER_CONFIG
-        else:
-            # Triton's autotuner times the candidates with torch (events on torch's current
-            # stream, an L2 flush): a process without torch (vsa_jax alone) runs the default
-            # config; under a raw-stream launch (JAX) torch's current stream is made that stream,
-            # so the timed kernels and the events share it
-            if (self.forced is None and self.tuned is not None and torch_loaded()
-                    and sum(self._fits(E, m, n) for m, n, _, _ in self.candidates) > 1):
-                with _AUTOTUNER_LOCK, caller_stream():
-                    self.tuned[grid](*args, **kwargs)
-                return
-            m, n, w, s = self.forced or next(c for c in self.candidates if self._fits(E, c[0], c[1]))
+    def _launch(self, launcher, kernel, grid, tile, args, kwargs):
+        m, n, w, s = tile
         meta = {"BLOCK_M": m, "BLOCK_N": n}
         self._set_block_shapes({**dict(zip(kernel.arg_names, args)), **meta})
-        kernel[grid(meta)](*args, **kwargs, **meta, num_warps=w, num_stages=s)
+        launcher.triton(kernel, grid(meta), *args, **kwargs, **meta, num_warps=w, num_stages=s)
+
+    def store_key(self, p: AttnProblem, named_args) -> tuple:
+        """The tile store's key of a launch of `p` with these arguments by name: the dtype's
+        name and the `key` arguments' values, plain values whichever frontend launches."""
+        return tile_key(self.name, p.dtype, **{name: named_args[name] for name in self.key_args})
+
+    def tile_for(self, launcher, p: AttnProblem, grid, args, kwargs):
+        """The tile config of this compiled launch (see the class doc)."""
+        forced = launcher.config.forced_tile(self.name)
+        if forced is not None:
+            return forced
+        fitting = [c for c in self.candidates if self._fits(kwargs["BLOCK_ELEMS"], c[0], c[1])]
+        # Triton's benchmark times with torch (events on torch's current stream, an L2 flush):
+        # a process without torch (vsa_jax alone) runs the default config; under a raw-stream
+        # launch (JAX) torch's current stream is made that stream, so the timed kernels and the
+        # events share it
+        if not (launcher.config.autotune and launcher.runs_kernels and torch_loaded()):
+            return fitting[0]  # the default, even where a tuned entry exists (autotune switched off)
+        key = self.store_key(p, {**dict(zip(self.kernel.arg_names, args)), **kwargs})
+        with caller_stream():
+            return TILES.choose(key, fitting, lambda tile: median_ms(
+                lambda: self._launch(launcher, self.kernel, grid, tile, args, kwargs)))
+
+    def __call__(self, launcher, p: AttnProblem, grid, like, *args, **kwargs):
+        """Launches on args; `like` (a tensor of the call) decides compiled or interpreted."""
+        if interpreted(like):
+            kernel, tile = getattr(kernels_for(like, K), self.name), self.INTERPRETER_CONFIG
+        else:
+            kernel, tile = self.kernel, self.tile_for(launcher, p, grid, args, kwargs)
+        self._launch(launcher, kernel, grid, tile, args, kwargs)
 
 
-def _tiles(p: AttnProblem, x, seq_len: int):
+def _tiles(launcher, p: AttnProblem, x, seq_len: int):
     """A descriptor over x's logical (B, H, S, D) view (block shape set per config),
-    or x itself for pointer loads."""
-    if not USE_TMA or x.data_ptr() % 16:
+    or x itself for pointer loads (`config.tma` off: VSA_TMA=0)."""
+    if not launcher.config.tma or x.data_ptr() % 16:
         return x
     return TensorDescriptor(x, [p.batch, p.heads, seq_len, p.head_dim], [*p.token_strides(seq_len), 1],
                             [1, 1, 16, p.head_dim])
 
 
-_KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len", "IGNORE_PADDING"]
+# with the dtype, the tile store's key (`_TunedKernel.store_key`): what Triton's own autotuner
+# keyed on, whose key also held whether each pointer was absent (the gate) or a descriptor (TMA)
+_KEY = ["BLOCK_ELEMS", "HEAD_DIM", "HAS_COARSE", "q_len", "IGNORE_PADDING", "USE_TMA"]
 
 _sparse_fwd = _TunedKernel(
     K.sparse_attn_fwd_kernel,
-    [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 4)], _KEY,
+    [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 4)], _KEY + ["HAS_GATE"],
     {"K": "BLOCK_N", "V": "BLOCK_N"})
 _sparse_bwd_dq = _TunedKernel(
     K.sparse_attn_bwd_dq_kernel,
@@ -170,48 +165,49 @@ def _first_blocks(p: AttnProblem) -> int:
     return p.prefix_blocks if p.has_prefix and not p.varlen else 0
 
 
-def sparse_forward(p: AttnProblem, a: FineForward):
+def sparse_forward(launcher, p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
     _sparse_fwd(
-        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
-        q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts, a.q_counts, gate,
-        out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
+        launcher, p, lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
+        q, _tiles(launcher, p, k, p.kv_len), _tiles(launcher, p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts,
+        a.q_counts, gate, out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
         int(out_fine is not None), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
-        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=USE_TMA, IGNORE_PADDING=_ignore(p))
+        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=launcher.config.tma,
+        IGNORE_PADDING=_ignore(p))
 
 
-def sparse_backward_dq(p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
+def sparse_backward_dq(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
                        q_counts=None, dq_pool=None):
     _sparse_bwd_dq(
-        lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
-        q, _tiles(p, k, p.kv_len), _tiles(p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num, kv_counts,
-        q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
+        launcher, p, lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
+        q, _tiles(launcher, p, k, p.kv_len), _tiles(launcher, p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num,
+        kv_counts, q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=USE_TMA, IGNORE_PADDING=_ignore(p))
+        USE_TMA=launcher.config.tma, IGNORE_PADDING=_ignore(p))
 
 
-def sparse_backward_dkdv(p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
+def sparse_backward_dkdv(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
                          dk_pool=None, dv_pool=None, q_counts=None):
     _sparse_bwd_dkdv(
-        lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
-        _tiles(p, q, p.q_len), k, v, _tiles(p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num, kv_counts,
-        dk_pool, dv_pool, q_counts, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
+        launcher, p, lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
+        _tiles(launcher, p, q, p.q_len), k, v, _tiles(launcher, p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num,
+        kv_counts, dk_pool, dv_pool, q_counts, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=USE_TMA, IGNORE_PADDING=_ignore(p))
+        USE_TMA=launcher.config.tma, IGNORE_PADDING=_ignore(p))
 
 
-def sparse_backward(p: AttnProblem, a: FineBackward):
+def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     """Fine-stage dQ (query-owned) and dK/dV (KV-owned), no atomics. Given the pooling
     gradients (fp32 per block), each kernel adds grad/count to its tokens as it writes."""
-    sparse_backward_dq(p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dq, a.sel_idx, a.sel_num, a.kv_counts,
+    sparse_backward_dq(launcher, p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dq, a.sel_idx, a.sel_num, a.kv_counts,
                        a.q_counts, a.dq_pool)
-    sparse_backward_dkdv(p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dk, a.dv, a.inv_idx, a.inv_num, a.kv_counts,
-                         a.dk_pool, a.dv_pool, a.q_counts)
+    sparse_backward_dkdv(launcher, p, a.q, a.k, a.v, a.lse, a.dout, a.delta, a.dk, a.dv, a.inv_idx, a.inv_num,
+                         a.kv_counts, a.dk_pool, a.dv_pool, a.q_counts)
 
 
