@@ -115,15 +115,15 @@ def _full_counts(like, n: int):
 
 
 # ---- the fine stage -------------------------------------------------------------------------
-def sparse_forward(p: AttnProblem, a: FineForward):
+def sparse_forward(launcher, p: AttnProblem, a: FineForward):
     from ._torch_views import as_torch  # torch loads with this backend's first call
     with caller_stream(), _COMPILE_LOCK:
-        _sparse_forward(p, as_torch(a))
+        _sparse_forward(launcher, p, as_torch(a))
 
 
-def _sparse_forward(p: AttnProblem, a: FineForward):
+def _sparse_forward(launcher, p: AttnProblem, a: FineForward):
     from .sm90_fwd64 import prepare_forward64
-    k, v = (valid_rows_copy(p, x, a.kv_counts, p.kv_len) for x in (a.k, a.v))  # padding="ignore" only
+    k, v = (valid_rows_copy(launcher, p, x, a.kv_counts, p.kv_len) for x in (a.k, a.v))  # padding="ignore" only
     coarse = {}
     if a.out_coarse is not None:
         q_counts = a.q_counts if p.padding == "ignore" else _full_counts(a.q, p.n_q_blocks)
@@ -133,20 +133,20 @@ def _sparse_forward(p: AttnProblem, a: FineForward):
                       a.kv_counts, softmax_scale=p.softmax_scale, **coarse, **FORWARD)()
 
 
-def sparse_backward(p: AttnProblem, a: FineBackward):
+def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     from ._torch_views import as_torch
     with caller_stream(), _COMPILE_LOCK:
-        _sparse_backward(p, as_torch(a))
+        _sparse_backward(launcher, p, as_torch(a))
 
 
-def _sparse_backward(p: AttnProblem, a: FineBackward):
+def _sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage from the KV-owned lists and the core's delta, with the
     pooling gradients. `out`, `sel_idx`, `sel_num` are not read."""
     from .sm90_bwd64 import prepare_backward64
     q, dout = a.q, a.dout
     if a.q_counts is not None:  # padding="ignore": what the kernel multiplies by zero weights is read as 0
-        q, dout = (valid_rows_copy(p, x, a.q_counts, p.q_len) for x in (q, dout))
-    k, v = (valid_rows_copy(p, x, a.kv_counts, p.kv_len) for x in (a.k, a.v))
+        q, dout = (valid_rows_copy(launcher, p, x, a.q_counts, p.q_len) for x in (q, dout))
+    k, v = (valid_rows_copy(launcher, p, x, a.kv_counts, p.kv_len) for x in (a.k, a.v))
     pools = {}
     if a.dq_pool is not None:  # VSA: the pooling gradients, added where dq / dk / dv are formed
         pools = dict(dq_pool=a.dq_pool, dk_pool=a.dk_pool, dv_pool=a.dv_pool, q_counts=a.q_counts,
