@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from vsa_core import plan as core_plan
 from vsa_core.problem import AttnProblem
 
-from .adapter import default_device, device_info_of
+from .devices import default_device, device_info_of
 
 LAUNCH_MODES = ("callback", "native")
 FFI_TARGET = "triton_kernel_call_ffi"
