@@ -26,7 +26,8 @@ from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import BufferAdapter, DeviceBuffer, DeviceInfo
-from vsa_core.spec import AXES, GRADIENTS, PUBLIC_NAMES, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
+from vsa_core.spec import (AXES, PUBLIC_NAMES, OpStatics, backward_arguments, backward_inputs, forward_arguments,
+                           forward_inputs, forward_results, input_gradients)
 
 from . import native as _native
 from . import spmd as _spmd
@@ -159,8 +160,7 @@ def attend_split(statics: OpStatics, named: dict):
 
 def _forward(statics: OpStatics, arrays: tuple, training: bool):
     s = dataclasses.replace(statics, training=training)
-    named = dict(zip(forward_inputs(s), arrays))
-    p = op_problem(s, named)
+    p, named = forward_arguments(s, arrays)
     return s, p, named, _run("forward", p, backend_named(s.backend), **named)
 
 
@@ -180,13 +180,10 @@ def _attend_fwd(statics: OpStatics, arrays: tuple):
 def _attend_bwd(statics: OpStatics, residuals, cotangents):
     s = dataclasses.replace(statics, training=True)
     kept, results = residuals
-    named = dict(zip(backward_inputs(s), kept))
-    p = op_problem(s, named)
-    grads = _run("backward", p, backend_named(s.backend), dout=cotangents[0], **named,
-                 **dict(zip(forward_results(p), results)))
+    p, named = backward_arguments(s, kept, results, cotangents[0])
     # None: no cotangent for the integer counts, offsets, selections and prefix counts (JAX
     # makes them float0 zeros)
-    return (tuple(grads[gradients(s)[n]] if n in GRADIENTS else None for n in forward_inputs(s)),)
+    return (input_gradients(s, _run("backward", p, backend_named(s.backend), **named)),)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,7 +20,8 @@ from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import BufferAdapter, DeviceInfo
-from vsa_core.spec import GRADIENTS, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
+from vsa_core.spec import (GRADIENTS, OpStatics, backward_arguments, backward_inputs, forward_arguments, forward_inputs,
+                           forward_results, gradients)
 
 def device_info(t: Tensor) -> DeviceInfo:
     return _device_info(t.device.type, t.device.index)
@@ -65,8 +65,7 @@ def _statics(statics: str, softmax_scale: float) -> OpStatics:
 def _forward_impl(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[Tensor]:
     """Returns the forward's results (`vsa_core.spec.forward_results`: out first)."""
     s = _statics(statics, softmax_scale)
-    named = dict(zip(forward_inputs(s), inputs))
-    p = op_problem(s, named)
+    p, named = forward_arguments(s, inputs)
     buffers = _alloc(p.forward_buffers(), named["q"])
     core_ops.forward(p, backend_named(s.backend), {**named, **buffers}, adapter=TORCH_BUFFERS)
     return [buffers[n] for n in forward_results(p)]
@@ -80,9 +79,7 @@ def _forward(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[T
 
 @_forward.register_fake
 def _(inputs, statics, softmax_scale):
-    s = _statics(statics, softmax_scale)
-    named = dict(zip(forward_inputs(s), inputs))
-    p = op_problem(s, named)
+    p, named = forward_arguments(_statics(statics, softmax_scale), inputs)
     table = p.forward_buffers()
     return list(_alloc({n: table[n] for n in forward_results(p)}, named["q"]).values())
 
@@ -92,12 +89,9 @@ def _backward_impl(dout: Tensor, inputs: List[Tensor], results: List[Tensor], st
     """The gradients (`vsa_core.spec.gradients`) from the inputs the backward reads
     (`backward_inputs`) and the forward's results."""
     s = _statics(statics, softmax_scale)
-    named = dict(zip(backward_inputs(s), inputs))
-    p = op_problem(s, named)
+    p, named = backward_arguments(s, inputs, results, dout.contiguous())
     grads = _alloc(p.backward_buffers(), named["q"])
-    core_ops.backward(p, backend_named(s.backend), {"dout": dout.contiguous(), **named,
-                                                    **dict(zip(forward_results(p), results)), **grads},
-                      adapter=TORCH_BUFFERS)
+    core_ops.backward(p, backend_named(s.backend), {**named, **grads}, adapter=TORCH_BUFFERS)
     return [grads[g] for g in gradients(s).values()]
 
 
@@ -116,32 +110,42 @@ def _(dout, inputs, results, statics, softmax_scale):
     return [torch.empty_like(named[n]) for n in gradients(s)]
 
 
-def _setup_context(ctx, inputs, output):
-    tensors, statics, softmax_scale = inputs
-    s = OpStatics.decode(statics)
-    named = dict(zip(forward_inputs(s), tensors))
-    kept = backward_inputs(s)
-    ctx.save_for_backward(*(named[n] for n in kept), *output)
-    ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
-    ctx.mark_non_differentiable(*output[1:])
-
-
-def _backward_of_forward(ctx, grads):
-    s = OpStatics.decode(ctx.call[0])
-    saved = ctx.saved_tensors
-    computed = dict(zip(gradients(s), _backward(grads[0], list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]),
-                                                *ctx.call)))
-    return [computed.get(n) for n in forward_inputs(s)], None, None
-
-
-torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_context=_setup_context)
-
-
 @functools.lru_cache(maxsize=1024)
 def _names(statics: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]:
     """forward_inputs, backward_inputs and gradients of encoded statics."""
     s = OpStatics.decode(statics)
     return forward_inputs(s), backward_inputs(s), tuple(gradients(s))
+
+
+def _keep_for_backward(ctx, tensors, statics: str, softmax_scale: float, output) -> None:
+    """Saves the inputs the backward reads and the forward's results (of which only out is
+    differentiable)."""
+    inputs, kept, _ = _names(statics)
+    named = dict(zip(inputs, tensors))
+    ctx.save_for_backward(*(named[n] for n in kept), *output)
+    ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _input_gradients(ctx, dout: Tensor, backward) -> list:
+    """Each forward input's gradient (None for the integer arrays), computed by `backward`:
+    the custom op, or outside torch.compile its implementation."""
+    inputs, _, grad_names = _names(ctx.call[0])
+    saved = ctx.saved_tensors
+    computed = dict(zip(grad_names, backward(dout, list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]), *ctx.call)))
+    return [computed.get(n) for n in inputs]
+
+
+def _setup_context(ctx, inputs, output):
+    tensors, statics, softmax_scale = inputs
+    _keep_for_backward(ctx, tensors, statics, softmax_scale, output)
+
+
+def _backward_of_forward(ctx, grads):
+    return _input_gradients(ctx, grads[0], _backward), None, None
+
+
+torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_context=_setup_context)
 
 
 class _EagerOperator(torch.autograd.Function):
@@ -157,20 +161,12 @@ class _EagerOperator(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         statics, softmax_scale, *tensors = inputs
-        inputs_named, kept, _ = _names(statics)
-        named = dict(zip(inputs_named, tensors))
-        ctx.save_for_backward(*(named[n] for n in kept), *output)
-        ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
-        ctx.mark_non_differentiable(*output[1:])
+        _keep_for_backward(ctx, tensors, statics, softmax_scale, output)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable
     def backward(ctx, dout: Tensor, *_):
-        inputs_named, _, grad_names = _names(ctx.call[0])
-        saved = ctx.saved_tensors
-        grads = _backward_impl(dout, list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]), *ctx.call)
-        computed = dict(zip(grad_names, grads))
-        return (None, None, *(computed.get(n) for n in inputs_named))
+        return (None, None, *_input_gradients(ctx, dout, _backward_impl))
 
 
 def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
