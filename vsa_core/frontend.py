@@ -277,3 +277,16 @@ def block_sparse_call(fe: FrontendAdapter, q, k, v, kv_counts, block_size, *, bl
 
 def _typed_offsets(fe: FrontendAdapter, cu_seqlens_q, cu_seqlens_k) -> dict:
     return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if fe.offsets_are_arrays else {}
+
+
+def packed_list_offsets(block_indices_list, block_counts_list, kv_blocks_per_sequence) -> list:
+    """`pack_block_indices`: each sequence's first KV block in the packed stream, the three
+    lists checked to have one entry per sequence."""
+    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
+        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
+                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
+                         f"{len(kv_blocks_per_sequence)}")
+    offsets = [0]
+    for n in kv_blocks_per_sequence[:-1]:
+        offsets.append(offsets[-1] + int(n))
+    return offsets

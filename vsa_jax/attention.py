@@ -7,7 +7,6 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from vsa_core.metadata import VSAMetadata
 from vsa_core import frontend as F
@@ -92,14 +91,10 @@ def block_sparse_attn_varlen_from_indices(q: jax.Array, k: jax.Array, v: jax.Arr
 @documented("jax")
 def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence
                        ) -> Tuple[jax.Array, jax.Array]:
-    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
-        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
-                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
-                         f"{len(kv_blocks_per_sequence)}")
+    offsets = F.packed_list_offsets(block_indices_list, block_counts_list, kv_blocks_per_sequence)
     idx = [jnp.asarray(t)[0] if jnp.ndim(t) == 4 else jnp.asarray(t) for t in block_indices_list]
     num = [jnp.asarray(t)[0] if jnp.ndim(t) == 3 else jnp.asarray(t) for t in block_counts_list]
     capacity = max(t.shape[-1] for t in idx)
-    offsets = np.concatenate([[0], np.cumsum([int(n) for n in kv_blocks_per_sequence])[:-1]])
     packed = [jnp.pad(t.astype(jnp.int32) + int(off), ((0, 0), (0, 0), (0, capacity - t.shape[-1])))
               for t, off in zip(idx, offsets)]
     return jnp.concatenate(packed, axis=1), jnp.concatenate([t.astype(jnp.int32) for t in num], axis=1)

@@ -137,15 +137,11 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
     attend = functools.partial(ulysses_video_sparse_attn, topk=topk, block_size=block_size, axis_name=axis_name,
                                backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
                                softmax_scale=softmax_scale, padding=padding)
-    if compress_attn_weight is None:
-        def run(q, k, v, kv_counts, q_counts):
-            return attend(q, k, v, kv_counts, q_counts)
-        args = (q, k, v, kv_counts, q_counts)
-        specs = (tokens,) * 3 + (replicated,) * 2
-    else:
-        def run(q, k, v, kv_counts, q_counts, gate):
-            return attend(q, k, v, kv_counts, q_counts, compress_attn_weight=gate)
-        args = (q, k, v, kv_counts, q_counts, compress_attn_weight)
-        specs = (tokens,) * 3 + (replicated,) * 2 + (tokens,)
+
+    def run(q, k, v, kv_counts, q_counts, gate=None):
+        return attend(q, k, v, kv_counts, q_counts, compress_attn_weight=gate)
+    gate = () if compress_attn_weight is None else (compress_attn_weight,)
+    args = (q, k, v, kv_counts, q_counts) + gate
+    specs = (tokens,) * 3 + (replicated,) * 2 + (tokens,) * len(gate)
     placed = (_place(jnp.asarray(x), mesh, spec) for x, spec in zip(args, specs))
     return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=tokens)(*placed)

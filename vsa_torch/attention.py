@@ -89,16 +89,10 @@ def block_sparse_attn_varlen_from_indices(q: Tensor, k: Tensor, v: Tensor, cu_se
 
 @documented("torch")
 def pack_block_indices(block_indices_list, block_counts_list, kv_blocks_per_sequence) -> Tuple[Tensor, Tensor]:
-    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
-        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
-                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
-                         f"{len(kv_blocks_per_sequence)}")
+    offsets = F.packed_list_offsets(block_indices_list, block_counts_list, kv_blocks_per_sequence)
     idx = [t[0] if t.dim() == 4 else t for t in block_indices_list]
     num = [t[0] if t.dim() == 3 else t for t in block_counts_list]
     capacity = max(t.shape[-1] for t in idx)
-    offsets = [0]
-    for n in kv_blocks_per_sequence[:-1]:
-        offsets.append(offsets[-1] + int(n))
     packed = [torch.nn.functional.pad(t.to(torch.int32) + off, (0, capacity - t.shape[-1]))
               for t, off in zip(idx, offsets)]
     return torch.cat(packed, dim=1), torch.cat([t.to(torch.int32) for t in num], dim=1)

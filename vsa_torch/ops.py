@@ -215,14 +215,6 @@ def run_forward(call: Tuple[str, float], named: dict) -> List[Tensor]:
     return list(_EagerOperator.apply(*call, *inputs))
 
 
-def run_backward(call: Tuple[str, float], dout: Tensor, named: dict, results: List[Tensor]) -> List[Tensor]:
-    """The gradients (`vsa_core.spec.gradients`, in input order) of a forward run by `run_forward`."""
-    inputs = [named[n] for n in _names(call[0])[1]]
-    if torch.compiler.is_compiling():
-        return _backward(dout, inputs, list(results), *call)
-    return _backward_impl(dout, inputs, list(results), *call)
-
-
 def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:
     """`run_forward` of a checked call: its results, out and lse first."""
     return run_forward(statics_for(p, backend, named), named)
