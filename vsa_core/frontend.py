@@ -1,4 +1,8 @@
-"""What a frontend does with a call's integer arrays, written once over a small adapter.
+"""What a frontend does with a call, written once over a small adapter.
+
+`vsa_call` / `block_sparse_call` are the whole of a public function: the argument checks
+(`vsa_core.api`), the value checks and coercions below, and the frontend's operator
+(`FrontendAdapter.attend`).
 
 The value checks of `vsa_core.problem` read host values; the coercions give the operator
 int32 arrays on q's device. Both frontends need the same rules (which values are checked
@@ -29,10 +33,8 @@ _CACHE_LIMIT = 256
 
 
 class FrontendAdapter:
-    """One frontend's array type, as the checks and coercions below need it."""
+    """One frontend's array type and operator, as the checks, coercions and calls below need them."""
 
-    arrays = "CPU arrays"  # the warning that CPU arrays run under the interpreter names them so
-    gpu = "arrays on a GPU"
     array_types: tuple = ()  # what the public functions take as arrays, named as `array_kind`
     array_kind = "an array"
     offsets_are_arrays = False  # whether the packed calls' offsets must be array_types too (not lists)

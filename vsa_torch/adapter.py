@@ -18,7 +18,6 @@ from . import ops
 class TorchFrontend(FrontendAdapter):
     """torch tensors for the core's checks and coercions (`vsa_core.frontend`)."""
 
-    arrays, gpu = "CPU tensors", "CUDA tensors"
     array_types, array_kind = (Tensor,), "a torch.Tensor"
     offsets_are_arrays = True
 
