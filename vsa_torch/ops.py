@@ -23,8 +23,16 @@ from vsa_core.runtime import BufferAdapter, DeviceInfo
 from vsa_core.spec import (GRADIENTS, OpStatics, backward_arguments, backward_inputs, forward_arguments, forward_inputs,
                            forward_results, gradients)
 
+
 def device_info(t: Tensor) -> DeviceInfo:
     return _device_info(t.device.type, t.device.index)
+
+
+def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
+    if device_type == "cuda":
+        index = device_index if device_index is not None else torch.cuda.current_device()
+        return DeviceInfo("cuda", index, torch.cuda.get_device_capability(index))
+    return DeviceInfo(device_type)
 
 
 class TorchBuffers(BufferAdapter):
@@ -152,7 +160,7 @@ class _EagerOperator(torch.autograd.Function):
     """The operator outside torch.compile: the custom ops' very forward and backward
     (`_forward_impl`, `_backward_impl`), without torch.library's per-call dispatch, which
     costs several times what a plain autograd.Function does (benchmarks/host_cost.py).
-    torch.compile traces the custom ops instead (`run_forward`)."""
+    torch.compile traces the custom ops instead (`attend`)."""
 
     @staticmethod
     def forward(statics: str, softmax_scale: float, *inputs: Tensor):
@@ -167,13 +175,6 @@ class _EagerOperator(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable
     def backward(ctx, dout: Tensor, *_):
         return (None, None, *_input_gradients(ctx, dout, _backward_impl))
-
-
-def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
-    if device_type == "cuda":
-        index = device_index if device_index is not None else torch.cuda.current_device()
-        return DeviceInfo("cuda", index, torch.cuda.get_device_capability(index))
-    return DeviceInfo(device_type)
 
 
 # torch.compile traces the frontends but cannot trace backend resolution (it reads the
@@ -206,16 +207,11 @@ def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
     return _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
 
 
-def run_forward(call: Tuple[str, float], named: dict) -> List[Tensor]:
-    """The forward (differentiable in out) of the inputs named as `vsa_core.spec.forward_inputs`
-    says; `call`: what `statics_for` returned. Returns `forward_results` (out, lse, ...)."""
-    inputs = [named[n] for n in _input_names(call[0])]
-    if torch.compiler.is_compiling():
-        return _forward(inputs, *call)
-    return list(_EagerOperator.apply(*call, *inputs))
-
-
 def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:
-    """`run_forward` of a checked call: its results, out and lse first."""
-    return run_forward(statics_for(p, backend, named), named)
-
+    """The forward (differentiable in out) of a checked call whose inputs are named as
+    `vsa_core.spec.forward_inputs` says; returns `forward_results` (out, lse, ...)."""
+    statics, softmax_scale = statics_for(p, backend, named)
+    inputs = [named[n] for n in _input_names(statics)]
+    if torch.compiler.is_compiling():
+        return _forward(inputs, statics, softmax_scale)
+    return list(_EagerOperator.apply(statics, softmax_scale, *inputs))
