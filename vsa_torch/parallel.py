@@ -129,15 +129,16 @@ class _UlyssesVSA(torch.autograd.Function):
     """Exchange, VSA and exchange back, chunk by chunk (see the module docstring); the
     backward exchanges dout, runs VSA's backward per chunk and sends the gradients back.
     `attend(q, k, v, gate)`: the public VSA function of one chunk's heads. Each chunk's heads
-    are leaves of a graph of their own, so that its backward runs when its dout has arrived."""
+    are leaves of a graph of their own, so that its backward runs when its dout has arrived.
+    `training`: whether a backward can follow, from the caller's grad mode and requires_grad
+    (inside `forward` grad mode is off, and needs_input_grad ignores it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, attend: Callable, group, chunks):
+    def forward(ctx, q, k, v, gate, attend: Callable, group, chunks, training: bool):
         P = dist.get_world_size(group)
         inputs = [q, k, v] + ([gate] if gate is not None else [])
         incoming = [_Exchange(inputs, group, P, c, to_heads=True) for c in chunks]
         out = torch.empty_like(q)
-        training = any(ctx.needs_input_grad[:4])
         outgoing, saved = [], []
         for c, exchange in zip(chunks, incoming):
             heads = [_sequence_of_heads(r).detach().requires_grad_(training) for r in exchange.finish()]
@@ -167,7 +168,7 @@ class _UlyssesVSA(torch.autograd.Function):
             for dest, recv in zip(grads, exchange.finish()):
                 _store_heads(dest, recv, c)
         ctx.saved_chunks = None
-        return (*grads[:3], grads[3] if ctx.has_gate else None) + (None,) * 3
+        return (*grads[:3], grads[3] if ctx.has_gate else None) + (None,) * 4
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -210,5 +211,6 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
         return video_sparse_attn_bshd(q, k, v, call.kv_counts, call.q_counts, topk, block_size, gate,
                                       backend=backend, **statics)
     gate = compress_attn_weight
+    training = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gate))
     return _UlyssesVSA.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                             None if gate is None else gate.contiguous(), attend, group, call.chunks)
+                             None if gate is None else gate.contiguous(), attend, group, call.chunks, training)
