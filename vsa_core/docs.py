@@ -29,6 +29,10 @@ FRONTENDS = {
         own_sequence=("eagerly anything else raises ValueError; under torch.compile such entries are ignored "
                       "(never attended)"),
         pack=("blocks (Python ints, e.g. the lengths of its `variable_block_sizes`). Device ops only."),
+        package_title="PyTorch frontend of Video Sparse Attention.",
+        package_transforms="",
+        package_cpu="CPU tensors run",
+        package_clamp="",
         tiled_padding="",
         tiled_error="",
     ),
@@ -52,6 +56,20 @@ FRONTENDS = {
         own_sequence=("with concrete arguments anything else raises ValueError; under jit such entries are "
                       "ignored (never attended)"),
         pack="blocks (Python ints). Traceable (no host values needed but the static shapes).",
+        package_title="JAX frontend of Video Sparse Attention (same functions and arguments as vsa_torch).",
+        package_transforms="""
+Works under jax.jit, jax.grad / jax.vjp (gradients to q, k, v and the gate) and
+jax.vmap, and over several devices: inside jax.shard_map (each device runs its shard),
+and under jax.jit on arrays sharded over the batch and/or heads with explicit mesh axes
+(`jax.make_mesh`'s default), where the call is split per device (see vsa_jax/spmd.py).
+Arguments are checked at trace time and raise the same ValueError / TypeError as
+vsa_torch; the values of the counts ([0, E]) and of index lists are checked when they are
+concrete (numpy or a jax.Array outside jit). Traced values are not checked; the kernels
+bound them instead (out-of-range counts act as clamped to [0, E]; index lists: see
+`block_sparse_attn_from_indices`), so no value reads out of bounds.
+""",
+        package_cpu="Arrays on the CPU run",
+        package_clamp=" `topk` larger than the number of KV blocks is clamped to it.",
         tiled_padding=" (zero padding)",
         tiled_error=" (at trace time under jit: the shapes are static)",
     ),
@@ -168,6 +186,27 @@ DOCS = {
     x holds `meta.padded_len` tokens along `dim` (default -2: `[B, H, S, D]`; dim=1 for
     `[B, S, H, D]`); the result holds `meta.num_tokens`. Another length raises ValueError.""",
 }
+
+
+PACKAGE = """{package_title}
+
+    from {package} import video_sparse_attn
+    out = video_sparse_attn(q, k, v, variable_block_sizes, q_variable_block_sizes, topk=32,
+                            block_size=(4, 4, 4), compress_attn_weight=gate)
+
+q, k, v are `[B, H, S, D]` (`video_sparse_attn_bshd`: `[B, S, H, D]`) in tile-contiguous
+token order (see `build_vsa_metadata` / `to_tiled` / `from_tiled`), bf16 or fp16, D 64
+or 128; S is a multiple of the block's token count E (64, 128 or 256).
+{package_transforms}
+{package_cpu} the same Triton kernels under Triton's interpreter (slow; for tests and
+small checks; a warning says so once per process).{package_clamp} The top-k ranks the coarse
+scores rounded to the input dtype, as FastVideo does (ties to the lower block index).
+"""
+
+
+def package_doc(frontend: str) -> str:
+    """The docstring of the frontend's package ("torch" / "jax")."""
+    return PACKAGE.format(**FRONTENDS[frontend], package=f"vsa_{frontend}")
 
 
 def documented(frontend: str):

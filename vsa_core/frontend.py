@@ -1,4 +1,8 @@
-"""What a frontend does with a call's integer arrays, written once over a small adapter.
+"""What a frontend does with a call, written once over a small adapter.
+
+`vsa_call` / `block_sparse_call` are the whole of a public function: the argument checks
+(`vsa_core.api`), the value checks and coercions below, and the frontend's operator
+(`FrontendAdapter.attend`).
 
 The value checks of `vsa_core.problem` read host values; the coercions give the operator
 int32 arrays on q's device. Both frontends need the same rules (which values are checked
@@ -20,6 +24,7 @@ from typing import Callable, Hashable, Optional
 
 import numpy as np
 
+from .api import prepare_block_sparse, prepare_vsa
 from .problem import (AttnProblem, check_count_values, check_index_values, check_offsets, check_prefix_values,
                       check_varlen_selection)
 from .runtime import DeviceInfo
@@ -28,12 +33,11 @@ _CACHE_LIMIT = 256
 
 
 class FrontendAdapter:
-    """One frontend's array type, as the checks and coercions below need it."""
+    """One frontend's array type and operator, as the checks, coercions and calls below need them."""
 
-    arrays = "CPU arrays"  # the warning that CPU arrays run under the interpreter names them so
-    gpu = "arrays on a GPU"
     array_types: tuple = ()  # what the public functions take as arrays, named as `array_kind`
     array_kind = "an array"
+    offsets_are_arrays = False  # whether the packed calls' offsets must be array_types too (not lists)
 
     def __init__(self):
         self._checked: dict = {}
@@ -79,6 +83,12 @@ class FrontendAdapter:
     def operands(self, packed: bool, **arrays) -> dict:
         """The arrays as the operator takes them (None kept); packed: [total, ...] as a batch
         of one, [1, total, ...]."""
+        raise NotImplementedError
+
+    def attend(self, p: AttnProblem, backend: str, named: dict) -> tuple:
+        """(out, lse) of the frontend's operator on the inputs of a checked call (named as
+        `vsa_core.spec.forward_inputs` says), `backend` resolved on q's device; lse is not
+        differentiable."""
         raise NotImplementedError
 
     def check_devices(self, like, **arrays) -> None:
@@ -223,3 +233,62 @@ def block_sparse_inputs(fe: FrontendAdapter, p: AttnProblem, q, k, v, kv_counts,
 def _packed_offsets(fe: FrontendAdapter, p: AttnProblem, q, cu_seqlens_q, cu_seqlens_k) -> dict:
     return dict(cu_seqlens_q=as_offsets(fe, "cu_seqlens_q", cu_seqlens_q, q, p.q_len, p.block_elems),
                 cu_seqlens_k=as_offsets(fe, "cu_seqlens_k", cu_seqlens_k, q, p.kv_len, p.block_elems))
+
+
+# ---- a public function's call, once for both frontends ------------------------------------------
+def vsa_call(fe: FrontendAdapter, q, k, v, kv_counts, q_counts, topk, block_size, gate=None, *, layout: str = "bhsd",
+             backend: str = "auto", cu_seqlens_q=None, cu_seqlens_k=None, prefix_blocks=0,
+             prefix_mode: str = "exempt", softmax_scale=None, padding: str = "zeros"):
+    """out of a `video_sparse_attn*` call (packed when the offsets are given): the arguments
+    checked, the integer arrays coerced, the frontend's operator run."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    fe.require(q=q, k=k, v=v, compress_attn_weight=gate, **_typed_offsets(fe, cu_seqlens_q, cu_seqlens_k))
+    if not packed:
+        kv_counts = fe.counts_array("variable_block_sizes", kv_counts)
+        q_counts = fe.counts_array("q_variable_block_sizes", q_counts)
+    elif isinstance(prefix_blocks, (list, tuple)):
+        prefix_blocks = fe.as_array(prefix_blocks)
+    p = prepare_vsa(q, k, v, kv_counts, q_counts, topk, block_size, gate, layout=layout, backend=backend,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, prefix_blocks=prefix_blocks,
+                    prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding).problem
+    named = vsa_inputs(fe, p, q, k, v, kv_counts, q_counts, gate, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, prefix_blocks=prefix_blocks)
+    out, _ = fe.attend(p, backend, named)
+    return out[0] if p.varlen else out
+
+
+def block_sparse_call(fe: FrontendAdapter, q, k, v, kv_counts, block_size, *, block_map=None, block_indices=None,
+                      block_counts=None, layout: str = "bhsd", backend: str = "auto", cu_seqlens_q=None,
+                      cu_seqlens_k=None, softmax_scale=None, padding: str = "zeros"):
+    """(out, lse) of a `block_sparse_attn*` call, the selection a map or index lists (packed
+    when the offsets are given)."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    selection = (dict(block_map=block_map) if block_map is not None
+                 else dict(block_indices=block_indices, block_counts=block_counts))
+    fe.require(q=q, k=k, v=v, **selection, **_typed_offsets(fe, cu_seqlens_q, cu_seqlens_k))
+    if not packed:
+        kv_counts = fe.counts_array("variable_block_sizes", kv_counts)
+    p = prepare_block_sparse(q, k, v, kv_counts, block_size, layout=layout, backend=backend,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale,
+                             padding=padding, **selection).problem
+    named = block_sparse_inputs(fe, p, q, k, v, kv_counts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                **selection)
+    out, lse = fe.attend(p, backend, named)
+    return (out[0], lse[0]) if p.varlen else (out, lse)
+
+
+def _typed_offsets(fe: FrontendAdapter, cu_seqlens_q, cu_seqlens_k) -> dict:
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if fe.offsets_are_arrays else {}
+
+
+def packed_list_offsets(block_indices_list, block_counts_list, kv_blocks_per_sequence) -> list:
+    """`pack_block_indices`: each sequence's first KV block in the packed stream, the three
+    lists checked to have one entry per sequence."""
+    if not (len(block_indices_list) == len(block_counts_list) == len(kv_blocks_per_sequence)):
+        raise ValueError("block_indices_list, block_counts_list and kv_blocks_per_sequence must have one entry per "
+                         f"sequence, got {len(block_indices_list)}, {len(block_counts_list)}, "
+                         f"{len(kv_blocks_per_sequence)}")
+    offsets = [0]
+    for n in kv_blocks_per_sequence[:-1]:
+        offsets.append(offsets[-1] + int(n))
+    return offsets

@@ -1,20 +1,23 @@
-"""Checks for sequence-parallel (Ulysses) calls, shared by both frontends.
+"""Sequence-parallel (Ulysses) calls: the checks and the preparation both frontends share.
 
 With the sequence sharded over P devices, each holds `[B, S/P, H, D]` (BSHD) of the
 tile-ordered sequence; a head-parallel all-to-all turns that into the whole sequence
 of H/P heads, `[B, S, H/P, D]`, on which the ordinary VSA runs. These checks look at
 this device's shards (anything with .shape and .dtype) before any collective, and
-describe the problem each device then runs.
+describe the problem each device then runs; `prepare_ulysses` / `prepare_on_mesh` add the
+argument types and the counts' coercion over the frontend's adapter (`vsa_core.frontend`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from .config import config
+from .frontend import FrontendAdapter, as_counts
 from .problem import AttnProblem, block_elements, describe_attention
 
 # each device's H/P heads go through the exchanges and VSA in this many chunks, so that
@@ -86,3 +89,51 @@ def check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, *, block_size, topk
                               layout="bshd", kv_counts=kv_counts, q_counts=q_counts, topk=topk,
                               gate=None if gate is None else after_exchange(gate), prefix_blocks=prefix_blocks,
                               prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding, layout_hint=False)
+
+
+@dataclass(frozen=True)
+class UlyssesCall:
+    """A checked sequence-parallel call of a group of several devices."""
+
+    problem: AttnProblem  # what each device runs after the exchange
+    kv_counts: Any        # the counts as int32 arrays on q's device (values checked where known)
+    q_counts: Any
+    chunks: List[Tuple[int, int]]  # `head_chunks` of each device's H/P heads
+
+
+def prepare_ulysses(fe: FrontendAdapter, q, k, v, gate, kv_counts, q_counts, *, group_size: int, block_size, topk,
+                    prefix_blocks=0, prefix_mode: str = "exempt", softmax_scale=None,
+                    padding: str = "zeros") -> Optional[UlyssesCall]:
+    """Checks a `ulysses_video_sparse_attn` call on this device's shards (`check_ulysses_shards`);
+    None for a group of one device, whose call is the one-device `video_sparse_attn_bshd` of
+    the arguments as they are."""
+    fe.require(q=q, k=k, v=v, compress_attn_weight=gate)
+    p = check_ulysses_shards(q, k, v, gate, kv_counts, q_counts, block_size=block_size, topk=topk,
+                             group_size=group_size, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
+                             softmax_scale=softmax_scale, padding=padding)
+    if group_size == 1:
+        return None
+    fe.check_devices(q, k=k, v=v, compress_attn_weight=gate)
+    return UlyssesCall(p, as_counts(fe, "variable_block_sizes", kv_counts, q, p.block_elems),
+                       as_counts(fe, "q_variable_block_sizes", q_counts, q, p.block_elems),
+                       head_chunks(int(q.shape[2]) // group_size))
+
+
+def prepare_on_mesh(fe: FrontendAdapter, q, k, v, gate, kv_counts, q_counts, *, mesh_shape, axis_name: str,
+                    batch_axis_name: Optional[str], block_size) -> Tuple[Any, Any]:
+    """Checks a sequence-parallel call on global `[B, S, H, D]` arrays over mesh axis
+    `axis_name` (`mesh_shape`: axis name -> size) before it is split; returns the counts as
+    int32 arrays (their values checked where known)."""
+    fe.require(q=q, k=k, v=v, compress_attn_weight=gate)
+    if axis_name not in mesh_shape:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh_shape)}")
+    if batch_axis_name is not None and batch_axis_name not in mesh_shape:
+        raise ValueError(f"batch_axis_name {batch_axis_name!r} is not an axis of the mesh {dict(mesh_shape)}")
+    group_size = mesh_shape[axis_name]
+    for name, x in (("q", q), ("k", k)):
+        if len(x.shape) == 4 and x.shape[1] % group_size:
+            raise ValueError(f"{name}'s sequence length {x.shape[1]} does not split into {group_size} equal shards "
+                             f"over mesh axis {axis_name!r}")
+    E = block_elements(block_size)
+    return (as_counts(fe, "variable_block_sizes", kv_counts, q, E),
+            as_counts(fe, "q_variable_block_sizes", q_counts, q, E))

@@ -165,3 +165,24 @@ def _op_problem(s: OpStatics, q_shape, k_shape, dtype: str, n_seqs: int) -> Attn
                        selection=s.selection, training=s.training, n_seqs=n_seqs, list_capacity=s.list_capacity,
                        prefix_blocks=s.prefix_blocks, prefix_mode=s.prefix_mode, seq_prefix=s.seq_prefix,
                        softmax_scale=s.softmax_scale, padding=s.padding, fine_residual=fine_residual(s.backend))
+
+
+# ---- an operator's arguments, named ---------------------------------------------------------------
+def forward_arguments(statics: OpStatics, arrays) -> Tuple[AttnProblem, Dict]:
+    """The problem and the named inputs of a forward on `arrays` (in `forward_inputs` order)."""
+    named = dict(zip(forward_inputs(statics), arrays))
+    return op_problem(statics, named), named
+
+
+def backward_arguments(statics: OpStatics, kept, results, dout) -> Tuple[AttnProblem, Dict]:
+    """The problem and the named inputs of a backward: `kept` in `backward_inputs` order, the
+    forward's `results` in `forward_results` order, and dout."""
+    named = dict(zip(backward_inputs(statics), kept))
+    p = op_problem(statics, named)
+    return p, {"dout": dout, **named, **dict(zip(forward_results(p), results))}
+
+
+def input_gradients(statics: OpStatics, grads: Mapping) -> Tuple:
+    """One entry per forward input: its gradient from the backward's buffers `grads`, None
+    for an input that has none (the integer arrays)."""
+    return tuple(grads[GRADIENTS[n]] if n in GRADIENTS else None for n in forward_inputs(statics))

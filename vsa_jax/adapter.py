@@ -1,5 +1,4 @@
-"""JAX's adapter for the core's value checks and coercions (`vsa_core.frontend`), and the
-devices the arrays live on (read by the callbacks, the native launches and the backends)."""
+"""JAX's adapter for the core's checks, coercions and call paths (`vsa_core.frontend`)."""
 
 from __future__ import annotations
 
@@ -8,30 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from vsa_core import frontend
+from vsa_core.problem import AttnProblem
 from vsa_core.runtime import DeviceInfo
 
-
-def is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def default_device():
-    """The device a traced call will run on (a tracer has none yet)."""
-    device = jax.config.jax_default_device
-    if device is None or isinstance(device, str):
-        device = jax.devices(device)[0]
-    return device
-
-
-def device_info_of(device) -> DeviceInfo:
-    return frontend.device_info(device.platform, getattr(device, "local_hardware_id", None),
-                                getattr(device, "compute_capability", None))
+from . import ops
+from .devices import device_info, is_tracer
 
 
 class JaxFrontend(frontend.FrontendAdapter):
     """JAX and numpy arrays."""
 
-    arrays, gpu = "JAX arrays on the CPU", "arrays on a GPU"
     array_types, array_kind = (jax.Array, np.ndarray), "a jax.Array"
 
     def counts_array(self, name: str, counts):
@@ -64,10 +49,13 @@ class JaxFrontend(frontend.FrontendAdapter):
         return {n: None if x is None else jnp.asarray(x)[None] if packed else jnp.asarray(x) for n, x in arrays.items()}
 
     def device_info(self, x) -> DeviceInfo:
-        """DeviceInfo of the device x lives on; under tracing (no device yet) the default device."""
-        if isinstance(x, jax.Array) and not is_tracer(x):
-            return device_info_of(next(iter(x.devices())))
-        return device_info_of(default_device())
+        return device_info(x)
+
+    def attend(self, p: AttnProblem, backend: str, named: dict) -> tuple:
+        statics = ops.statics_for(p, backend, named["q"])
+        # the offsets of a packed call have no batch or heads axis to split a call along
+        out, lse = ops.attend(statics, named) if p.varlen else ops.attend_split(statics, named)
+        return out, jax.lax.stop_gradient(lse)
 
 
 JAX = JaxFrontend()

@@ -31,7 +31,7 @@ from vsa_core import plan as core_plan
 from vsa_core.config import JAX_LAUNCH_MODES, config, configure
 from vsa_core.problem import AttnProblem
 
-from .adapter import default_device, device_info_of
+from .devices import default_device, device_info_of
 
 LAUNCH_MODES = JAX_LAUNCH_MODES
 FFI_TARGET = "triton_kernel_call_ffi"

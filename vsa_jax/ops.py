@@ -21,16 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from vsa_core import frontend
 from vsa_core import ops as core_ops
 from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import BufferAdapter, DeviceBuffer, DeviceInfo
-from vsa_core.spec import GRADIENTS, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
+from vsa_core.spec import (AXES, PUBLIC_NAMES, OpStatics, backward_arguments, backward_inputs, forward_arguments,
+                           forward_inputs, forward_results, input_gradients)
 
 from . import native as _native
-from .adapter import JAX, device_info_of  # noqa: F401  (device_info_of: read by tests and the demo)
+from . import spmd as _spmd
+from .devices import cuda_device, device_info, device_info_of  # noqa: F401  (device_info_of: read by tests, the demo)
 
 _DLPACK_CPU = 1  # kDLCPU
 _CPU = DeviceInfo("cpu")
@@ -41,24 +42,6 @@ def _shape_dtypes(specs: dict, input_dtype) -> dict:
             for name, (shape, dt) in specs.items()}
 
 
-device_info, require_arrays = JAX.device_info, JAX.require
-
-
-def as_counts(name: str, counts, block_elems: int) -> jax.Array:
-    """Any integer array -> int32 jax array, the values checked when they are known."""
-    return frontend.as_counts(JAX, name, counts, None, block_elems)
-
-
-# ---- the callbacks ------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _cuda_device(index: int) -> DeviceInfo:
-    """DeviceInfo (with its capability) of the CUDA device with this ordinal."""
-    for device in jax.local_devices():
-        if device.platform in ("gpu", "cuda") and getattr(device, "local_hardware_id", None) == index:
-            return device_info_of(device)
-    raise RuntimeError(f"no local JAX GPU has CUDA ordinal {index}")
-
-
 def _device_buffer(buf) -> DeviceBuffer:
     """A buffer_callback buffer as the launchers read it: its address, dtype and shape. Host
     buffers are read through numpy (zero-copy), device buffers through
@@ -67,7 +50,7 @@ def _device_buffer(buf) -> DeviceBuffer:
     dtype = np.dtype(buf.dtype).name
     if kind == _DLPACK_CPU:
         return DeviceBuffer(np.asarray(buf).ctypes.data, dtype, buf.shape, _CPU, owner=buf)
-    return DeviceBuffer(buf.__cuda_array_interface__["data"][0], dtype, buf.shape, _cuda_device(index), owner=buf)
+    return DeviceBuffer(buf.__cuda_array_interface__["data"][0], dtype, buf.shape, cuda_device(index), owner=buf)
 
 
 class JaxBuffers(BufferAdapter):
@@ -149,7 +132,7 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
 # gradient; VSA's callers drop it).
 def statics_for(p: AttnProblem, backend: str, q) -> OpStatics:
     """The statics of a checked call on q's device (the backend resolved there)."""
-    return op_statics(p, backend, device_info(q), arrays=JAX.arrays, gpu=JAX.gpu)
+    return op_statics(p, backend, device_info(q), arrays="JAX arrays on the CPU", gpu="arrays on a GPU")
 
 
 def attend(statics: OpStatics, named: dict):
@@ -157,10 +140,27 @@ def attend(statics: OpStatics, named: dict):
     return _attend(statics, _vary_alike(*(named[n] for n in forward_inputs(statics))))
 
 
+# the spmd split's kind of each axes class of `vsa_core.spec.AXES`
+_SPLIT_KINDS = {"bh": "bh", "blocks": "replicated"}
+
+
+def attend_split(statics: OpStatics, named: dict):
+    """`attend`, split over the devices when the arrays are sharded over batch / heads (see
+    vsa_jax.spmd); on one device (or inside a shard_map) the plain call. Not for packed calls."""
+    names = forward_inputs(statics)
+    kinds = tuple(_SPLIT_KINDS.get(AXES[n], statics.layout) for n in names)
+    args = tuple(named[n] for n in names)
+    split = _spmd.plan_split(statics.layout, statics.block_elems,
+                             {PUBLIC_NAMES[n]: (x, kind) for n, x, kind in zip(names, args, kinds)})
+    if split is None:
+        return attend(statics, named)
+    return _spmd.run_split(lambda *xs: attend(statics, dict(zip(names, xs))), split, args, kinds,
+                           (statics.layout, "bh"))
+
+
 def _forward(statics: OpStatics, arrays: tuple, training: bool):
     s = dataclasses.replace(statics, training=training)
-    named = dict(zip(forward_inputs(s), arrays))
-    p = op_problem(s, named)
+    p, named = forward_arguments(s, arrays)
     return s, p, named, _run("forward", p, backend_named(s.backend), **named)
 
 
@@ -180,13 +180,10 @@ def _attend_fwd(statics: OpStatics, arrays: tuple):
 def _attend_bwd(statics: OpStatics, residuals, cotangents):
     s = dataclasses.replace(statics, training=True)
     kept, results = residuals
-    named = dict(zip(backward_inputs(s), kept))
-    p = op_problem(s, named)
-    grads = _run("backward", p, backend_named(s.backend), dout=cotangents[0], **named,
-                 **dict(zip(forward_results(p), results)))
+    p, named = backward_arguments(s, kept, results, cotangents[0])
     # None: no cotangent for the integer counts, offsets, selections and prefix counts (JAX
     # makes them float0 zeros)
-    return (tuple(grads[gradients(s)[n]] if n in GRADIENTS else None for n in forward_inputs(s)),)
+    return (input_gradients(s, _run("backward", p, backend_named(s.backend), **named)),)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -38,11 +38,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vsa_core.problem import block_elements
-from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
+from vsa_core.sequence_parallel import prepare_on_mesh, prepare_ulysses
 
+from .adapter import JAX
 from .attention import video_sparse_attn_bshd
-from .ops import as_counts, require_arrays
 
 __all__ = ["ulysses_video_sparse_attn", "ulysses_video_sparse_attn_on_mesh"]
 
@@ -85,23 +84,20 @@ def ulysses_video_sparse_attn(q: jax.Array, k: jax.Array, v: jax.Array, variable
     `softmax_scale` as in `video_sparse_attn` (one scale for the coarse and the fine branch).
     `padding` as in `video_sparse_attn`.
     """
-    require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    group_size = jax.lax.axis_size(axis_name)
-    check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
-                         block_size=block_size, topk=topk, group_size=group_size, prefix_blocks=prefix_blocks,
-                         prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
     statics = dict(prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
-    if group_size == 1:
+    call = prepare_ulysses(JAX, q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
+                           group_size=jax.lax.axis_size(axis_name), block_size=block_size, topk=topk, **statics)
+    if call is None:
         return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
                                       compress_attn_weight, backend=backend, **statics)
     # chunks of heads, each exchanged and computed on its own, so that XLA can overlap one
     # chunk's all-to-all with another's VSA
     outs = []
-    for heads in head_chunks(q.shape[2] // group_size):
+    for heads in call.chunks:
         qh, kh, vh = (_sequence_to_heads(x, axis_name, heads) for x in (q, k, v))
         gh = None if compress_attn_weight is None else _sequence_to_heads(compress_attn_weight, axis_name, heads)
-        out = video_sparse_attn_bshd(qh, kh, vh, variable_block_sizes, q_variable_block_sizes, topk, block_size,
-                                     gh, backend=backend, **statics)
+        out = video_sparse_attn_bshd(qh, kh, vh, call.kv_counts, call.q_counts, topk, block_size, gh,
+                                     backend=backend, **statics)
         outs.append(_heads_to_sequence(out, axis_name))
     B, s, H, D = q.shape
     return jnp.concatenate(outs, axis=3).reshape(B, s, H, D)
@@ -134,33 +130,18 @@ def ulysses_video_sparse_attn_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, 
     Returns the global output, sharded like the inputs. Works eagerly, under jax.jit and
     jax.grad; a thin wrapper of `jax.shard_map` over `ulysses_video_sparse_attn`.
     `prefix_blocks` / `prefix_mode` / `softmax_scale`: as in `ulysses_video_sparse_attn`."""
-    require_arrays(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    if axis_name not in mesh.shape:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
-    if batch_axis_name is not None and batch_axis_name not in mesh.shape:
-        raise ValueError(f"batch_axis_name {batch_axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
-    group_size = mesh.shape[axis_name]
-    for name, x in (("q", q), ("k", k)):
-        if len(x.shape) == 4 and x.shape[1] % group_size:
-            raise ValueError(f"{name}'s sequence length {x.shape[1]} does not split into {group_size} equal shards "
-                             f"over mesh axis {axis_name!r}")
-    E = block_elements(block_size)
-    kv_counts = as_counts("variable_block_sizes", variable_block_sizes, E)
-    q_counts = as_counts("q_variable_block_sizes", q_variable_block_sizes, E)
-
+    kv_counts, q_counts = prepare_on_mesh(JAX, q, k, v, compress_attn_weight, variable_block_sizes,
+                                          q_variable_block_sizes, mesh_shape=mesh.shape, axis_name=axis_name,
+                                          batch_axis_name=batch_axis_name, block_size=block_size)
     tokens, replicated = P(batch_axis_name, axis_name), P()
     attend = functools.partial(ulysses_video_sparse_attn, topk=topk, block_size=block_size, axis_name=axis_name,
                                backend=backend, prefix_blocks=prefix_blocks, prefix_mode=prefix_mode,
                                softmax_scale=softmax_scale, padding=padding)
-    if compress_attn_weight is None:
-        def run(q, k, v, kv_counts, q_counts):
-            return attend(q, k, v, kv_counts, q_counts)
-        args = (q, k, v, kv_counts, q_counts)
-        specs = (tokens,) * 3 + (replicated,) * 2
-    else:
-        def run(q, k, v, kv_counts, q_counts, gate):
-            return attend(q, k, v, kv_counts, q_counts, compress_attn_weight=gate)
-        args = (q, k, v, kv_counts, q_counts, compress_attn_weight)
-        specs = (tokens,) * 3 + (replicated,) * 2 + (tokens,)
+
+    def run(q, k, v, kv_counts, q_counts, gate=None):
+        return attend(q, k, v, kv_counts, q_counts, compress_attn_weight=gate)
+    gate = () if compress_attn_weight is None else (compress_attn_weight,)
+    args = (q, k, v, kv_counts, q_counts) + gate
+    specs = (tokens,) * 3 + (replicated,) * 2 + (tokens,) * len(gate)
     placed = (_place(jnp.asarray(x), mesh, spec) for x, spec in zip(args, specs))
     return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=tokens)(*placed)

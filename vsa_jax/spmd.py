@@ -32,15 +32,14 @@ for auto axes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-Axes = Tuple[str, ...]  # the mesh axes one array dimension is split over, major to minor
-
+from vsa_core import device_split
+from vsa_core.device_split import Axes, Split
 
 def _axes(entry) -> Axes:
     if entry is None or entry is P.UNCONSTRAINED:
@@ -66,99 +65,17 @@ def visible_sharding(x) -> Optional[Tuple[object, tuple]]:
     return None
 
 
-@dataclass(frozen=True)
-class Split:
-    """How a call is split: q's batch and heads axes over these mesh axes."""
-
-    mesh: object
-    batch: Axes
-    heads: Axes
-
-    def spec(self, kind: str, ndim: int) -> P:
-        """The PartitionSpec of an argument or result. kind: "bhsd" / "bshd" (token arrays
-        in that layout), "bh" (batch and heads leading: selections, lse), "replicated"."""
-        if kind == "replicated":
-            return P()
-        heads_dim = 2 if kind == "bshd" else 1
-        entries = [None] * ndim
-        entries[0], entries[heads_dim] = _entry(self.batch), _entry(self.heads)
-        return P(*entries)
-
-    @property
-    def axis_names(self) -> frozenset:
-        return frozenset(self.batch + self.heads)
-
-
-def _size(mesh, axes: Axes) -> int:
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    return n
-
-
 def plan_split(layout: str, block_elems: int, arrays: dict) -> Optional[Split]:
-    """The split of a call, from its arrays' visible shardings; None when nothing is split.
-
-    arrays: name -> (array or None, kind) with kind as in `Split.spec`; "q" is the model.
-    Raises ValueError (naming the argument) for a sharding the op cannot partition along."""
-    q = arrays["q"][0]
-    found = visible_sharding(q)
-    if found is None:
-        others = [n for n, (x, _) in arrays.items() if x is not None and visible_sharding(x) is not None]
-        if others:
-            raise ValueError(f"{others[0]} is split over devices but q is not: shard q, k, v (and the gate) "
-                             "alike over the batch and/or heads axes")
-        return None
-    mesh, dims = found
-    heads_dim = 2 if layout == "bshd" else 1
-    split = Split(mesh, dims[0], dims[heads_dim])
-    for name, (x, kind) in arrays.items():
-        if x is None:
-            continue
-        got = visible_sharding(x)
-        x_dims = got[1] if got is not None else ((),) * x.ndim
-        if got is not None and got[0] != mesh:
-            raise ValueError(f"{name} is sharded over another mesh than q ({got[0]} vs {mesh})")
-        want = tuple(_axes(e) for e in split.spec(kind, x.ndim)) + ((),) * x.ndim
-        for dim, (have, need) in enumerate(zip(x_dims, want)):
-            if have == need:
-                continue
-            what = _dim_name(kind, dim)
-            if kind in ("bhsd", "bshd") and what == "sequence":
-                local = x.shape[dim] // _size(mesh, have)
-                splits = f", which splits the {block_elems}-token blocks" if local % block_elems else ""
-                raise ValueError(
-                    f"{name} is sharded along its sequence axis ({_over(have)}, {local} tokens per shard"
-                    f"{splits}): "
-                    "video sparse attention partitions over batch and heads only (a query block may select "
-                    "any KV block); replicate the sequence axis (jax.sharding.reshard) or use sequence "
-                    "parallelism (all-to-all to a heads split)")
-            if kind == "replicated":
-                raise ValueError(f"{name} must be replicated over the devices, got its axis {dim} split over "
-                                 f"{_over(have)}")
-            if name == "q":
-                raise ValueError(f"q may be split over its batch and heads axes only, got its {what} axis over "
-                                 f"{_over(have)}")
-            raise ValueError(f"{name} must be split like q (batch over {_over(split.batch)}, heads over "
-                             f"{_over(split.heads)}, nothing else split), got its {what} axis over {_over(have)}")
-    for what, axes, size in (("batch", split.batch, q.shape[0]), ("heads", split.heads, q.shape[heads_dim])):
-        n = _size(mesh, axes)
-        if size % n:
-            raise ValueError(f"q's {what} axis ({size}) must be divisible by the number of devices it is split "
-                             f"over ({n}, mesh axes {axes})")
-    return split
+    """The split of a call, from its arrays' visible shardings (`vsa_core.device_split.plan_split`);
+    arrays: name -> (array or None, kind)."""
+    return device_split.plan_split(layout, block_elems, {
+        n: None if x is None else (tuple(x.shape), kind, visible_sharding(x)) for n, (x, kind) in arrays.items()})
 
 
-def _over(axes: Axes) -> str:
-    return f"mesh axes {axes}" if axes else "no mesh axis"
-
-
-def _dim_name(kind: str, dim: int) -> str:
-    if kind == "bhsd":
-        return ("batch", "heads", "sequence", "head dim")[dim]
-    if kind == "bshd":
-        return ("batch", "sequence", "heads", "head dim")[dim]
-    return ("batch", "heads")[dim] if dim < 2 else f"axis {dim}"
+def _spec(split: Split, kind: str, ndim: int) -> P:
+    if kind == "replicated":
+        return P()
+    return P(*(_entry(axes) for axes in split.dims(kind, ndim)))
 
 
 def run_split(fn, split: Split, args: tuple, kinds: tuple, out_kinds):
@@ -173,12 +90,12 @@ def run_split(fn, split: Split, args: tuple, kinds: tuple, out_kinds):
             full[i] = x
         return fn(*full)
 
-    in_specs = tuple(split.spec(kinds[i], args[i].ndim) for i in present)
+    in_specs = tuple(_spec(split, kinds[i], args[i].ndim) for i in present)
     # results have the ranks of their kinds: token arrays 4, "bh" arrays 3 (lse)
     rank = {"bhsd": 4, "bshd": 4, "bh": 3, "replicated": 0}
     if isinstance(out_kinds, tuple):
-        out_specs = tuple(split.spec(k, rank[k]) for k in out_kinds)
+        out_specs = tuple(_spec(split, k, rank[k]) for k in out_kinds)
     else:
-        out_specs = split.spec(out_kinds, rank[out_kinds])
+        out_specs = _spec(split, out_kinds, rank[out_kinds])
     return jax.shard_map(local, mesh=split.mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=split.axis_names)(*(args[i] for i in present))

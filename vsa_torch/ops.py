@@ -12,105 +12,27 @@ import dataclasses
 import functools
 from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from vsa_core import frontend
 from vsa_core import ops as core_ops
 from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
-from vsa_core.frontend import FrontendAdapter
 from vsa_core.problem import AttnProblem
 from vsa_core.runtime import BufferAdapter, DeviceInfo
-from vsa_core.spec import GRADIENTS, OpStatics, backward_inputs, forward_inputs, forward_results, gradients, op_problem
-
-class TorchFrontend(FrontendAdapter):
-    """torch tensors for the core's checks and coercions (`vsa_core.frontend`)."""
-
-    arrays, gpu = "CPU tensors", "CUDA tensors"
-    array_types, array_kind = (Tensor,), "a torch.Tensor"
-
-    def counts_array(self, name: str, counts) -> Tensor:
-        # a tensor before anything reads its shape or dtype: torch.compile traces a numpy array
-        # (e.g. `meta.variable_block_sizes`) as a tensor and cannot read the array's own
-        # attributes, while torch.as_tensor of it traces
-        if isinstance(counts, Tensor):
-            return counts
-        try:
-            return torch.as_tensor(counts)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"{name} must be a 1-D integer array (numpy, torch or a list of ints), "
-                            f"got {type(counts).__name__}") from None
-
-    def concrete(self, *xs) -> bool:
-        return not torch.compiler.is_compiling()  # compiled: the kernels read the values on the device only
-
-    def host(self, x) -> np.ndarray:
-        return x.detach().cpu().numpy()
-
-    def version(self, x):
-        # host tensors are checked on every call: reading them costs no device sync, and one
-        # that aliases numpy memory (torch.from_numpy) can change through numpy without
-        # torch's version counter seeing it
-        return None if x.device.type == "cpu" else x._version
-
-    def as_array(self, x) -> Tensor:
-        return x if isinstance(x, Tensor) else torch.as_tensor(x)
-
-    def is_integer(self, x) -> bool:
-        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-
-    def int32(self, x: Tensor, like: Tensor) -> Tensor:
-        return x.to(device=like.device, dtype=torch.int32).contiguous()
-
-    def device_info(self, x: Tensor) -> DeviceInfo:
-        return _device_info(x.device.type, x.device.index)
-
-    def operands(self, packed: bool, **arrays) -> dict:
-        return {n: None if x is None else x.contiguous()[None] if packed else x.contiguous() for n, x in arrays.items()}
-
-    def check_devices(self, like: Tensor, **tensors) -> None:
-        for name, t in tensors.items():
-            if t is not None and t.device != like.device:
-                raise ValueError(f"{name} must be on q's device ({like.device}), got {t.device}")
-
-    def count_values(self, x: Tensor) -> np.ndarray:
-        return np.array([int(b) for b in torch.aminmax(x.to(torch.int64))])  # one device sync, not a copy
-
-    def counts_readable(self, name: str, counts: Tensor, like: Tensor) -> bool:
-        if torch.compiler.is_compiling():
-            return False
-        if like.is_cuda and torch.cuda.is_current_stream_capturing():
-            # CUDA-graph capture: a host read of device counts or a copy of host counts to the
-            # device synchronises, which breaks the capture. The values were checked on the
-            # eager warm-up call that capture needs anyway; shapes and dtypes still are.
-            if not counts.is_cuda:
-                raise ValueError(f"{name} must be a CUDA tensor while a CUDA graph is being captured (host "
-                                 f"counts would be copied to the device with a synchronisation), got {counts.device}")
-            return False
-        return True
-
-    def index_lists_valid(self, idx: Tensor, num: Tensor, n_kv_blocks: int) -> Optional[bool]:
-        """On the device the rows are checked there and one flag comes back (one sync per new
-        or modified pair of lists)."""
-        if idx.device.type == "cpu":
-            return None
-        cap = idx.shape[-1]
-        num64 = num.to(torch.int64)
-        live = torch.arange(cap, device=idx.device) < num64.clamp(0, cap)[..., None]
-        bad = ((num64 < 0) | (num64 > cap)).any()
-        bad |= (live & ((idx < 0) | (idx >= n_kv_blocks))).any()
-        bad |= (live[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
-        return not bool(bad)
-
-
-TORCH = TorchFrontend()
-check_devices, require_tensors = TORCH.check_devices, TORCH.require
+from vsa_core.spec import (GRADIENTS, OpStatics, backward_arguments, backward_inputs, forward_arguments, forward_inputs,
+                           forward_results, gradients)
 
 
 def device_info(t: Tensor) -> DeviceInfo:
-    return TORCH.device_info(t)
+    return _device_info(t.device.type, t.device.index)
+
+
+def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
+    if device_type == "cuda":
+        index = device_index if device_index is not None else torch.cuda.current_device()
+        return DeviceInfo("cuda", index, torch.cuda.get_device_capability(index))
+    return DeviceInfo(device_type)
 
 
 class TorchBuffers(BufferAdapter):
@@ -151,8 +73,7 @@ def _statics(statics: str, softmax_scale: float) -> OpStatics:
 def _forward_impl(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[Tensor]:
     """Returns the forward's results (`vsa_core.spec.forward_results`: out first)."""
     s = _statics(statics, softmax_scale)
-    named = dict(zip(forward_inputs(s), inputs))
-    p = op_problem(s, named)
+    p, named = forward_arguments(s, inputs)
     buffers = _alloc(p.forward_buffers(), named["q"])
     core_ops.forward(p, backend_named(s.backend), {**named, **buffers}, adapter=TORCH_BUFFERS)
     return [buffers[n] for n in forward_results(p)]
@@ -166,9 +87,7 @@ def _forward(inputs: List[Tensor], statics: str, softmax_scale: float) -> List[T
 
 @_forward.register_fake
 def _(inputs, statics, softmax_scale):
-    s = _statics(statics, softmax_scale)
-    named = dict(zip(forward_inputs(s), inputs))
-    p = op_problem(s, named)
+    p, named = forward_arguments(_statics(statics, softmax_scale), inputs)
     table = p.forward_buffers()
     return list(_alloc({n: table[n] for n in forward_results(p)}, named["q"]).values())
 
@@ -178,12 +97,9 @@ def _backward_impl(dout: Tensor, inputs: List[Tensor], results: List[Tensor], st
     """The gradients (`vsa_core.spec.gradients`) from the inputs the backward reads
     (`backward_inputs`) and the forward's results."""
     s = _statics(statics, softmax_scale)
-    named = dict(zip(backward_inputs(s), inputs))
-    p = op_problem(s, named)
+    p, named = backward_arguments(s, inputs, results, dout.contiguous())
     grads = _alloc(p.backward_buffers(), named["q"])
-    core_ops.backward(p, backend_named(s.backend), {"dout": dout.contiguous(), **named,
-                                                    **dict(zip(forward_results(p), results)), **grads},
-                      adapter=TORCH_BUFFERS)
+    core_ops.backward(p, backend_named(s.backend), {**named, **grads}, adapter=TORCH_BUFFERS)
     return [grads[g] for g in gradients(s).values()]
 
 
@@ -202,27 +118,6 @@ def _(dout, inputs, results, statics, softmax_scale):
     return [torch.empty_like(named[n]) for n in gradients(s)]
 
 
-def _setup_context(ctx, inputs, output):
-    tensors, statics, softmax_scale = inputs
-    s = OpStatics.decode(statics)
-    named = dict(zip(forward_inputs(s), tensors))
-    kept = backward_inputs(s)
-    ctx.save_for_backward(*(named[n] for n in kept), *output)
-    ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
-    ctx.mark_non_differentiable(*output[1:])
-
-
-def _backward_of_forward(ctx, grads):
-    s = OpStatics.decode(ctx.call[0])
-    saved = ctx.saved_tensors
-    computed = dict(zip(gradients(s), _backward(grads[0], list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]),
-                                                *ctx.call)))
-    return [computed.get(n) for n in forward_inputs(s)], None, None
-
-
-torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_context=_setup_context)
-
-
 @functools.lru_cache(maxsize=1024)
 def _names(statics: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]:
     """forward_inputs, backward_inputs and gradients of encoded statics."""
@@ -230,11 +125,42 @@ def _names(statics: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, .
     return forward_inputs(s), backward_inputs(s), tuple(gradients(s))
 
 
+def _keep_for_backward(ctx, tensors, statics: str, softmax_scale: float, output) -> None:
+    """Saves the inputs the backward reads and the forward's results (of which only out is
+    differentiable)."""
+    inputs, kept, _ = _names(statics)
+    named = dict(zip(inputs, tensors))
+    ctx.save_for_backward(*(named[n] for n in kept), *output)
+    ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _input_gradients(ctx, dout: Tensor, backward) -> list:
+    """Each forward input's gradient (None for the integer arrays), computed by `backward`:
+    the custom op, or outside torch.compile its implementation."""
+    inputs, _, grad_names = _names(ctx.call[0])
+    saved = ctx.saved_tensors
+    computed = dict(zip(grad_names, backward(dout, list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]), *ctx.call)))
+    return [computed.get(n) for n in inputs]
+
+
+def _setup_context(ctx, inputs, output):
+    tensors, statics, softmax_scale = inputs
+    _keep_for_backward(ctx, tensors, statics, softmax_scale, output)
+
+
+def _backward_of_forward(ctx, grads):
+    return _input_gradients(ctx, grads[0], _backward), None, None
+
+
+torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_context=_setup_context)
+
+
 class _EagerOperator(torch.autograd.Function):
     """The operator outside torch.compile: the custom ops' very forward and backward
     (`_forward_impl`, `_backward_impl`), without torch.library's per-call dispatch, which
     costs several times what a plain autograd.Function does (benchmarks/host_cost.py).
-    torch.compile traces the custom ops instead (`run_forward`)."""
+    torch.compile traces the custom ops instead (`attend`)."""
 
     @staticmethod
     def forward(statics: str, softmax_scale: float, *inputs: Tensor):
@@ -243,27 +169,12 @@ class _EagerOperator(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         statics, softmax_scale, *tensors = inputs
-        inputs_named, kept, _ = _names(statics)
-        named = dict(zip(inputs_named, tensors))
-        ctx.save_for_backward(*(named[n] for n in kept), *output)
-        ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
-        ctx.mark_non_differentiable(*output[1:])
+        _keep_for_backward(ctx, tensors, statics, softmax_scale, output)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable
     def backward(ctx, dout: Tensor, *_):
-        inputs_named, _, grad_names = _names(ctx.call[0])
-        saved = ctx.saved_tensors
-        grads = _backward_impl(dout, list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]), *ctx.call)
-        computed = dict(zip(grad_names, grads))
-        return (None, None, *(computed.get(n) for n in inputs_named))
-
-
-def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
-    if device_type == "cuda":
-        index = device_index if device_index is not None else torch.cuda.current_device()
-        return DeviceInfo("cuda", index, torch.cuda.get_device_capability(index))
-    return DeviceInfo(device_type)
+        return (None, None, *_input_gradients(ctx, dout, _backward_impl))
 
 
 # torch.compile traces the frontends but cannot trace backend resolution (it reads the
@@ -273,8 +184,7 @@ def _device_info(device_type: str, device_index: Optional[int]) -> DeviceInfo:
 def _statics_text(problem_fields: tuple, backend: str, device_type: str, device_index: Optional[int],
                   training: bool) -> str:
     p = AttnProblem(*problem_fields)
-    return op_statics(p, backend, _device_info(device_type, device_index), training=training, arrays=TORCH.arrays,
-                      gpu=TORCH.gpu).encode()
+    return op_statics(p, backend, _device_info(device_type, device_index), training=training).encode()
 
 
 @torch.compiler.assume_constant_result
@@ -297,28 +207,11 @@ def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
     return _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
 
 
-def run_forward(call: Tuple[str, float], named: dict) -> List[Tensor]:
-    """The forward (differentiable in out) of the inputs named as `vsa_core.spec.forward_inputs`
-    says; `call`: what `statics_for` returned. Returns `forward_results` (out, lse, ...)."""
-    inputs = [named[n] for n in _input_names(call[0])]
-    if torch.compiler.is_compiling():
-        return _forward(inputs, *call)
-    return list(_EagerOperator.apply(*call, *inputs))
-
-
-def run_backward(call: Tuple[str, float], dout: Tensor, named: dict, results: List[Tensor]) -> List[Tensor]:
-    """The gradients (`vsa_core.spec.gradients`, in input order) of a forward run by `run_forward`."""
-    inputs = [named[n] for n in _names(call[0])[1]]
-    if torch.compiler.is_compiling():
-        return _backward(dout, inputs, list(results), *call)
-    return _backward_impl(dout, inputs, list(results), *call)
-
-
 def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:
-    """`run_forward` of a checked call: its results, out and lse first."""
-    return run_forward(statics_for(p, backend, named), named)
-
-
-def as_counts(name: str, counts, like: Tensor, block_elems: int) -> Tensor:
-    """Any integer array -> int32 tensor on q's device, values checked (eagerly)."""
-    return frontend.as_counts(TORCH, name, counts, like, block_elems)
+    """The forward (differentiable in out) of a checked call whose inputs are named as
+    `vsa_core.spec.forward_inputs` says; returns `forward_results` (out, lse, ...)."""
+    statics, softmax_scale = statics_for(p, backend, named)
+    inputs = [named[n] for n in _input_names(statics)]
+    if torch.compiler.is_compiling():
+        return _forward(inputs, statics, softmax_scale)
+    return list(_EagerOperator.apply(statics, softmax_scale, *inputs))

@@ -41,16 +41,16 @@ length (a check across ranks would cost a collective and a host sync per call).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vsa_core.sequence_parallel import check_ulysses_shards, head_chunks
+from vsa_core.sequence_parallel import prepare_ulysses
 
+from .adapter import TORCH
 from .attention import video_sparse_attn_bshd
-from .ops import as_counts, check_devices, require_tensors, run_backward, run_forward, statics_for
 
 __all__ = ["ulysses_video_sparse_attn"]
 
@@ -127,25 +127,29 @@ def _store_heads(dest: Tensor, recv: Tensor, heads: Tuple[int, int]) -> None:
 # ---- the operator as one autograd Function -------------------------------------------------
 class _UlyssesVSA(torch.autograd.Function):
     """Exchange, VSA and exchange back, chunk by chunk (see the module docstring); the
-    backward exchanges dout, runs VSA's backward per chunk and sends the gradients back."""
+    backward exchanges dout, runs VSA's backward per chunk and sends the gradients back.
+    `attend(q, k, v, gate)`: the public VSA function of one chunk's heads. Each chunk's heads
+    are leaves of a graph of their own, so that its backward runs when its dout has arrived.
+    `training`: whether a backward can follow, from the caller's grad mode and requires_grad
+    (inside `forward` grad mode is off, and needs_input_grad ignores it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, kv_counts, q_counts, call, group, chunks):
+    def forward(ctx, q, k, v, gate, attend: Callable, group, chunks, training: bool):
         P = dist.get_world_size(group)
         inputs = [q, k, v] + ([gate] if gate is not None else [])
         incoming = [_Exchange(inputs, group, P, c, to_heads=True) for c in chunks]
         out = torch.empty_like(q)
         outgoing, saved = [], []
         for c, exchange in zip(chunks, incoming):
-            qh, kh, vh, *gh = (_sequence_of_heads(r) for r in exchange.finish())
-            named = dict(q=qh, k=kh, v=vh, kv_counts=kv_counts, q_counts=q_counts, gate=gh[0] if gh else None)
-            results = run_forward(call, named)
-            outgoing.append(_Exchange(results[:1], group, P, c, to_heads=False))
-            if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[1:4]):
-                saved.append((named, results))
+            heads = [_sequence_of_heads(r).detach().requires_grad_(training) for r in exchange.finish()]
+            with torch.set_grad_enabled(training):
+                chunk_out = attend(*heads)
+            outgoing.append(_Exchange([chunk_out.detach()], group, P, c, to_heads=False))
+            if training:
+                saved.append((heads, chunk_out))
         for c, exchange in zip(chunks, outgoing):
             _store_heads(out, exchange.finish()[0], c)
-        ctx.call, ctx.group, ctx.chunks, ctx.saved_chunks = call, group, chunks, saved
+        ctx.group, ctx.chunks, ctx.saved_chunks = group, chunks, saved
         ctx.kv_shape, ctx.has_gate = k.shape, gate is not None
         return out
 
@@ -156,15 +160,15 @@ class _UlyssesVSA(torch.autograd.Function):
         shapes = (dout.shape, ctx.kv_shape, ctx.kv_shape, dout.shape)[:3 + ctx.has_gate]
         grads = [dout.new_empty(shape) for shape in shapes]
         outgoing = []
-        for c, exchange, (named, results) in zip(ctx.chunks, incoming, ctx.saved_chunks):
+        for c, exchange, (heads, chunk_out) in zip(ctx.chunks, incoming, ctx.saved_chunks):
             douth = _sequence_of_heads(exchange.finish()[0])
-            chunk_grads = run_backward(ctx.call, douth, named, results)
-            outgoing.append(_Exchange(chunk_grads, ctx.group, P, c, to_heads=False))
+            chunk_grads = torch.autograd.grad(chunk_out, heads, douth)
+            outgoing.append(_Exchange(list(chunk_grads), ctx.group, P, c, to_heads=False))
         for c, exchange in zip(ctx.chunks, outgoing):
             for dest, recv in zip(grads, exchange.finish()):
                 _store_heads(dest, recv, c)
         ctx.saved_chunks = None
-        return (*grads[:3], grads[3] if ctx.has_gate else None) + (None,) * 5
+        return (*grads[:3], grads[3] if ctx.has_gate else None) + (None,) * 4
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -196,20 +200,17 @@ def ulysses_video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, variable_block_si
     selection is the one-device selection. `softmax_scale` as in `video_sparse_attn` (one
     scale for the coarse and the fine branch).
     """
-    require_tensors(q=q, k=k, v=v, compress_attn_weight=compress_attn_weight)
-    P = _group_size(group)
-    p = check_ulysses_shards(q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
-                             block_size=block_size, topk=topk, group_size=P, prefix_blocks=prefix_blocks,
-                             prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
-    if P == 1:
+    statics = dict(prefix_blocks=prefix_blocks, prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
+    call = prepare_ulysses(TORCH, q, k, v, compress_attn_weight, variable_block_sizes, q_variable_block_sizes,
+                           group_size=_group_size(group), block_size=block_size, topk=topk, **statics)
+    if call is None:
         return video_sparse_attn_bshd(q, k, v, variable_block_sizes, q_variable_block_sizes, topk, block_size,
-                                      compress_attn_weight, backend=backend, prefix_blocks=prefix_blocks,
-                                      prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding)
+                                      compress_attn_weight, backend=backend, **statics)
+
+    def attend(q, k, v, gate=None):
+        return video_sparse_attn_bshd(q, k, v, call.kv_counts, call.q_counts, topk, block_size, gate,
+                                      backend=backend, **statics)
     gate = compress_attn_weight
-    check_devices(q, k=k, v=v, compress_attn_weight=gate)
-    kv_counts = as_counts("variable_block_sizes", variable_block_sizes, q, p.block_elems)
-    q_counts = as_counts("q_variable_block_sizes", q_variable_block_sizes, q, p.block_elems)
-    call = statics_for(p, backend, dict(q=q, k=k, v=v, gate=gate))
-    chunks = head_chunks(q.shape[2] // P)
+    training = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gate))
     return _UlyssesVSA.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                             None if gate is None else gate.contiguous(), kv_counts, q_counts, call, group, chunks)
+                             None if gate is None else gate.contiguous(), attend, group, call.chunks, training)
