@@ -99,7 +99,7 @@ def test_auto_table_keys_name_registered_backends():
 
 
 def test_auto_order_per_key_and_default():
-    assert auto_table.auto_order(_problem(), H200) == ("cudnn", "triton")
+    assert auto_table.auto_order(_problem(), H200) == ("cudnn", "sm90", "triton")
     assert auto_table.auto_order(_problem(block_elems=256, q_len=512), H200)[0] == "cute"
     # no entry (another arch, dtype, head dim, or no GPU): the order before the table
     for p, dev in ((_problem(), DeviceInfo("cuda", 0, (10, 0))), (_problem(dtype="float16"), H200),
@@ -108,16 +108,23 @@ def test_auto_order_per_key_and_default():
 
 
 def test_auto_takes_cudnn_where_measured_fastest_and_falls_through(monkeypatch):
+    from vsa_core.backends import sm90_backend
     monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
     assert resolve_backend("auto", _problem(), H200) is cudnn_backend
     monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: "ModuleNotFoundError: No module named 'cudnn'")
-    assert resolve_backend("auto", _problem(), H200) is triton_backend  # not installed: the next one
+    monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: None)
+    assert resolve_backend("auto", _problem(), H200) is sm90_backend  # not installed: the next one
+    monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
+    assert resolve_backend("auto", _problem(), H200) is triton_backend
 
 
 def test_auto_error_lists_every_reason(monkeypatch):
+    from vsa_core.backends import sm90_backend
     monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: "ModuleNotFoundError: No module named 'cudnn'")
+    monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
     monkeypatch.setattr(triton_backend, "unavailable_reason", lambda p, d: "not here")
-    with pytest.raises(BackendUnavailableError, match=r"cudnn: .*No module named 'cudnn'.*; triton: not here"):
+    with pytest.raises(BackendUnavailableError,
+                       match=r"cudnn: .*No module named 'cudnn'.*; sm90: .*No module named 'cutlass'.*; triton: not here"):
         resolve_backend("auto", _problem(), H200)
 
 

@@ -25,7 +25,10 @@ TABLE = {
     # benchmarks/cudnn_check.py, 2026-11-30 (benchmarks/results/2026-11-30-h200x2-final):
     # 480p-64 (B1 H12 S39936, top-62): cudnn 512 / 406, triton 404 / 387. FA4 (cute) does not
     # take 64-token blocks.
-    ("sm_90", 64, 128, "bfloat16"): ("cudnn", "triton"),
+    # Our sm90 kernels, whole VSA (benchmarks/bench.py --quick, benchmarks/results/2026-12-02-h200-session5):
+    # fwd / bwd ms cudnn 1.983 / 6.354, sm90 1.996 / 6.252, triton 2.345 / 6.349 (fine stage cudnn
+    # 574 / 405 TFLOPS, sm90 562 / 402, triton 468 / 394): a tie with cuDNN, ahead of triton.
+    ("sm_90", 64, 128, "bfloat16"): ("cudnn", "sm90", "triton"),
     # H200 (sm_90), bf16, D=128, benchmarks/bench.py, 2026-11-29 (benchmarks/results/
     # 2026-11-29-h200): 480p-256 (top-20) fine cute 705 / 522, triton 425 / 392; 720p-256
     # (B1 H40 S92160, top-45) cute 635 / 527, triton 431 / 374. The cudnn backend does not take
