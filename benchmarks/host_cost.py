@@ -6,6 +6,12 @@ Python, dispatch and launch cost. Printed next to SDPA's at the same shape (the 
 compares against). Issue 22's targets: <= 0.15 ms forward and <= 0.5 ms forward+backward.
 
     PYTHONPATH=. python3 benchmarks/host_cost.py [--backends triton,cudnn,auto] [--calls 200]
+    PYTHONPATH=. python3 benchmarks/host_cost.py --backends cudnn --layers cudnn   # where it goes, by layer
+
+--layers BACKEND times the forward's layers one by one, each on buffers built once: the public call;
+the core's launch sequence (`vsa_core.ops.forward`, no frontend: no checks, no custom op, no
+allocation); the backend's fine stage alone (`sparse_forward`); one shared stage (the pooling: one
+Triton launch through the launch seam). The differences between the rows are each layer's own cost.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ def main():
     p.add_argument("--backends", default="triton,cudnn,auto")
     p.add_argument("--shape", default="1,2,4096,128,64,16", metavar="B,H,S,D,E,topk")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--layers", default=None, metavar="BACKEND",
+                   help="also time BACKEND's forward layer by layer (public call, core, fine stage, one launch)")
     p.add_argument("--profile", default=None, metavar="BACKEND",
                    help="also print where the host time of BACKEND's forward+backward goes (cProfile)")
     a = p.parse_args()
@@ -67,6 +75,8 @@ def main():
     print(f"{'row':<8} {'fwd':>8} {'fwd+bwd':>8}")
     for name, fwd, both in rows:
         print(f"{name:<8} {fwd:8.3f} {both:8.3f}")
+    if a.layers:
+        time_layers(a.layers, q, k, v, gate, counts, topk, E, a.calls)
     if a.profile:
         import cProfile
         import pstats
@@ -80,6 +90,43 @@ def main():
         print(f"\n{a.profile}: forward+backward, {a.calls} calls (cProfile)")
         pstats.Stats(prof).sort_stats("tottime").print_stats(28)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+
+
+def time_layers(backend, q, k, v, gate, counts, topk, E, calls):
+    """The forward's host time per layer (training: the forward keeps what the backward needs)."""
+    from vsa_core import ops as core_ops
+    from vsa_core import stages
+    from vsa_core.api import op_statics
+    from vsa_core.backends import backend_named
+    from vsa_core.backends.base import FineForward
+    from vsa_core.launch import eager_launcher
+    from vsa_core.problem import AttnProblem
+    from vsa_core.spec import op_problem
+    from vsa_torch.ops import TORCH_BUFFERS, _alloc, device_info
+
+    B, H, S, D = q.shape
+    p0 = AttnProblem(batch=B, heads=H, q_len=S, kv_len=S, head_dim=D, block_elems=E, dtype="bfloat16", topk=topk,
+                     has_gate=True)
+    statics = op_statics(p0, backend, device_info(q))
+    named = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "kv_counts": counts, "q_counts": counts,
+             "gate": gate.detach()}
+    p = op_problem(statics, named)
+    impl = backend_named(statics.backend)
+    buffers = {**named, **_alloc(p.forward_buffers(), q)}
+    core_ops.forward(p, impl, buffers, adapter=TORCH_BUFFERS)  # the fine stage's lists are now there
+    fine = FineForward(**{f: buffers.get(f) for f in FineForward.__dataclass_fields__})
+    rows = [
+        ("public call", lambda: video_sparse_attn(q, k, v, counts, counts, topk, E, gate, backend=backend)),
+        ("core ops.forward", lambda: core_ops.forward(p, impl, buffers, adapter=TORCH_BUFFERS)),
+        ("fine stage alone", lambda: impl.sparse_forward(eager_launcher, p, fine)),
+        ("one launch (pooling)", lambda: stages.block_mean_pool_qkv(
+            eager_launcher, p, buffers["q"], buffers["k"], buffers["v"], counts, counts, buffers["q_pool"],
+            buffers["k_pool"], buffers["v_pool"])),
+    ]
+    print(f"\n{statics.backend}: the forward's host time by layer, ms per call ({calls} calls, one sync)")
+    with torch.no_grad():
+        for name, fn in rows:
+            print(f"  {name:<22} {per_call_ms(fn, calls):8.3f}")
 
 
 if __name__ == "__main__":
