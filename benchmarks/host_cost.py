@@ -10,8 +10,10 @@ compares against). Issue 22's targets: <= 0.15 ms forward and <= 0.5 ms forward+
 
 --layers BACKEND times the forward's layers one by one, each on buffers built once: the public call;
 the core's launch sequence (`vsa_core.ops.forward`, no frontend: no checks, no custom op, no
-allocation); the backend's fine stage alone (`sparse_forward`); one shared stage (the pooling: one
-Triton launch through the launch seam). The differences between the rows are each layer's own cost.
+allocation); that sequence replayed (`vsa_core.replay`: what the eager path runs once a problem's
+launches are captured; "-" and the reason for a backend that cannot be replayed); the backend's
+fine stage alone (`sparse_forward`); one shared stage (the pooling: one Triton launch through the
+launch seam). The differences between the rows are each layer's own cost.
 """
 
 from __future__ import annotations
@@ -115,9 +117,17 @@ def time_layers(backend, q, k, v, gate, counts, topk, E, calls):
     buffers = {**named, **_alloc(p.forward_buffers(), q)}
     core_ops.forward(p, impl, buffers, adapter=TORCH_BUFFERS)  # the fine stage's lists are now there
     fine = FineForward(**{f: buffers.get(f) for f in FineForward.__dataclass_fields__})
+    from vsa_core.replay import CapturingLauncher
+    capture = CapturingLauncher(buffers)
+    core_ops.forward(p, impl, buffers, adapter=TORCH_BUFFERS, launcher=capture)
+    replay, why = capture.replay()
+    if not getattr(impl, "replayable", False):  # its fine stage does more than the launches captured
+        replay, why = None, f"the {statics.backend} backend's fine stage is not replayable"
     rows = [
         ("public call", lambda: video_sparse_attn(q, k, v, counts, counts, topk, E, gate, backend=backend)),
         ("core ops.forward", lambda: core_ops.forward(p, impl, buffers, adapter=TORCH_BUFFERS)),
+        ("core launches replayed", (lambda: replay.run(buffers, torch.cuda.current_stream().cuda_stream))
+         if replay is not None else None),
         ("fine stage alone", lambda: impl.sparse_forward(eager_launcher, p, fine)),
         ("one launch (pooling)", lambda: stages.block_mean_pool_qkv(
             eager_launcher, p, buffers["q"], buffers["k"], buffers["v"], counts, counts, buffers["q_pool"],
@@ -126,7 +136,10 @@ def time_layers(backend, q, k, v, gate, counts, topk, E, calls):
     print(f"\n{statics.backend}: the forward's host time by layer, ms per call ({calls} calls, one sync)")
     with torch.no_grad():
         for name, fn in rows:
-            print(f"  {name:<22} {per_call_ms(fn, calls):8.3f}")
+            if fn is None:
+                print(f"  {name:<22} {'-':>8}  ({why})")
+            else:
+                print(f"  {name:<22} {per_call_ms(fn, calls):8.3f}")
 
 
 if __name__ == "__main__":

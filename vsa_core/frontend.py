@@ -41,6 +41,7 @@ class FrontendAdapter:
 
     def __init__(self):
         self._checked: dict = {}
+        self._problems: dict = {}  # call_key -> the problem its checks gave (`known_problem`)
 
     def require(self, **arrays) -> None:
         """TypeError naming the first argument that is not one of the frontend's arrays (None: absent)."""
@@ -91,6 +92,13 @@ class FrontendAdapter:
         differentiable."""
         raise NotImplementedError
 
+    def call_key(self, statics: tuple, *arrays) -> Optional[Hashable]:
+        """A key of everything the argument checks and the problem of a call read (the
+        arrays' types, shapes, strides, dtypes and devices, the static arguments), or None
+        where a call cannot be memoized (traced arrays, host lists). By default None: JAX
+        checks once per trace anyway."""
+        return None
+
     def check_devices(self, like, **arrays) -> None:
         """Raises for an array on another device than q (`like`), naming it. By default none
         can be: JAX places the operands itself."""
@@ -122,6 +130,18 @@ class FrontendAdapter:
             if len(self._checked) > _CACHE_LIMIT:
                 self._checked.clear()
             self._checked[key] = (tuple(weakref.ref(x) for x in arrays), tokens)
+
+
+    def known_problem(self, key: Optional[Hashable]) -> Optional[AttnProblem]:
+        """The problem a call with the same `call_key` was checked to have (None: not known),
+        so a repeated call skips the argument checks: they read nothing the key leaves out."""
+        return None if key is None else self._problems.get(key)
+
+    def remember_problem(self, key: Optional[Hashable], p: AttnProblem) -> None:
+        if key is not None:
+            if len(self._problems) > _CACHE_LIMIT:
+                self._problems.clear()
+            self._problems[key] = p
 
 
 # ---- the checks and coercions, once for both frontends ---------------------------------------
@@ -242,15 +262,21 @@ def vsa_call(fe: FrontendAdapter, q, k, v, kv_counts, q_counts, topk, block_size
     """out of a `video_sparse_attn*` call (packed when the offsets are given): the arguments
     checked, the integer arrays coerced, the frontend's operator run."""
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-    fe.require(q=q, k=k, v=v, compress_attn_weight=gate, **_typed_offsets(fe, cu_seqlens_q, cu_seqlens_k))
+    key = fe.call_key(("vsa", topk, block_size, layout, backend, prefix_blocks, prefix_mode, softmax_scale, padding),
+                      q, k, v, gate, kv_counts, q_counts, cu_seqlens_q, cu_seqlens_k)
+    p = fe.known_problem(key)
+    if p is None:
+        fe.require(q=q, k=k, v=v, compress_attn_weight=gate, **_typed_offsets(fe, cu_seqlens_q, cu_seqlens_k))
     if not packed:
         kv_counts = fe.counts_array("variable_block_sizes", kv_counts)
         q_counts = fe.counts_array("q_variable_block_sizes", q_counts)
     elif isinstance(prefix_blocks, (list, tuple)):
         prefix_blocks = fe.as_array(prefix_blocks)
-    p = prepare_vsa(q, k, v, kv_counts, q_counts, topk, block_size, gate, layout=layout, backend=backend,
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, prefix_blocks=prefix_blocks,
-                    prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding).problem
+    if p is None:
+        p = prepare_vsa(q, k, v, kv_counts, q_counts, topk, block_size, gate, layout=layout, backend=backend,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, prefix_blocks=prefix_blocks,
+                        prefix_mode=prefix_mode, softmax_scale=softmax_scale, padding=padding).problem
+        fe.remember_problem(key, p)
     named = vsa_inputs(fe, p, q, k, v, kv_counts, q_counts, gate, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k, prefix_blocks=prefix_blocks)
     out, _ = fe.attend(p, backend, named)
@@ -265,12 +291,18 @@ def block_sparse_call(fe: FrontendAdapter, q, k, v, kv_counts, block_size, *, bl
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     selection = (dict(block_map=block_map) if block_map is not None
                  else dict(block_indices=block_indices, block_counts=block_counts))
-    fe.require(q=q, k=k, v=v, **selection, **_typed_offsets(fe, cu_seqlens_q, cu_seqlens_k))
+    key = fe.call_key(("block_sparse", block_size, layout, backend, softmax_scale, padding), q, k, v, kv_counts,
+                      block_map, block_indices, block_counts, cu_seqlens_q, cu_seqlens_k)
+    p = fe.known_problem(key)
+    if p is None:
+        fe.require(q=q, k=k, v=v, **selection, **_typed_offsets(fe, cu_seqlens_q, cu_seqlens_k))
     if not packed:
         kv_counts = fe.counts_array("variable_block_sizes", kv_counts)
-    p = prepare_block_sparse(q, k, v, kv_counts, block_size, layout=layout, backend=backend,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale,
-                             padding=padding, **selection).problem
+    if p is None:
+        p = prepare_block_sparse(q, k, v, kv_counts, block_size, layout=layout, backend=backend,
+                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale,
+                                 padding=padding, **selection).problem
+        fe.remember_problem(key, p)
     named = block_sparse_inputs(fe, p, q, k, v, kv_counts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                 **selection)
     out, lse = fe.attend(p, backend, named)

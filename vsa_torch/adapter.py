@@ -33,6 +33,21 @@ class TorchFrontend(FrontendAdapter):
             raise TypeError(f"{name} must be a 1-D integer array (numpy, torch or a list of ints), "
                             f"got {type(counts).__name__}") from None
 
+    def call_key(self, statics: tuple, *arrays):
+        if torch.compiler.is_compiling():
+            return None
+        described = []
+        for x in arrays:
+            if x is None:
+                described.append(None)
+            elif isinstance(x, Tensor):
+                described.append((tuple(x.shape), x.stride(), x.dtype, x.device))
+            else:  # a list or numpy array: converted per call, not memoized
+                return None
+        if not all(_plain(v) for v in statics):
+            return None
+        return tuple(_typed(v) for v in statics), tuple(described)
+
     def concrete(self, *xs) -> bool:
         return not torch.compiler.is_compiling()  # compiled: the kernels read the values on the device only
 
@@ -97,6 +112,19 @@ class TorchFrontend(FrontendAdapter):
         bad |= (live & ((idx < 0) | (idx >= n_kv_blocks))).any()
         bad |= (live[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
         return not bool(bad)
+
+
+def _plain(v) -> bool:
+    """A static argument a memo may key on: its value, not its identity, is what the checks read."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return isinstance(v, tuple) and all(_plain(x) for x in v)
+
+
+def _typed(v):
+    """v with its type (and its elements'), so that 2 and 2.0 or True and 1 key apart: the
+    checks tell them apart."""
+    return (tuple, tuple(_typed(x) for x in v)) if isinstance(v, tuple) else (type(v), v)
 
 
 TORCH = TorchFrontend()

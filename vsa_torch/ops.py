@@ -18,7 +18,9 @@ from torch import Tensor
 from vsa_core import ops as core_ops
 from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
+from vsa_core.config import config
 from vsa_core.problem import AttnProblem
+from vsa_core.replay import CapturingLauncher, Replay
 from vsa_core.runtime import BufferAdapter, DeviceInfo
 from vsa_core.spec import (GRADIENTS, OpStatics, backward_arguments, backward_inputs, forward_arguments, forward_inputs,
                            forward_results, gradients)
@@ -59,6 +61,57 @@ def _alloc(specs: dict, like: Tensor) -> dict:
             for name, (shape, dt) in specs.items()}
 
 
+# ---- the thin eager path: a stage's launches replayed (`vsa_core.replay`) -------------------
+# Replay key -> a `Replay`, the reason the stage cannot be replayed (str), or True: seen once,
+# captured on the next call (the first call of a problem may time tile candidates through its
+# launcher, which a capture must not keep).
+_REPLAYS: dict = {}
+_REPLAY_LIMIT = 512
+
+
+def _replay_key(stage: str, s: OpStatics, arrays) -> tuple:
+    """Everything a stage's launches depend on besides the buffers' addresses: the statics,
+    the launch configuration, each array's shape, strides, dtype, device and 16-byte
+    alignment, and which arrays are one object (a capture names a buffer by its object: the
+    same counts passed for both counts, say)."""
+    described = tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                      for t in arrays)
+    first = {}
+    aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(arrays) if t is not None)
+    return stage, s, config(), described, aliases
+
+
+def _run_stage(stage: str, s: OpStatics, p: AttnProblem, buffers: dict, arrays) -> None:
+    """core_ops.forward / backward on the named buffers: replayed where a capture of the same
+    key exists (no Python per launch beyond the binary's own call), else run and, on the
+    second call of a key, captured."""
+    backend = backend_named(s.backend)
+    run = core_ops.forward if stage == "forward" else core_ops.backward
+    q = buffers["q"]
+    if not (q.is_cuda and getattr(backend, "replayable", False)) or torch.compiler.is_compiling():
+        run(p, backend, buffers, adapter=TORCH_BUFFERS)
+        return
+    key = _replay_key(stage, s, arrays)
+    entry = _REPLAYS.get(key)
+    if isinstance(entry, Replay):
+        device = q.device
+        scope = contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
+        with scope:
+            entry.run(buffers, torch.cuda.current_stream(device).cuda_stream)
+        return
+    if entry is True:
+        launcher = CapturingLauncher(buffers)
+        run(p, backend, buffers, adapter=TORCH_BUFFERS, launcher=launcher)
+        replay, why = launcher.replay()
+        _REPLAYS[key] = replay if replay is not None else why
+        return
+    run(p, backend, buffers, adapter=TORCH_BUFFERS)
+    if entry is None:
+        if len(_REPLAYS) >= _REPLAY_LIMIT:
+            _REPLAYS.clear()
+        _REPLAYS[key] = True
+
+
 # ---- the operator: one forward and one backward for every call ---------------------------
 # Each takes its arrays as a tensor list named by the core's tables (`vsa_core.spec`) and the
 # call's statics as a string. The list holds only the arrays the call has: autograd through a
@@ -75,7 +128,7 @@ def _forward_impl(inputs: List[Tensor], statics: str, softmax_scale: float) -> L
     s = _statics(statics, softmax_scale)
     p, named = forward_arguments(s, inputs)
     buffers = _alloc(p.forward_buffers(), named["q"])
-    core_ops.forward(p, backend_named(s.backend), {**named, **buffers}, adapter=TORCH_BUFFERS)
+    _run_stage("forward", s, p, {**named, **buffers}, inputs)
     return [buffers[n] for n in forward_results(p)]
 
 
@@ -97,9 +150,10 @@ def _backward_impl(dout: Tensor, inputs: List[Tensor], results: List[Tensor], st
     """The gradients (`vsa_core.spec.gradients`) from the inputs the backward reads
     (`backward_inputs`) and the forward's results."""
     s = _statics(statics, softmax_scale)
-    p, named = backward_arguments(s, inputs, results, dout.contiguous())
+    dout = dout.contiguous()
+    p, named = backward_arguments(s, inputs, results, dout)
     grads = _alloc(p.backward_buffers(), named["q"])
-    core_ops.backward(p, backend_named(s.backend), {**named, **grads}, adapter=TORCH_BUFFERS)
+    _run_stage("backward", s, p, {**named, **grads}, [dout, *inputs, *results])
     return [grads[g] for g in gradients(s).values()]
 
 
@@ -160,16 +214,15 @@ class _EagerOperator(torch.autograd.Function):
     """The operator outside torch.compile: the custom ops' very forward and backward
     (`_forward_impl`, `_backward_impl`), without torch.library's per-call dispatch, which
     costs several times what a plain autograd.Function does (benchmarks/host_cost.py).
-    torch.compile traces the custom ops instead (`attend`)."""
+    torch.compile traces the custom ops instead (`attend`). The forward takes ctx itself
+    rather than a separate setup_context: with one, torch binds the arguments through
+    inspect.signature on every call."""
 
     @staticmethod
-    def forward(statics: str, softmax_scale: float, *inputs: Tensor):
-        return tuple(_forward_impl(list(inputs), statics, softmax_scale))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        statics, softmax_scale, *tensors = inputs
-        _keep_for_backward(ctx, tensors, statics, softmax_scale, output)
+    def forward(ctx, statics: str, softmax_scale: float, *inputs: Tensor):
+        output = tuple(_forward_impl(list(inputs), statics, softmax_scale))
+        _keep_for_backward(ctx, inputs, statics, softmax_scale, output)
+        return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable
@@ -195,16 +248,30 @@ def _input_names(statics: str) -> Tuple[str, ...]:
 _SCALE_FIELD = [f.name for f in dataclasses.fields(AttnProblem)].index("softmax_scale")
 
 
+_STATICS: dict = {}  # (problem, backend, device, training, launch config) -> (encoded statics, softmax scale)
+
+
 def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
     """The encoded statics of a checked call whose inputs are `named` (torch's grad mode and
     the inputs' requires_grad decide whether the forward keeps what the backward needs), and
-    its softmax scale (the statics hold a placeholder for it: see `_statics`)."""
+    its softmax scale (the statics hold a placeholder for it: see `_statics`). Eager calls
+    resolve the backend once per problem and configuration."""
     q = named["q"]
     training = torch.is_grad_enabled() and any(named.get(n) is not None and named[n].requires_grad
                                                for n in GRADIENTS)
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else (p, backend, q.device, training, config())
+    known = None if key is None else _STATICS.get(key)
+    if known is not None:
+        return known
     fields = dataclasses.astuple(p)
     fields = fields[:_SCALE_FIELD] + (None,) + fields[_SCALE_FIELD + 1:]  # resolved to 1/sqrt(D) there
-    return _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
+    result = _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
+    if key is not None:
+        if len(_STATICS) >= _REPLAY_LIMIT:
+            _STATICS.clear()
+        _STATICS[key] = result
+    return result
 
 
 def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:

@@ -91,7 +91,12 @@ class FineBackward:
 
 @runtime_checkable
 class FineStageBackend(Protocol):
-    """What a fine-stage backend provides (a module satisfies it structurally)."""
+    """What a fine-stage backend provides (a module satisfies it structurally).
+
+    Optional: `replayable = True` when every launch of its fine stage goes through the
+    launcher passed in and touches only the call's named buffers (no library call, no
+    allocation of its own), so that a captured stage can be replayed (`vsa_core.replay`);
+    absent means False."""
 
     name: str
 

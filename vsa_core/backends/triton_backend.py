@@ -28,6 +28,7 @@ from ..stages import _bh, _ignore, interpreted, kernels_for
 from .base import FineBackward, FineForward
 
 name = "triton"
+replayable = True  # every launch goes through the launcher, on the call's buffers only
 
 
 @functools.lru_cache(maxsize=None)

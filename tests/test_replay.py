@@ -1,0 +1,223 @@
+"""The thin eager path (`vsa_core.replay`, `vsa_torch.ops._run_stage`): a stage's launches
+captured once per key and replayed on new buffers, and the frontend's memo of a call's
+checked problem (`FrontendAdapter.known_problem`).
+
+On the GPU: the replayed calls equal the first (plain) call bit for bit (the Triton
+backend's kernels are deterministic) and the float64 reference, on new buffers, on inputs
+whose alignment differs (another key), and the replay is really used (the tests look it up).
+On the CPU: where a capture refuses (interpreted kernels, memory outside the call's buffers,
+overlapping or aliased buffers), and that the memo never serves a call another call's
+problem nor skips a value check."""
+
+import numpy as np
+import pytest
+import torch
+
+import vsa_torch
+from common import Case, assert_close, make_inputs, reference
+from vsa_core.replay import CapturingLauncher, Replay
+from vsa_core.runtime import DeviceBuffer, DeviceInfo
+from vsa_torch import ops as torch_ops
+
+FAKE = DeviceInfo("cuda", 0, (9, 0))
+
+
+def fake(ptr: int, n: int, dtype="float32") -> DeviceBuffer:
+    return DeviceBuffer(ptr, dtype, (n,), FAKE)  # an address only: nothing reads it here
+
+
+# ---- CPU: what a capture maps and what it refuses ----------------------------------------------
+def test_capture_places_buffers_and_views_and_refuses_ambiguity():
+    a, b = fake(0x10000, 64), fake(0x20000, 64)
+    shared = fake(0x30000, 16)
+    cap = CapturingLauncher({"a": a, "b": b, "s1": shared, "s2": shared, "gone": None})
+    assert cap._place(shared) == ("s1", 0)  # one object under two names: its first (the key says which share)
+    assert cap._place(a) == ("a", 0)
+    assert cap._place(b) == ("b", 0)
+    assert cap._place(fake(0x20000 + 64, 8)) == ("b", 64)      # a view inside b
+    assert cap._place(fake(0x20000 + 200, 32)) is None          # runs past b's end
+    assert cap._place(fake(0x40000, 4)) is None                 # nobody's memory
+    assert cap._place(fake(0x30000 + 4, 2)) is None             # a view of the shared object: inside both names
+
+
+def test_capture_refuses_overlapping_buffers():
+    outer, inner = fake(0x10000, 64), fake(0x10000 + 16, 8)
+    cap = CapturingLauncher({"outer": outer, "inner": inner})
+    assert cap._place(inner) == ("inner", 0)                    # the object itself: unambiguous
+    assert cap._place(fake(0x10000 + 20, 2)) is None            # a view inside both
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches (CPU)")
+def test_capture_of_interpreted_launches_is_refused_with_a_reason():
+    from vsa_core import ops as core_ops
+    from vsa_core.backends import backend_named
+    from vsa_core.spec import forward_arguments
+    case = Case()
+    inputs = make_inputs(case, seed=0)
+    x = {n: torch.from_numpy(inputs[n]).to(torch.bfloat16) for n in ("q", "k", "v", "gate")}
+    counts = {n: torch.from_numpy(inputs[n]).to(torch.int32) for n in ("kv_counts", "q_counts")}
+    statics, scale = torch_ops.statics_for(_problem(case, x, counts), "triton", {**x, **counts})
+    s = torch_ops._statics(statics, scale)
+    named_inputs = [{**x, **counts}[n] for n in torch_ops._input_names(statics)]
+    p, named = forward_arguments(s, named_inputs)
+    buffers = {**named, **torch_ops._alloc(p.forward_buffers(), named["q"])}
+    cap = CapturingLauncher(buffers)
+    core_ops.forward(p, backend_named("triton"), buffers, adapter=torch_ops.TORCH_BUFFERS, launcher=cap)
+    replay, why = cap.replay()
+    assert replay is None and "compiled kernel" in why
+
+
+def _problem(case, x, counts):
+    from vsa_core.api import prepare_vsa
+    return prepare_vsa(x["q"], x["k"], x["v"], counts["kv_counts"], counts["q_counts"], case.topk, case.block,
+                       x["gate"]).problem
+
+
+# ---- CPU and GPU: the memo of checked problems ----------------------------------------------------
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _call(case, inputs, **kw):
+    dtype = getattr(torch, case.dtype)
+    x = {n: torch.from_numpy(inputs[n]).to(_device(), dtype) for n in ("q", "k", "v", "gate")}
+    counts = {n: torch.from_numpy(inputs[n]).to(_device(), torch.int32) for n in ("kv_counts", "q_counts")}
+    out = vsa_torch.video_sparse_attn(x["q"], x["k"], x["v"], counts["kv_counts"], counts["q_counts"], case.topk,
+                                      case.block, x["gate"], backend="triton", **kw)
+    return out.float().cpu().numpy()
+
+
+def test_memoized_problem_is_never_another_shapes():
+    small, large = Case(n_q_blocks=2, n_kv_blocks=3), Case(n_q_blocks=3, n_kv_blocks=4)
+    for case in (small, large, small):
+        inputs = make_inputs(case, seed=5)
+        assert_close(case, {"out": _call(case, inputs)}, {"out": reference(case, inputs)["out"]})
+
+
+def test_memoized_call_still_checks_arguments_and_values():
+    case = Case()
+    inputs = make_inputs(case, seed=6)
+    _call(case, inputs)
+    _call(case, inputs)  # memoized from here on
+    bad_dtype = dict(inputs, gate=inputs["gate"])
+    with pytest.raises((TypeError, ValueError), match="compress_attn_weight"):
+        dtype = getattr(torch, case.dtype)
+        x = {n: torch.from_numpy(bad_dtype[n]).to(_device(), dtype) for n in ("q", "k", "v")}
+        counts = torch.from_numpy(inputs["kv_counts"]).to(_device(), torch.int32)
+        qc = torch.from_numpy(inputs["q_counts"]).to(_device(), torch.int32)
+        gate = torch.from_numpy(bad_dtype["gate"]).to(_device(), torch.float32)  # not q's dtype
+        vsa_torch.video_sparse_attn(x["q"], x["k"], x["v"], counts, qc, case.topk, case.block, gate, backend="triton")
+    with pytest.raises(TypeError, match="topk"):  # equal to the memoized call's topk, not an int
+        dtype = getattr(torch, case.dtype)
+        x = {n: torch.from_numpy(inputs[n]).to(_device(), dtype) for n in ("q", "k", "v", "gate")}
+        counts = torch.from_numpy(inputs["kv_counts"]).to(_device(), torch.int32)
+        qc = torch.from_numpy(inputs["q_counts"]).to(_device(), torch.int32)
+        vsa_torch.video_sparse_attn(x["q"], x["k"], x["v"], counts, qc, float(case.topk), case.block, x["gate"],
+                                    backend="triton")
+    too_many = dict(inputs, kv_counts=inputs["kv_counts"] + case.E)  # same shape and dtype, values > E
+    with pytest.raises(ValueError, match="variable_block_sizes"):
+        _call(case, too_many)
+
+
+# ---- GPU: replays equal the plain call ------------------------------------------------------------
+def _gpu_inputs(case, inputs, requires_grad=True, misalign=False, shared_counts=False):
+    from common import to_layout
+    dtype = getattr(torch, case.dtype)
+
+    def tensor(name):
+        t = torch.from_numpy(to_layout(inputs[name], case.layout)).to("cuda", dtype)
+        if misalign:  # the same values 2 elements into a larger buffer: 4-byte, not 16-byte aligned
+            flat = torch.empty(t.numel() + 2, device="cuda", dtype=dtype)
+            flat[2:].copy_(t.reshape(-1))
+            t = flat[2:].view(t.shape)
+        return t.requires_grad_(requires_grad and name != "dout")
+    x = {n: tensor(n) for n in ("q", "k", "v", "gate", "dout")}
+    x.update({n: torch.from_numpy(inputs[n]).to("cuda", torch.int32) for n in ("kv_counts", "q_counts")})
+    if shared_counts:  # one counts tensor for both, as self-attention callers often pass
+        x["q_counts"] = x["kv_counts"]
+    return x
+
+
+def _step(case, x, layout="bhsd", padding="zeros"):
+    fn = vsa_torch.video_sparse_attn if layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
+    q, k, v, gate = (x[n] for n in ("q", "k", "v", "gate"))
+    out = fn(q, k, v, x["kv_counts"], x["q_counts"], case.topk, case.block, gate if case.gate else None,
+             backend="triton", padding=padding)
+    grads = torch.autograd.grad(out, (q, k, v, gate) if case.gate else (q, k, v), x["dout"])
+    names = ("out", "dq", "dk", "dv", "dgate")
+    from common import from_layout
+    return {n: from_layout(t.detach().float().cpu().numpy(), case.layout) for n, t in zip(names, (out, *grads))}
+
+
+def _replays():
+    return [e for e in torch_ops._REPLAYS.values() if isinstance(e, Replay)]
+
+
+GPU_CASES = {
+    "vsa-bhsd-gate": (Case(head_dim=128, n_q_blocks=5, n_kv_blocks=6, topk=3), "bhsd", "zeros"),
+    "vsa-bshd-ignore": (Case(head_dim=64, n_q_blocks=4, n_kv_blocks=5, gate=False, layout="bshd"), "bshd", "ignore"),
+}
+
+
+@pytest.mark.gpu
+def test_gpu_one_counts_tensor_for_both_and_then_two():
+    """Captured with q_counts and kv_counts one tensor, replayed only for calls that pass one
+    tensor too: a call with two distinct tensors (different values) gets its own replay."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    full = Case(head_dim=128, n_q_blocks=4, n_kv_blocks=4, topk=2, partial_q=False, partial_kv=False)
+    partial = Case(head_dim=128, n_q_blocks=4, n_kv_blocks=4, topk=2)  # same shapes, other counts
+    torch_ops._REPLAYS.clear()
+    same = make_inputs(full, seed=14)
+    assert np.array_equal(same["q_counts"], same["kv_counts"])
+    for _ in range(3):
+        got = _step(full, _gpu_inputs(full, same, shared_counts=True))
+    ref = reference(full, same)
+    assert_close(full, got, {n: ref[n] for n in got})
+    two = make_inputs(partial, seed=15)
+    assert not np.array_equal(two["q_counts"], two["kv_counts"])
+    for _ in range(3):
+        got = _step(partial, _gpu_inputs(partial, two))
+    ref = reference(partial, two)
+    assert_close(partial, got, {n: ref[n] for n in got})
+    assert len(_replays()) == 4  # forward and backward of each
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_replay_equals_the_plain_call_bitwise(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    case, layout, padding = GPU_CASES[name]
+    torch_ops._REPLAYS.clear()
+    inputs = make_inputs(case, seed=11)
+    first = _step(case, _gpu_inputs(case, inputs), layout, padding)  # plain (and tunes)
+    _step(case, _gpu_inputs(case, inputs), layout, padding)          # captured
+    assert len(_replays()) == 2, torch_ops._REPLAYS                   # forward and backward
+    for seed in (11, 12):  # the same values (bitwise), then new values (reference)
+        fresh = make_inputs(case, seed=seed)
+        got = _step(case, _gpu_inputs(case, fresh), layout, padding)
+        if seed == 11:
+            for n in got:
+                assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
+        ref = reference(case, fresh, padding=padding)
+        assert_close(case, got, {n: ref[n] for n in got})
+    assert len(_replays()) == 2  # replayed, not captured again
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_inputs_get_their_own_replay():
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    case = Case(head_dim=128, n_q_blocks=4, n_kv_blocks=5, topk=2)
+    torch_ops._REPLAYS.clear()
+    inputs = make_inputs(case, seed=13)
+    for _ in range(3):
+        aligned = _step(case, _gpu_inputs(case, inputs))
+    for _ in range(3):
+        shifted = _step(case, _gpu_inputs(case, inputs, misalign=True))
+    ref = reference(case, inputs)
+    assert_close(case, shifted, {n: ref[n] for n in shifted})
+    assert_close(case, aligned, {n: ref[n] for n in aligned})
+    keys = [k for k, e in torch_ops._REPLAYS.items() if isinstance(e, Replay) and k[0] == "forward"]
+    assert len(keys) == 2, "aligned and misaligned inputs share a replay"

@@ -1,0 +1,187 @@
+"""A stage's launches kept once and replayed on new buffers: the thin eager path.
+
+An eager call re-derives every launch from the problem: the stage functions build each
+kernel's arguments, Triton binds and specializes them and looks its binary up. For a
+problem seen before all of that gives the same result except the buffers' addresses.
+`CapturingLauncher` runs a stage's launches exactly as the eager launcher does and keeps
+each one as a `TritonStep`: the compiled kernel Triton returned, the grid, and every
+argument as a constant or as (buffer name, byte offset) into the call's named buffers
+(a TMA descriptor as its base's buffer and its geometry). `Replay.run` then launches
+those binaries on another call's buffers with one Python call per launch.
+
+A capture is valid only for calls that would make the same launches: the same problem and
+statics, the same buffer shapes, strides and dtypes, the same 16-byte alignment of every
+buffer (Triton specializes pointers on it), the same device and launch configuration, the same
+buffers being one object (a launch's pointer is named by the first name of its object). The
+frontend keys its replays on exactly that (`vsa_torch.ops`). A stage is captured only when
+every launch went through this launcher to memory the call's buffers hold (`Replay` is then
+returned; otherwise the reason it cannot be): a backend that launches anything else (a
+library call, its own allocation) is never replayed, only run.
+
+Autotuning times candidate tiles through the launcher the first time a problem is seen; a
+frontend therefore captures on a later call, when the tile store already answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+from .launch import Launcher
+
+class _Address:
+    """What a TMA descriptor reads of its base: the address and the element type."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype):
+        self._ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+@dataclass(frozen=True)
+class TritonStep:
+    """One launch: `runner(*args, stream=...)` of the compiled kernel on `grid`, with the
+    arguments `constants` except at `pointers` ((position, buffer name, byte offset): a
+    pointer parameter) and `descriptors` ((position, buffer name, byte offset, descriptor
+    fields): a TMA descriptor rebuilt on the new address)."""
+
+    name: str
+    runner: Any
+    constants: Tuple[Any, ...]
+    pointers: Tuple[Tuple[int, str, int], ...]
+    descriptors: Tuple[Tuple[int, str, int, Any], ...]
+
+    def launch(self, addresses: Mapping[str, int], stream: int) -> None:
+        args = list(self.constants)
+        for i, name, offset in self.pointers:
+            args[i] = addresses[name] + offset
+        for i, name, offset, desc in self.descriptors:
+            args[i] = dataclasses.replace(desc, base=_Address(addresses[name] + offset, desc.base.dtype))
+        self.runner(*args, stream=stream)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A stage's launches in order; `buffers` the names whose addresses they read."""
+
+    steps: Tuple[TritonStep, ...]
+    buffers: Tuple[str, ...]
+
+    def run(self, buffers: Mapping[str, Any], stream: int) -> None:
+        """Launches every step on `buffers` (name -> anything with `data_ptr()`) on `stream`."""
+        addresses = {n: buffers[n].data_ptr() for n in self.buffers}
+        for step in self.steps:
+            step.launch(addresses, stream)
+
+
+class CapturingLauncher(Launcher):
+    """Launches like the eager launcher and keeps each launch for `Replay` (module doc).
+    `buffers`: the call's named buffers (inputs, outputs, workspaces) as the launches get them."""
+
+    def __init__(self, buffers: Mapping[str, Any]):
+        self._regions = []
+        self._names = {}  # id(buffer) -> its first name (the frontend keys on which names share an object)
+        for name, b in buffers.items():
+            if b is not None and hasattr(b, "data_ptr"):
+                start = b.data_ptr()
+                self._regions.append((start, start + _nbytes(b), name))
+                self._names.setdefault(id(b), name)
+        self._steps = []
+        self._unreplayable: Optional[str] = None
+
+    def triton(self, kernel, grid, *args, **meta) -> None:
+        compiled = kernel[grid](*args, **meta)
+        if self._unreplayable is None:
+            self._keep(kernel, compiled, grid, args, meta)
+
+    def replay(self) -> Tuple[Optional[Replay], Optional[str]]:
+        """(the replay, None), or (None, why the stage cannot be replayed)."""
+        if self._unreplayable is not None:
+            return None, self._unreplayable
+        used = sorted({n for s in self._steps for n in [p[1] for p in s.pointers] + [d[1] for d in s.descriptors]})
+        return Replay(tuple(self._steps), tuple(used)), None
+
+    def _refuse(self, why: str) -> None:
+        self._unreplayable = why
+        self._steps = []
+
+    def _keep(self, kernel, compiled, grid, args, meta) -> None:
+        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+        if not hasattr(compiled, "__getitem__") or not hasattr(compiled, "function"):
+            return self._refuse(f"{name} did not return a compiled kernel (Triton's interpreter?)")
+        if callable(grid):
+            return self._refuse(f"{name} was launched with a grid function")
+        signature = _signature(kernel)
+        kwargs = {k: v for k, v in meta.items() if k in signature.parameters}  # the rest: launch options
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        constants, pointers, descriptors = [], [], []
+        for i, (arg_name, value) in enumerate(bound.arguments.items()):
+            constants.append(value)
+            if _is_descriptor(value):
+                place = self._place(value.base)
+                if place is None:
+                    return self._refuse(f"{name}'s {arg_name} describes memory outside the call's buffers")
+                descriptors.append((i, *place, value))
+                constants[i] = None
+            elif hasattr(value, "data_ptr"):
+                place = self._place(value)
+                if place is None:
+                    return self._refuse(f"{name}'s {arg_name} is memory outside the call's buffers")
+                pointers.append((i, *place))
+                constants[i] = None
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self._steps.append(TritonStep(name, compiled[grid3], tuple(constants), tuple(pointers), tuple(descriptors)))
+
+    def _place(self, x) -> Optional[Tuple[str, int]]:
+        """(buffer name, byte offset) of x: x is a buffer, or a view inside exactly one buffer.
+        None otherwise (outside every buffer, or where distinct buffers overlap: another call's
+        buffers need not overlap the same way)."""
+        if id(x) in self._names:
+            return self._names[id(x)], 0
+        ptr = x.data_ptr()
+        end = ptr + _nbytes(x)
+        inside = [(name, ptr - start) for start, stop, name in self._regions if start <= ptr and end <= stop]
+        return inside[0] if len(inside) == 1 else None
+
+
+def _nbytes(x) -> int:
+    """Bytes from x's first element to one past its last (any strides)."""
+    shape = tuple(x.shape)
+    if any(s == 0 for s in shape):
+        return 0
+    stride = x.stride() if callable(getattr(x, "stride", None)) else None
+    itemsize = x.element_size() if callable(getattr(x, "element_size", None)) else x.dtype.itemsize
+    if stride is None:
+        n = 1
+        for s in shape:
+            n *= s
+        return n * itemsize
+    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * itemsize
+
+
+def _is_descriptor(x) -> bool:
+    return type(x).__name__ == "TensorDescriptor" and hasattr(x, "base") and hasattr(x, "block_shape")
+
+
+_SIGNATURES = {}
+
+
+def _signature(kernel) -> inspect.Signature:
+    fn = kernel.fn
+    sig = _SIGNATURES.get(fn)
+    if sig is None:
+        sig = _SIGNATURES[fn] = inspect.signature(fn)
+    return sig
+
+
+def addresses_aligned(buffers: Sequence[Any]) -> Tuple[bool, ...]:
+    """Whether each buffer starts on 16 bytes (None: absent): part of a replay's key, since
+    Triton specializes a pointer argument on it."""
+    return tuple(None if b is None else b.data_ptr() % 16 == 0 for b in buffers)
