@@ -761,26 +761,27 @@ class BlockSparseFwd64Sm90:
                 both = both_after
 
     @cute.jit
-    def _pv_pending(self, mma_pv, accOA, accOB, rP, rV, v_full, vs0, pend_b, pend_t):
-        """Issues the pending PV (P in registers, V of union entry pend_t) into block B's O when pend_b,
-        else block A's, once the V tile has landed; not committed."""
+    def _pv_pending(self, mma_pv, accO_pend, rP, rV, v_full, vs0, pend_t):
+        """Issues the pending PV (P in registers, V of union entry pend_t) into its block's O once the V
+        tile has landed; not committed."""
         slot = vs0 + pend_t % self.v_stages
         v_full.wait(slot, (pend_t // self.v_stages) % 2)
         cute.nvgpu.warpgroup.fence()
-        if pend_b:
-            cute.gemm(mma_pv, accOB, rP, rV[None, None, None, slot], accOB)
-        else:
-            cute.gemm(mma_pv, accOA, rP, rV[None, None, None, slot], accOA)
+        cute.gemm(mma_pv, accO_pend, rP, rV[None, None, None, slot], accO_pend)
 
     @cute.jit
     def _pair_half(self, pending: cutlass.Constexpr, rescale: cutlass.Constexpr, t, blk, count,
-                   pend_b, pend_t, v_last, rQ, mma_qk, mma_pv, accS, rK, rV, rP, rP_as_S, accOA, accOB, O, S,
+                   pend_t, v_last, rQ, accO_pend, mma_qk, mma_pv, accS, rK, rV, rP, rP_as_S, O, S,
                    cS_rc, row_max, row_sum, alpha, bars, ks0, vs0, n_kv, c):
         """One member block X of union entry t (rQ: Q_X; O, row_max / row_sum / alpha: X's): S = Q_X K_t^T
-        in flight with the pending PV (`pending`: one is; pend_b / pend_t its block and entry), the
+        in flight with the pending PV (`pending`: one is, into accO_pend, on union entry pend_t), the
         online softmax of X, O_X rescaled (`rescale`: O_X may hold something), then P_X in registers.
         Every wgmma has retired on return. V(v_last), the entry of the last PV issued (retired), is
-        released first when the pending PV reads another entry. Returns the new v_last."""
+        released first when the pending PV reads another entry. Returns the new v_last.
+
+        The pending PV's block is static here (the caller branches on it around whole steps): a
+        branch between two PVs into different accumulators joins with one of them in flight, and
+        the copies at the join make ptxas serialise every wgmma of the kernel (its C7515)."""
         if cutlass.const_expr(pending):
             if v_last != pend_t:
                 self._release(bars["v_empty"], vs0 + v_last % self.v_stages)
@@ -790,7 +791,7 @@ class BlockSparseFwd64Sm90:
         self._qk(mma_qk, accS, rQ, rK, bars["k_full"], t, ks0)
         mma_qk._trait.value = qk_state
         if cutlass.const_expr(pending):
-            self._pv_pending(mma_pv, accOA, accOB, rP, rV, bars["v_full"], vs0, pend_b, pend_t)
+            self._pv_pending(mma_pv, accO_pend, rP, rV, bars["v_full"], vs0, pend_t)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(1)  # QK retired, the PV may still run under the softmax
             v_last = pend_t
@@ -855,7 +856,7 @@ class BlockSparseFwd64Sm90:
             st.fill(1.0)
         accOA.fill(0.0)
         accOB.fill(0.0)
-        common = (mma_qk, mma_pv, accS, rK, rV, rP, rP_as_S, accOA, accOB)
+        common = (mma_qk, mma_pv, accS, rK, rV, rP, rP_as_S)
         state_a = (OA, S, cS_rc, row_max_a, row_sum_a, alpha_a, bars, ks0, vs0, n_kv, c)
         state_b = (OB, S, cS_rc, row_max_b, row_sum_b, alpha_b, bars, ks0, vs0, n_kv, c)
 
@@ -877,13 +878,13 @@ class BlockSparseFwd64Sm90:
             pend_t = cutlass.Int32(0)
             v_last = cutlass.Int32(0)
             if (m & 1) != 0:
-                v_last = self._pair_half(False, False, 0, blk, count, pend_b, pend_t, v_last, rQA, *common, *state_a)
+                v_last = self._pair_half(False, False, 0, blk, count, pend_t, v_last, rQA, accOA, *common, *state_a)
                 if (m & 2) != 0:
-                    v_last = self._pair_half(True, False, 0, blk, count, pend_b, pend_t, v_last, rQB, *common,
+                    v_last = self._pair_half(True, False, 0, blk, count, pend_t, v_last, rQB, accOA, *common,
                                              *state_b)
                     pend_b = cutlass.Boolean(True)
             else:
-                v_last = self._pair_half(False, False, 0, blk, count, pend_b, pend_t, v_last, rQB, *common, *state_b)
+                v_last = self._pair_half(False, False, 0, blk, count, pend_t, v_last, rQB, accOA, *common, *state_b)
                 pend_b = cutlass.Boolean(True)
             for t in cutlass.range(1, n, unroll=1):
                 blk = blk_next
@@ -894,21 +895,34 @@ class BlockSparseFwd64Sm90:
                 # entry t - 1's QKs retired in its steps: its K slot takes entry t - 1 + k_stages
                 self._release(bars["k_empty"], ks0 + (t - 1) % KS)
                 if (m & 1) != 0:
-                    v_last = self._pair_half(True, True, t, blk, count, pend_b, pend_t, v_last, rQA, *common,
-                                             *state_a)
+                    if pend_b:
+                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQA, accOB, *common,
+                                                 *state_a)
+                    else:
+                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQA, accOA, *common,
+                                                 *state_a)
                     pend_b = cutlass.Boolean(False)
                     pend_t = t
                 if (m & 2) != 0:
-                    v_last = self._pair_half(True, True, t, blk, count, pend_b, pend_t, v_last, rQB, *common,
-                                             *state_b)
+                    if pend_b:
+                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQB, accOB, *common,
+                                                 *state_b)
+                    else:
+                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQB, accOA, *common,
+                                                 *state_b)
                     pend_b = cutlass.Boolean(True)
                     pend_t = t
-            # drain: the last step's PV (its O was rescaled for it in that step)
+            # drain: the last step's PV (its O was rescaled for it in that step), retired in its branch
             if v_last != pend_t:
                 self._release(bars["v_empty"], vs0 + v_last % self.v_stages)
-            self._pv_pending(mma_pv, accOA, accOB, rP, rV, bars["v_full"], vs0, pend_b, pend_t)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+            if pend_b:
+                self._pv_pending(mma_pv, accOB, rP, rV, bars["v_full"], vs0, pend_t)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+            else:
+                self._pv_pending(mma_pv, accOA, rP, rV, bars["v_full"], vs0, pend_t)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
             self._release(bars["v_empty"], vs0 + pend_t % self.v_stages)
             self._release(bars["k_empty"], ks0 + (n - 1) % KS)
 
