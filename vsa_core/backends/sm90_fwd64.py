@@ -41,7 +41,8 @@ to global memory (any strides), lse from the row-owning threads.
 alternates two consumers' GEMM issue by named barriers. `shared_kv` gives the CTA one K and one V
 ring filled in the order of the union of its consumers' lists, so a KV block that neighbouring
 query blocks share is loaded once (the class docstring has the mbarrier phase and deadlock
-arguments). `q_in_regs` keeps Q in registers
+arguments). `pair` gives each of 2 consumer warpgroups a pair of neighbouring query blocks whose
+union it walks by itself with its own rings (K/V reuse without coupling consumers). `q_in_regs` keeps Q in registers
 (QK^T as a register-A wgmma, only K read from shared memory). The timings of every variant are
 in benchmarks/results/ (sm90_fwd64_check); registers, spills and shared memory per
 variant: benchmarks/sm90_fwd64_compile.py (all compile for sm_90a with 0 spills).
@@ -126,6 +127,35 @@ class BlockSparseFwd64Sm90:
       the entries in (u_{j-1}, u_j) and waits for K(u_j): fine while u_j - u_{j-1} < v_stages.
       At a larger gap the step first finishes PV_{j-1} and releases V(u_{j-1}) ("drain": PV_{j-1}
       then does not overlap QK_j and the softmax). Deeper V rings make drains rarer.
+    - `pair=True` (warp_specialized, consumers=2): K/V reuse without coupled consumers. Consumer c
+      owns the pair p = blockIdx.x * 2 + c of query blocks A = 2p, B = 2p + 1 (Q slots 2c, 2c + 1)
+      and walks the ascending union of their lists (`stages.pair_union_lists`: union_idx, a 2-bit
+      membership union_mask, union_num per pair) with its own K ring and V ring; union entry t is in
+      K slot t % k_stages and V slot t % v_stages. Each member block X of entry t is one step of
+      `_consumer`'s loop: S = Q_X K_t^T (the K tile read by both blocks' QKs) in flight with the
+      previous step's PV (into the O of the block that step was for), X's online softmax and lazy
+      rescale, P_X into registers; an entry of one block costs one step. Two O accumulators, one S
+      and one P (about 213 registers of the 240 a consumer gets next to a 24-register producer).
+      Producer warp c issues consumer c's loads (Q_A, Q_B, then the union's K / V) in the order
+      the consumer first waits for them: K_t; then V_{t-1} unless entry t-1 holds both blocks (A's
+      PV_{t-1} then ran under B's QK_{t-1} and waited for V_{t-1} there); then V_t if entry t holds
+      both. "Empty" mbarriers count the consumer's 4 warps.
+
+      Phases: as in the other per-consumer rings (fill k of a slot is entry slot + k * stages; a
+      consumer releases a fill only after its last wait on it, and the producer refills only after
+      every warp released): the K and V tiles of an entry are waited for twice when both blocks
+      hold it, both waits before the release.
+
+      Deadlock. The consumer releases K_{t-1} at the top of entry t (before waiting for K_t), and
+      V_e at the top of the first step whose pending PV reads a later entry (a step's PV retired
+      at its end), so when it waits for any load, every K entry before the current one and every V
+      entry before the pending one is released. Each load L the producer issues needs only the
+      release of the same ring's fill `stages` entries earlier, and the loads before the one the
+      consumer waits for are, in the order above, K entries up to the current one and V entries
+      up to the pending one: all their refills' releases are made, so the producer reaches the
+      awaited load. Any k_stages, v_stages >= 1 (tests/test_pair_protocol.py models it with
+      parity-exact mbarriers; `_producer`'s order, K_{t+1} before V_t, deadlocks at k_stages=1).
+      Precondition: every counted union entry has a nonzero membership (the list step writes 1..3).
     """
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
