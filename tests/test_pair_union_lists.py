@@ -45,3 +45,26 @@ def test_pair_union_lists_match_reference(case):
         np.testing.assert_array_equal(got_mask[row][:n], union_mask[row][:n])
         assert np.all(np.diff(got_idx[row][:n]) > 0) and np.all((got_mask[row][:n] >= 1) & (got_mask[row][:n] <= 3))
     assert (union_mask == 3).any() or bad  # the clean cases exercise entries both blocks hold
+
+
+def test_check_script_pair_lists_on_cpu(monkeypatch):
+    """benchmarks/sm90_fwd64_check.py imports without a GPU, its pair variants are well formed, and
+    its check of the pair step (the GPU run's first section) passes on CPU tensors (the interpreter)."""
+    from vsa_core.backends.triton_backend import _interpreter_broken
+    if _interpreter_broken():  # triton 3.6 with numpy >= 2.4 (the GPU machine's versions)
+        pytest.skip(_interpreter_broken())
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "sm90_fwd64_check.py")
+    spec = importlib.util.spec_from_file_location("sm90_fwd64_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(check, "DEV", "cpu")
+    pairs = [name for name, kw in check.VARIANTS.items() if kw.get("pair")]
+    assert "wsP" in pairs and all(check.VARIANTS[n].get("consumers") == 2 and check.VARIANTS[n].get("warp_specialized")
+                                  for n in pairs)
+    for mk in (dict(H=2, nq=5, nkv=9, cap=4), check.BAD_LISTS, dict(B=1, nq=7, nkv=24, cap=16)):
+        case = check.make_case(78, **mk)
+        assert check.check_pair_lists(case["sel_idx"], case["sel_num"], case["k"].shape[2] // check.E)
+    for label, mk, _ in check.CASES:  # every case builds (the correctness loop's inputs) on the CPU
+        check.make_case(1, **mk)
