@@ -770,25 +770,25 @@ class BlockSparseFwd64Sm90:
             if 2 * p + 1 < n_q:
                 self._load_q(2 * ci + 1, 2 * p + 1, tma, bars, lists)
             blk = self._clamp(union[0], n_kv)
-            both = (umask[0] & 3) == 3
+            m = umask[0] & 3
             blk_prev = blk
-            single_prev = (umask[0] & 3) != 3
+            m_prev = m
             for t in cutlass.range(n + 1, unroll=1):
                 # entry t + 1 read before the empty waits
                 blk_after = self._clamp(union[cutlass.min(t + 1, n - 1)], n_kv)
-                both_after = (umask[cutlass.min(t + 1, n - 1)] & 3) == 3
+                m_after = umask[cutlass.min(t + 1, n - 1)] & 3
                 if t < n:
                     if t >= KS:
                         bars["k_empty"].wait(ci * KS + t % KS, (t // KS + 1) % 2)
                     self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], blk, ci * KS + t % KS)
-                if (t >= 1) & single_prev:
+                if (t >= 1) & (m_prev != 3):
                     self._load_v_entry(ci, t - 1, blk_prev, tma, bars)
-                if (t < n) & both:
+                if (t < n) & (m == 3):
                     self._load_v_entry(ci, t, blk, tma, bars)
                 blk_prev = blk
-                single_prev = not both
+                m_prev = m
                 blk = blk_after
-                both = both_after
+                m = m_after
 
     @cute.jit
     def _pv_pending(self, mma_pv, accO_pend, rP, rV, v_full, vs0, pend_t):
