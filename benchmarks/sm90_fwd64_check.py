@@ -81,6 +81,7 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
     # P = pair: each of 2 consumers owns a pair of neighbouring query blocks and walks their union alone
     "wsP": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
     "wsPk1v1": dict(k_stages=1, v_stages=1, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
+    "wsPk2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
 }
 
 

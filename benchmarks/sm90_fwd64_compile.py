@@ -71,6 +71,10 @@ VARIANTS = {
     "pair-k2v2-fp16": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True,
                            dtype=cutlass.Float16),
     "pair-k1v1": dict(k_stages=1, v_stages=1, consumers=2, warp_specialized=True, pair=True),
+    "pair-k2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
+    "pair-k3v2": dict(k_stages=3, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
+    "pair-k4v4-d64": dict(k_stages=4, v_stages=4, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True,
+                          head_dim=64),
 }
 
 
