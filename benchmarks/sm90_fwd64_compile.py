@@ -6,6 +6,10 @@ sm_90a on the CPU (no GPU needed) and prints ptxas's registers / spills and the 
 
 (a python with nvidia-cutlass-dsl 4.8.1, numpy and triton; CUTE_DSL_ARCH is set here when missing). Shapes and strides are
 symbolic (fake tensors), so one compile covers every B, H, S, list capacity and layout.
+For the warp-specialized variants "regs" is ptxas's figure for the launch (65536 / threads); the
+consumers run under setmaxnreg's larger budget, so their use shows in the SASS (the highest register
+named by nvdisasm of the cubin kept with CUTE_DSL_KEEP=cubin), and a spill would show here.
+ptxas's C75xx remarks (wgmmas serialised) are listed under the row.
 """
 
 from __future__ import annotations
