@@ -819,3 +819,58 @@ def shared_kv_lists_kernel(
             union_count += tl.sum(first.to(tl.int32), axis=0)
         tl.store(OWN_NUM + row, n_own, mask=present)
     tl.store(UNION_NUM + bh * n_groups + g, union_count)
+
+
+@triton.jit
+def pair_union_lists_kernel(
+    SEL, NUM, UNION_IDX, UNION_MASK, UNION_NUM,
+    n_q_blocks, n_kv_blocks, capacity, n_pairs,
+    CH: tl.constexpr,
+):
+    """For the pair of neighbouring query blocks A = 2p, B = 2p + 1 (one (batch, head)): the
+    ascending union of their lists as the rule reads them (UNION_IDX [B, H, n_pairs,
+    2 * capacity]) with each entry's membership (UNION_MASK, same shape: bit 0 in A, bit 1 in
+    B) and its length (UNION_NUM [B, H, n_pairs]); slots past the length are not written. B
+    past the last query block has an empty list.
+
+    A's counted entries all enter the union, B's those A does not count; a value's position
+    is the number of union values below it: A's entries below it plus B's entries below it
+    that A does not hold (the group-of-2 case of `shared_kv_lists_kernel`, chunked the same way)."""
+    p = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    base = (bh * n_pairs + p) * (2 * capacity)
+    row_a = bh * n_q_blocks + 2 * p
+    row_b = row_a + 1
+    has_a = 2 * p < n_q_blocks  # always (the grid has ceil(nQ / 2) pairs); a tensor for the masked loads
+    has_b = 2 * p + 1 < n_q_blocks
+    union_count = tl.zeros([], tl.int32)
+    for c in tl.static_range(2):
+        row = row_a if c == 0 else row_b
+        present = has_a if c == 0 else has_b
+        o_row = row_b if c == 0 else row_a
+        o_present = has_b if c == 0 else has_a
+        carry = tl.full([], -1, tl.int32)
+        for start in range(0, capacity, CH):
+            a, carry = _counted_chunk(SEL, NUM, row, present, start, capacity, n_kv_blocks, carry, CH)
+            mine = a >= 0
+            in_other = _in_list(a, SEL, NUM, o_row, o_present, capacity, n_kv_blocks, CH)
+            if c == 0:
+                first = mine
+                mask = tl.where(in_other, 3, 1)
+            else:
+                first = mine & ~in_other
+                mask = tl.full([CH], 2, tl.int32)
+            pos = tl.zeros([CH], tl.int32)
+            fa_carry = tl.full([], -1, tl.int32)
+            for f_start in range(0, capacity, CH):
+                fa, fa_carry = _counted_chunk(SEL, NUM, row_a, has_a, f_start, capacity, n_kv_blocks, fa_carry, CH)
+                pos += tl.sum(((fa[None, :] < a[:, None]) & (fa[None, :] >= 0)).to(tl.int32), axis=1)
+            fb_carry = tl.full([], -1, tl.int32)
+            for f_start in range(0, capacity, CH):
+                fb, fb_carry = _counted_chunk(SEL, NUM, row_b, has_b, f_start, capacity, n_kv_blocks, fb_carry, CH)
+                fb_only = (fb >= 0) & ~_in_list(fb, SEL, NUM, row_a, has_a, capacity, n_kv_blocks, CH)
+                pos += tl.sum(((fb[None, :] < a[:, None]) & fb_only[None, :]).to(tl.int32), axis=1)
+            tl.store(UNION_IDX + base + pos, a, mask=first)
+            tl.store(UNION_MASK + base + pos, mask, mask=first)
+            union_count += tl.sum(first.to(tl.int32), axis=0)
+    tl.store(UNION_NUM + bh * n_pairs + p, union_count)
