@@ -46,7 +46,7 @@ def compile_report(kernel, args) -> dict:
                 spill_stores=re.findall(r"(\d+) bytes spill stores", text),
                 spill_loads=re.findall(r"(\d+) bytes spill loads", text),
                 stack=re.findall(r"(\d+) bytes stack frame", text),
-                warnings=[ln for ln in text.splitlines() if "warning" in ln.lower() or "(C75" in ln],
+                warnings=[ln for ln in text.splitlines() if "warning" in ln.lower()],
                 smem=getattr(kernel, "smem_bytes", 0), ctas_per_sm=getattr(kernel, "ctas_per_sm", 0), report=text)
 
 

@@ -2,7 +2,6 @@
 
     PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py [--no-timing] [--only=k1v2,ws3L]   # logs, JSON to $OUT
     PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py --only=ws3L,ws2S,ws3S --quick   # the shared-KV run, ~2 min
-    PYTHONPATH=. python3 benchmarks/sm90_fwd64_check.py --only=ws3L,wsP --quick   # the pair variant against ws3L
 
 --quick leaves out the cases that need compiles of their own (head dim 64, fp16, inference epilogue)
 and the timing rows beside the variants and cuDNN (per-call conversion, BSHD, vsa's backends).
@@ -33,12 +32,6 @@ failure does not hide the others.
    (24, 52, 32), tile (4, 4, 4), top-62). Per source it prints the union / topk ratio per group
    size (2, 3: the K/V tiles a shared-KV CTA loads per query block, over topk), then TFLOPS of
    the variants and cuDNN; a shared variant's time includes its union step (timed alone too).
-4. pairs (the `P` variants, pair=True: one consumer warpgroup per pair of neighbouring query blocks,
-   walking the union of their lists with its own rings): the pair step (`stages.pair_union_lists`)
-   against its numpy reference, the pair union ratio per list source (mean union_num / (2 topk): the
-   K/V tiles a pair loads over what two query blocks load alone), and the timing as for shared
-   variants (union step included, and alone). The P variants run every correctness case, also
-   under --quick (head dim 64, fp16 and the inference epilogue are compiles of their own).
 """
 
 from __future__ import annotations
@@ -78,10 +71,6 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
     "ws3S": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True, shared_kv=True),
     "ws3Sk2v4": dict(k_stages=2, v_stages=4, consumers=3, warp_specialized=True, lazy_rescale=True,
                      shared_kv=True),
-    # P = pair: each of 2 consumers owns a pair of neighbouring query blocks and walks their union alone
-    "wsP": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
-    "wsPk1v1": dict(k_stages=1, v_stages=1, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
-    "wsPk2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
 }
 
 
@@ -220,9 +209,6 @@ CASES = [
     ("B1H2 nq7 nkv48 cap12 (gaps)", dict(B=1, nq=7, nkv=48, cap=12), {}),
     ("B1H1 nq5 identical lists", dict(B=1, H=1, nq=5, nkv=9, cap=9, lists=[[[list(range(9))] * 5]],
                                       counts=[[[9, 4, 9, 0, 7]]]), {}),
-    # pairs: neighbours sharing most of their blocks (16 of 24), nQ odd (the last pair has no B)
-    ("B1H2 nq7 nkv24 cap16 (overlap)", dict(B=1, nq=7, nkv=24, cap=16), {}),
-    ("vsa nq5 overlap", dict(B=1, nq=5, nkv=12, cap=9, coarse=True), {}),
 ]
 # cases that need their own compile (dtype, head dim, epilogue): the other variants skip them
 MAIN_ONLY = ("head dim 64", "fp16", "vsa no gate, inference")
@@ -256,44 +242,8 @@ def check_shared_lists(sel_idx, sel_num, n_kv, group) -> bool:
     return unions_ok and positions_ok
 
 
-def pair_lists(sel_idx, sel_num, n_kv):
-    """(union_idx, union_mask, union_num) of `stages.pair_union_lists` on sel_idx's device."""
-    from vsa_core import stages
-    from vsa_core.launch import eager_launcher
-    B, H, nq, cap = sel_idx.shape
-    n_pairs = -(-nq // 2)
-    out = [torch.empty((B, H, n_pairs, 2 * cap), dtype=torch.int32, device=sel_idx.device),
-           torch.empty((B, H, n_pairs, 2 * cap), dtype=torch.int32, device=sel_idx.device),
-           torch.empty((B, H, n_pairs), dtype=torch.int32, device=sel_idx.device)]
-    stages.pair_union_lists(eager_launcher, sel_idx.contiguous(), sel_num.contiguous(), n_kv, *out)
-    return out
-
-
-def check_pair_lists(sel_idx, sel_num, n_kv) -> bool:
-    """The pair step against its numpy reference (counted slots only)."""
-    union, mask, union_num = [t.cpu().numpy() for t in pair_lists(sel_idx, sel_num, n_kv)]
-    ref_union, ref_mask, ref_num = R.pair_union_lists_reference(sel_idx.cpu().numpy(), sel_num.cpu().numpy(), n_kv)
-    if not np.array_equal(union_num, ref_num):
-        return False
-    return all(np.array_equal(union[r][:ref_num[r]], ref_union[r][:ref_num[r]])
-               and np.array_equal(mask[r][:ref_num[r]], ref_mask[r][:ref_num[r]]) for r in np.ndindex(*ref_num.shape))
-
-
 def check_small(quick: bool = False) -> list:
     results = []
-    if any(kw.get("pair") for kw in VARIANTS.values()):
-        say("== pair_union_lists (Triton, GPU) vs its numpy reference")
-        for label, mk in (("B2H2 nq5 nkv9 cap4", dict(H=2, nq=5, nkv=9, cap=4)), ("bad lists", BAD_LISTS),
-                          ("B1H2 nq7 nkv24 cap16", dict(B=1, nq=7, nkv=24, cap=16))):
-            try:
-                case = make_case(78, **mk)
-                ok = check_pair_lists(case["sel_idx"], case["sel_num"], case["k"].shape[2] // E)
-                say(f"  pair lists {label}: {'ok' if ok else 'FAIL'}")
-                results.append(dict(case=f"pair lists {label}", ok=ok))
-            except Exception as e:
-                say(f"  pair lists {label}: ERROR {type(e).__name__}: {str(e)[:300]}")
-                traceback.print_exc()
-                results.append(dict(case=f"pair lists {label}", ok=False, error=str(e)))
     if any(kw.get("shared_kv") for kw in VARIANTS.values()):
         say("== shared_kv_lists (Triton, GPU) vs its numpy reference")
         for label, mk in (("B2H2 nq5 nkv9 cap4", dict(H=2, nq=5, nkv=9, cap=4)), ("bad lists", BAD_LISTS)):
@@ -310,7 +260,7 @@ def check_small(quick: bool = False) -> list:
     say("== correctness vs float64 reference (rel-L2 of out / out_fine < 1e-2; lse max abs < 1e-3, 5e-3 at x16)")
     for vi, variant in enumerate(VARIANTS):
         for i, (label, mk, rk) in enumerate(CASES):
-            if (vi > 0 or quick) and label in MAIN_ONLY and not VARIANTS[variant].get("pair"):
+            if (vi > 0 or quick) and label in MAIN_ONLY:
                 continue
             name = f"{variant:7s} {label}"
             try:
@@ -388,10 +338,6 @@ def time_source(source: str, quick: bool = False, B=1, H=12, S=39936, D=128, top
         union_num = shared_lists(idx, num, n, group)[1]
         say(f"  union of {group} neighbours / topk: {float(union_num.float().mean()) / topk:.3f}   "
             f"(K/V tiles loaded per query block: {float(union_num.sum()) / float(num.sum()):.3f} of one per entry)")
-    if any(kw.get("pair") for kw in VARIANTS.values()):
-        pair_num = pair_lists(idx, num, n)[2]
-        say(f"  pair union ratio (mean union_num / (2 topk)): {float(pair_num.float().mean()) / (2 * topk):.3f}   "
-            f"(K/V tiles loaded per pair over its two lists: {float(pair_num.sum()) / float(num.sum()):.3f})")
     rows, outs = [], {}
 
     def row(name, fn, get_out=None, row_flops=flops):
@@ -430,7 +376,7 @@ def time_source(source: str, quick: bool = False, B=1, H=12, S=39936, D=128, top
 
     for variant, kw in VARIANTS.items():
         row(f"ours sm90_fwd64 {variant}", prepared(variant), lambda: out.clone())
-        if (kw.get("shared_kv") or kw.get("pair")) and variant in held:
+        if kw.get("shared_kv") and variant in held:
             row(f"  {variant} union step alone", held[variant].lists_only, row_flops=0.0)
     first = next(iter(VARIANTS))
     if source == "random" and not quick:

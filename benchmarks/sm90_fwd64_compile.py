@@ -6,10 +6,6 @@ sm_90a on the CPU (no GPU needed) and prints ptxas's registers / spills and the 
 
 (a python with nvidia-cutlass-dsl 4.8.1, numpy and triton; CUTE_DSL_ARCH is set here when missing). Shapes and strides are
 symbolic (fake tensors), so one compile covers every B, H, S, list capacity and layout.
-For the warp-specialized variants "regs" is ptxas's figure for the launch (65536 / threads); the
-consumers run under setmaxnreg's larger budget, so their use shows in the SASS (the highest register
-named by nvdisasm of the cubin kept with CUTE_DSL_KEEP=cubin), and a spill would show here.
-ptxas's C75xx remarks (wgmmas serialised) are listed under the row.
 """
 
 from __future__ import annotations
@@ -64,21 +60,6 @@ VARIANTS = {
     "ws-c3-k1v1-shared": dict(k_stages=1, v_stages=1, consumers=3, warp_specialized=True, shared_kv=True),
     "ws-c3-k4v7-shared-vsa": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True,
                                   shared_kv=True, has_coarse=True, has_gate=True, store_fine=True),
-    # pairs: one consumer warpgroup per pair of neighbouring query blocks, walking the union of their lists
-    "pair-k2v2": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
-    "pair-k2v2-vsa": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True,
-                          has_coarse=True, has_gate=True, store_fine=True),
-    "pair-k2v2-vsa-nogate-inference": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True,
-                                           lazy_rescale=True, pair=True, has_coarse=True),
-    "pair-k2v2-d64": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True,
-                          head_dim=64),
-    "pair-k2v2-fp16": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True,
-                           dtype=cutlass.Float16),
-    "pair-k1v1": dict(k_stages=1, v_stages=1, consumers=2, warp_specialized=True, pair=True),
-    "pair-k2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
-    "pair-k3v2": dict(k_stages=3, v_stages=2, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True),
-    "pair-k4v4-d64": dict(k_stages=4, v_stages=4, consumers=2, warp_specialized=True, lazy_rescale=True, pair=True,
-                          head_dim=64),
 }
 
 
@@ -104,10 +85,8 @@ def fake_args(dtype, D):
     div4 = lambda: cute.sym_int32(divisibility=4)  # noqa: E731
     out_fine = make_fake_tensor(cutlass.Float32, (B, H, S, D), (div4(), div4(), div4(), 1), assumed_align=16)
     NG, UCAP = i32(), i32()
-    union_idx, union_num = i32t((B, H, NG, UCAP)), i32t((B, H, NG))  # shared_kv, pair (placeholders otherwise)
-    union_mask = i32t((B, H, NG, UCAP))  # pair
-    return [q, k, v, o, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_c, out_fine, union_idx, union_num,
-            union_mask]
+    union_idx, union_num = i32t((B, H, NG, UCAP)), i32t((B, H, NG))  # shared_kv (placeholders otherwise)
+    return [q, k, v, o, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_c, out_fine, union_idx, union_num]
 
 
 def compile_variant(name, kw):

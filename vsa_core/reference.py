@@ -230,28 +230,6 @@ def shared_kv_lists_reference(block_indices, block_counts, n_kv_blocks: int, gro
     return union_idx, union.sum(-1), own_pos, sel.sum(-1)
 
 
-def pair_union_lists_reference(block_indices, block_counts, n_kv_blocks: int):
-    """What `stage_kernels.pair_union_lists_kernel` writes, from the block map of the list rule:
-    per pair of neighbouring query blocks (A = 2p, B = 2p + 1; B past the end has an empty
-    list) the ascending union of their counted blocks (union_idx [B, H, nP, 2 * cap], -1 past
-    union_num) and each entry's membership (union_mask, same shape: bit 0 in A, bit 1 in B, 0
-    past union_num). Returns (union_idx, union_mask, union_num) as int64 arrays."""
-    sel = index_lists_to_block_map(block_indices, block_counts, n_kv_blocks)  # [B, H, nQ, nKV]
-    B, H, nq, _ = sel.shape
-    cap = np.asarray(block_indices).shape[-1]
-    n_pairs = -(-nq // 2)
-    padded = np.zeros((B, H, n_pairs * 2, n_kv_blocks), bool)
-    padded[:, :, :nq] = sel
-    in_a, in_b = padded[:, :, 0::2], padded[:, :, 1::2]
-    union_idx = np.full((B, H, n_pairs, 2 * cap), -1, np.int64)
-    union_mask = np.zeros((B, H, n_pairs, 2 * cap), np.int64)
-    for b, h, p in np.ndindex(B, H, n_pairs):
-        blocks = np.flatnonzero(in_a[b, h, p] | in_b[b, h, p])
-        union_idx[b, h, p, :len(blocks)] = blocks
-        union_mask[b, h, p, :len(blocks)] = in_a[b, h, p, blocks] * 1 + in_b[b, h, p, blocks] * 2
-    return union_idx, union_mask, (in_a | in_b).sum(-1)
-
-
 def _fine(q, k, v, block_map, kv_counts, block_elems: int, scale: float):
     """The fine branch's probabilities, output and lse."""
     Sq, Skv = q.shape[2], k.shape[2]

@@ -278,16 +278,3 @@ def shared_kv_lists(launcher, sel_idx, sel_num, n_kv_blocks: int, group: int, un
     launcher.triton(kernels_for(sel_idx).shared_kv_lists_kernel, (n_groups, B * H),
         sel_idx, sel_num, union_idx, union_num, own_pos, own_num, nq, n_kv_blocks, cap, n_groups,
         GROUP=group, CH=min(64, _pow2(cap)), num_warps=4)
-
-
-def pair_union_lists(launcher, sel_idx, sel_num, n_kv_blocks: int, union_idx, union_mask, union_num):
-    """For pairs of neighbouring query blocks (A = 2p, B = 2p + 1: the consumer warpgroups of
-    sm90_fwd64's pair variant): the ascending union of their lists by the list rule and each
-    entry's membership (`pair_union_lists_kernel`). sel_idx [B, H, nQ, cap], sel_num [B, H, nQ]
-    (contiguous int32); union_idx / union_mask [B, H, nP, 2 * cap] (mask bit 0: in A, bit 1:
-    in B), union_num [B, H, nP] int32, nP = ceil(nQ / 2)."""
-    B, H, nq, cap = sel_idx.shape
-    n_pairs = -(-nq // 2)
-    launcher.triton(kernels_for(sel_idx).pair_union_lists_kernel, (n_pairs, B * H),
-        sel_idx, sel_num, union_idx, union_mask, union_num, nq, n_kv_blocks, cap, n_pairs,
-        CH=min(64, _pow2(cap)), num_warps=4)

@@ -41,8 +41,7 @@ to global memory (any strides), lse from the row-owning threads.
 alternates two consumers' GEMM issue by named barriers. `shared_kv` gives the CTA one K and one V
 ring filled in the order of the union of its consumers' lists, so a KV block that neighbouring
 query blocks share is loaded once (the class docstring has the mbarrier phase and deadlock
-arguments). `pair` gives each of 2 consumer warpgroups a pair of neighbouring query blocks whose
-union it walks by itself with its own rings (K/V reuse without coupling consumers). `q_in_regs` keeps Q in registers
+arguments). `q_in_regs` keeps Q in registers
 (QK^T as a register-A wgmma, only K read from shared memory). The timings of every variant are
 in benchmarks/results/ (sm90_fwd64_check); registers, spills and shared memory per
 variant: benchmarks/sm90_fwd64_compile.py (all compile for sm_90a with 0 spills).
@@ -127,46 +126,15 @@ class BlockSparseFwd64Sm90:
       the entries in (u_{j-1}, u_j) and waits for K(u_j): fine while u_j - u_{j-1} < v_stages.
       At a larger gap the step first finishes PV_{j-1} and releases V(u_{j-1}) ("drain": PV_{j-1}
       then does not overlap QK_j and the softmax). Deeper V rings make drains rarer.
-    - `pair=True` (warp_specialized, consumers=2): K/V reuse without coupled consumers. Consumer c
-      owns the pair p = blockIdx.x * 2 + c of query blocks A = 2p, B = 2p + 1 (Q slots 2c, 2c + 1)
-      and walks the ascending union of their lists (`stages.pair_union_lists`: union_idx, a 2-bit
-      membership union_mask, union_num per pair) with its own K ring and V ring; union entry t is in
-      K slot t % k_stages and V slot t % v_stages. Each member block X of entry t is one step of
-      `_consumer`'s loop: S = Q_X K_t^T (the K tile read by both blocks' QKs) in flight with the
-      previous step's PV (into the O of the block that step was for), X's online softmax and lazy
-      rescale, P_X into registers; an entry of one block costs one step. Two O accumulators, one S
-      and one P (about 213 registers of the 240 a consumer gets next to a 24-register producer).
-      Producer warp c issues consumer c's loads (Q_A, Q_B, then the union's K / V) in the order
-      the consumer first waits for them: K_t; then V_{t-1} unless entry t-1 holds both blocks (A's
-      PV_{t-1} then ran under B's QK_{t-1} and waited for V_{t-1} there); then V_t if entry t holds
-      both. "Empty" mbarriers count the consumer's 4 warps.
-
-      Phases: as in the other per-consumer rings (fill k of a slot is entry slot + k * stages; a
-      consumer releases a fill only after its last wait on it, and the producer refills only after
-      every warp released): the K and V tiles of an entry are waited for twice when both blocks
-      hold it, both waits before the release.
-
-      Deadlock. The consumer releases K_{t-1} at the top of entry t (before waiting for K_t), and
-      V_e at the top of the first step whose pending PV reads a later entry (a step's PV retired
-      at its end), so when it waits for any load, every K entry before the current one and every V
-      entry before the pending one is released. Each load L the producer issues needs only the
-      release of the same ring's fill `stages` entries earlier, and the loads before the one the
-      consumer waits for are, in the order above, K entries up to the current one and V entries
-      up to the pending one: all their refills' releases are made, so the producer reaches the
-      awaited load. Any k_stages, v_stages >= 1 (tests/test_pair_protocol.py models it with
-      parity-exact mbarriers; `_producer`'s order, K_{t+1} before V_t, deadlocks at k_stages=1).
-      Precondition: every counted union entry has a nonzero membership (the list step writes 1..3).
     """
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
-                 shared_kv: bool = False, pair: bool = False):
+                 shared_kv: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
-        assert not pair or (warp_specialized and consumers == 2 and not (pingpong or shared_kv or q_in_regs)), \
-            "pairs: warp_specialized with 2 consumers (no pingpong, shared_kv, q_in_regs)"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert k_stages >= 1 and v_stages >= 1
         assert warp_specialized or consumers == 1, "several consumers need the producer warpgroup"
@@ -190,18 +158,14 @@ class BlockSparseFwd64Sm90:
         # lists (`shared_kv_lists`): a KV block two or three consumers select comes from L2 once
         self.shared_kv = shared_kv
         self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
-        # each consumer owns a pair of neighbouring query blocks and walks the union of their lists
-        # (`pair_union_lists`): a KV block both select is loaded once and its K tile read by both QKs
-        self.pair = pair
-        self.q_slots = consumers * (2 if pair else 1)  # Q tiles in shared memory
         tile_bytes = BLOCK * head_dim * 2
-        self.smem_bytes = tile_bytes * (self.q_slots + (k_stages + v_stages) * self.rings) + 1024
+        self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
         # ask ptxas for a register budget that lets as many CTAs share an SM as shared memory does
         # (warp-specialized: one, whatever the shared memory; the setmaxnreg budgets below assume it)
         self.ctas_per_sm = ctas_per_sm or (1 if warp_specialized else max(1, min(3, (227 * 1024) // self.smem_bytes)))
         self.threads = 128 * (consumers + (1 if warp_specialized else 0))
         # setmaxnreg budgets (multiples of 8, 64K registers per SM at one CTA per SM)
-        self.producer_regs = 24 if consumers >= 3 or pair else 40  # pair: 240 per consumer thread
+        self.producer_regs = 24 if consumers >= 3 else 40
         self.consumer_regs = min(240, (65536 // 128 - self.producer_regs) // consumers // 8 * 8)
 
     # ---- host side (traced once per compile) ----------------------------------------------------
@@ -209,15 +173,13 @@ class BlockSparseFwd64Sm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mSelIdx: cute.Tensor, mSelNum: cute.Tensor, mKVCounts: cute.Tensor,
                  mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
-                 mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor, mUnionMask: cute.Tensor,
-                 softmax_scale: cutlass.Float32, stream):
+                 mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor, softmax_scale: cutlass.Float32, stream):
         """q, k, v, out, gate, out_fine: [B, H, S, D]; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, cap],
         sel_num [B, H, nQ], kv_counts [nKV], q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32.
         Without the coarse branch q_counts / gate / out_coarse / out_fine are placeholders (never read).
         With shared_kv, sel_idx / sel_num are the own positions / counts of `shared_kv_lists` and
-        union_idx [B, H, nG, consumers * cap] / union_num [B, H, nG] its unions. With pair,
-        union_idx / union_mask [B, H, nP, 2 * cap] and union_num [B, H, nP] are the pairs' unions
-        of `pair_union_lists` (sel_idx / sel_num are then read for nQ only). Placeholders otherwise."""
+        union_idx [B, H, nG, consumers * cap] / union_num [B, H, nG] its unions; without, those two
+        are placeholders."""
         D = self.head_dim
         NC = self.consumers
         NR = self.rings
@@ -248,15 +210,14 @@ class BlockSparseFwd64Sm90:
         qk_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(k_major, dt, D), dt)
         v_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(hopper_helpers.get_smem_layout_atom(v_major, dt, D), dt)
         # slots: consumer c's Q is slot c, its K / V ring slots are c * stages + s
-        # (pair: consumer c's blocks A and B are Q slots 2c and 2c + 1)
-        sQ_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, self.q_slots), order=(0, 1, 2))
+        sQ_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NC), order=(0, 1, 2))
         sK_layout = cute.tile_to_shape(qk_atom, (BLOCK, D, NR * self.k_stages), order=(0, 1, 2))
         sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, NR * self.v_stages), order=(1, 0, 2))
         self.tile_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
 
         @cute.struct
         class Storage:
-            q_full: cute.struct.MemRange[cutlass.Int64, self.q_slots]
+            q_full: cute.struct.MemRange[cutlass.Int64, NC]
             k_full: cute.struct.MemRange[cutlass.Int64, NR * self.k_stages]
             v_full: cute.struct.MemRange[cutlass.Int64, NR * self.v_stages]
             k_empty: cute.struct.MemRange[cutlass.Int64, NR * self.k_stages]
@@ -285,11 +246,10 @@ class BlockSparseFwd64Sm90:
             g2s, gV4, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK))
 
         n_q_blocks = mSelIdx.shape[2]
-        n_units = (n_q_blocks + 1) // 2 if cutlass.const_expr(self.pair) else n_q_blocks  # per consumer
-        grid = ((n_units + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
+        grid = ((n_q_blocks + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
         self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
                     mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
-                    softmax_scale * LOG2_E, mUnionIdx, mUnionNum, mUnionMask).launch(
+                    softmax_scale * LOG2_E, mUnionIdx, mUnionNum).launch(
             grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)  # all of L1 as shared memory
 
@@ -301,7 +261,7 @@ class BlockSparseFwd64Sm90:
                mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               c: cutlass.Float32, mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor, mUnionMask: cute.Tensor):
+               c: cutlass.Float32, mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor):
         NC, KS, VS = self.consumers, self.k_stages, self.v_stages
         NR = self.rings
         tidx, _, _ = cute.arch.thread_idx()
@@ -312,7 +272,7 @@ class BlockSparseFwd64Sm90:
         st = SmemAllocator().allocate(self.storage)
         tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
         bars = dict(
-            q_full=pipeline.MbarrierArray(st.q_full.data_ptr(), num_stages=self.q_slots, agent=tma_load),
+            q_full=pipeline.MbarrierArray(st.q_full.data_ptr(), num_stages=NC, agent=tma_load),
             k_full=pipeline.MbarrierArray(st.k_full.data_ptr(), num_stages=NR * KS, agent=tma_load),
             v_full=pipeline.MbarrierArray(st.v_full.data_ptr(), num_stages=NR * VS, agent=tma_load))
         if cutlass.const_expr(self.ws):
@@ -342,23 +302,11 @@ class BlockSparseFwd64Sm90:
         if cutlass.const_expr(self.shared_kv):
             lists.update(union=mUnionIdx[b, h, bx, None],
                          union_n=cutlass.min(cutlass.max(mUnionNum[b, h, bx], 0), mUnionIdx.shape[3]))
-        if cutlass.const_expr(self.pair):
-            lists.update(union_idx=mUnionIdx, union_mask=mUnionMask, union_num=mUnionNum)
 
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
         if cutlass.const_expr(not self.ws):
             self._consumer(0, bx, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c)
-        elif cutlass.const_expr(self.pair):
-            if wg == 0:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp < NC:
-                    self._producer_pair(warp, bx * NC + warp, tma, bars, lists)
-            else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                ci = wg - 1
-                self._consumer_pair(ci, bx * NC + ci, tidx % 128, tma, bars, lists, sQ, sK, sV,
-                                    mma_qk, mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
         elif cutlass.const_expr(self.shared_kv):
             if wg == 0:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -733,236 +681,6 @@ class BlockSparseFwd64Sm90:
             cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, slot], accS)
         cute.nvgpu.warpgroup.commit_group()
 
-    # ---- pairs of query blocks (pair) -------------------------------------------------------------
-    @cute.jit
-    def _pair_list(self, lists, p):
-        """Pair p's union (entries, memberships) and its length clamped to [0, 2 * capacity]; length 0
-        for a pair past the end (the last CTA's second consumer when the pairs are odd)."""
-        n_pairs = lists["union_num"].shape[2]
-        pr = cutlass.min(p, n_pairs - 1)
-        n = cutlass.Int32(0)
-        if p < n_pairs:
-            n = cutlass.min(cutlass.max(lists["union_num"][lists["b"], lists["h"], p], 0), lists["union_idx"].shape[3])
-        return (lists["union_idx"][lists["b"], lists["h"], pr, None],
-                lists["union_mask"][lists["b"], lists["h"], pr, None], n)
-
-    @cute.jit
-    def _load_v_entry(self, ci, t, blk, tma, bars):
-        """Union entry t's V tile into consumer ci's V slot t % v_stages once the slot's fill t - v_stages
-        has been released."""
-        VS = self.v_stages
-        if t >= VS:
-            bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
-        self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], blk, ci * VS + t % VS)
-
-    @cute.jit
-    def _producer_pair(self, ci, p, tma, bars, lists):
-        """Warp ci of the producer warpgroup: consumer ci's loads for pair p (Q_A, Q_B, then K / V of
-        its union) in the order the consumer first waits for them: K_t, then V_{t-1} unless entry
-        t-1 holds both blocks (then A's PV_{t-1} ran under B's QK_{t-1} and waited for it there),
-        then V_t if entry t holds both. The class docstring has the deadlock argument."""
-        KS = self.k_stages
-        n_kv = lists["kv_counts"].shape[0]
-        n_q = lists["idx"].shape[2]
-        union, umask, n = self._pair_list(lists, p)
-        if n > 0:
-            self._load_q(2 * ci, 2 * p, tma, bars, lists)
-            if 2 * p + 1 < n_q:
-                self._load_q(2 * ci + 1, 2 * p + 1, tma, bars, lists)
-            blk = self._clamp(union[0], n_kv)
-            m = umask[0] & 3
-            blk_prev = blk
-            m_prev = m
-            for t in cutlass.range(n + 1, unroll=1):
-                # entry t + 1 read before the empty waits
-                blk_after = self._clamp(union[cutlass.min(t + 1, n - 1)], n_kv)
-                m_after = umask[cutlass.min(t + 1, n - 1)] & 3
-                if t < n:
-                    if t >= KS:
-                        bars["k_empty"].wait(ci * KS + t % KS, (t // KS + 1) % 2)
-                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], blk, ci * KS + t % KS)
-                if (t >= 1) & (m_prev != 3):
-                    self._load_v_entry(ci, t - 1, blk_prev, tma, bars)
-                if (t < n) & (m == 3):
-                    self._load_v_entry(ci, t, blk, tma, bars)
-                blk_prev = blk
-                m_prev = m
-                blk = blk_after
-                m = m_after
-
-    @cute.jit
-    def _pv_pending(self, mma_pv, accO_pend, rP, rV, v_full, vs0, pend_t):
-        """Issues the pending PV (P in registers, V of union entry pend_t) into its block's O once the V
-        tile has landed; not committed."""
-        slot = vs0 + pend_t % self.v_stages
-        v_full.wait(slot, (pend_t // self.v_stages) % 2)
-        cute.nvgpu.warpgroup.fence()
-        cute.gemm(mma_pv, accO_pend, rP, rV[None, None, None, slot], accO_pend)
-
-    @cute.jit
-    def _pair_half(self, pending: cutlass.Constexpr, rescale: cutlass.Constexpr, t, blk, count,
-                   pend_t, v_last, rQ, accO_pend, mma_qk, mma_pv, accS, rK, rV, rP, rP_as_S, O, S,
-                   cS_rc, row_max, row_sum, alpha, bars, ks0, vs0, n_kv, c):
-        """One member block X of union entry t (rQ: Q_X; O, row_max / row_sum / alpha: X's): S = Q_X K_t^T
-        in flight with the pending PV (`pending`: one is, into accO_pend, on union entry pend_t), the
-        online softmax of X, O_X rescaled (`rescale`: O_X may hold something), then P_X in registers.
-        Every wgmma has retired on return. V(v_last), the entry of the last PV issued (retired), is
-        released first when the pending PV reads another entry. Returns the new v_last.
-
-        The pending PV's block is static here (the caller branches on it around whole steps): a
-        branch between two PVs into different accumulators joins with one of them in flight, and
-        the copies at the join make ptxas serialise every wgmma of the kernel (its C7515)."""
-        if cutlass.const_expr(pending):
-            if v_last != pend_t:
-                self._release(bars["v_empty"], vs0 + v_last % self.v_stages)
-        # _qk sets the MMA's ACCUMULATE field, a traced value the tracer does not carry out of the
-        # branch this step runs in: the state from before the step is put back after it
-        qk_state = mma_qk._trait.value
-        self._qk(mma_qk, accS, rQ, rK, bars["k_full"], t, ks0)
-        mma_qk._trait.value = qk_state
-        if cutlass.const_expr(pending):
-            self._pv_pending(mma_pv, accO_pend, rP, rV, bars["v_full"], vs0, pend_t)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(1)  # QK retired, the PV may still run under the softmax
-            v_last = pend_t
-        else:
-            cute.nvgpu.warpgroup.wait_group(0)
-        # the union holds counted entries only: `last` -1 lets the rule take every one
-        self._softmax_tile(S, cS_rc, blk, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
-        if cutlass.const_expr(rescale):
-            self._rescale_o(O, alpha)
-        if cutlass.const_expr(pending):
-            cute.nvgpu.warpgroup.wait_group(0)  # the PV retired: P's registers are free
-        rP_as_S.store(accS.load().to(self.dtype))
-        return v_last
-
-    @cute.jit
-    def _consumer_pair(self, ci, p, tidx, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
-                       mQCounts, mGate, mOutC, mOutFine, c):
-        """Consumer ci's pair p (query blocks A = 2p, B = 2p + 1, Q slots 2ci and 2ci + 1): one walk of
-        the union of their lists, union entry t in K slot t % k_stages and V slot t % v_stages of its
-        own rings. Each member block X of entry t is one step of `_consumer`'s main loop
-        (`_pair_half`): S = Q_X K_t^T in flight with the previous step's PV, X's online softmax, P_X.
-        A step's PV goes into the O of the block it was computed for (a warp-uniform branch on that
-        block), so an entry both blocks hold costs two steps on one K and one V tile, an entry of one
-        block one step. Every step ends with all wgmmas retired, so the branches on the membership
-        between steps hide nothing from ptxas. Then the epilogue of each block (B only if it exists)."""
-        KS = self.k_stages
-        b, h = lists["b"], lists["h"]
-        n_kv = lists["kv_counts"].shape[0]
-        n_q = lists["idx"].shape[2]
-        mKVCounts = lists["kv_counts"]
-        union, umask, n = self._pair_list(lists, p)
-        qa, qb = 2 * p, 2 * p + 1
-        ks0, vs0 = ci * KS, ci * self.v_stages
-
-        thr_qk = mma_qk.get_slice(tidx)
-        thr_pv = mma_pv.get_slice(tidx)
-        rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        rQA, rQB = rQ[None, None, None, 2 * ci], rQ[None, None, None, 2 * ci + 1]
-        rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
-        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
-        accOA = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
-        accOB = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
-        rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
-        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
-        S = rows_cols(accS)
-        OA, OB = rows_cols(accOA), rows_cols(accOB)
-        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
-        cS_rc = rows_cols(cS)
-        n_rows = cute.size(S, mode=[0])
-        row_max_a = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        row_sum_a = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        alpha_a = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        row_max_b = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        row_sum_b = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        alpha_b = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        for st in (row_max_a, row_max_b):
-            st.fill(-cutlass.Float32.inf)
-        for st in (row_sum_a, row_sum_b):
-            st.fill(0.0)
-        for st in (alpha_a, alpha_b):
-            st.fill(1.0)
-        accOA.fill(0.0)
-        accOB.fill(0.0)
-        common = (mma_qk, mma_pv, accS, rK, rV, rP, rP_as_S)
-        state_a = (OA, S, cS_rc, row_max_a, row_sum_a, alpha_a, bars, ks0, vs0, n_kv, c)
-        state_b = (OB, S, cS_rc, row_max_b, row_sum_b, alpha_b, bars, ks0, vs0, n_kv, c)
-
-        if n > 0:
-            # entry t's block, count and membership are read one step ahead
-            blk = self._clamp(union[0], n_kv)
-            m = cute.arch.make_warp_uniform(umask[0])
-            count = mKVCounts[blk]
-            blk_next = self._clamp(union[cutlass.min(1, n - 1)], n_kv)
-            m_next = umask[cutlass.min(1, n - 1)]
-            bars["q_full"].wait(2 * ci, 0)
-            if qb < n_q:
-                bars["q_full"].wait(2 * ci + 1, 0)
-            mma_pv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            # entry 0 (peeled, as in _consumer): nothing pending before its first step, both O still 0.
-            # The pending PV is (pend_b, pend_t): block B's or A's, of union entry pend_t; v_last the
-            # entry of the last PV issued (entry 0 before any: nothing to release)
-            pend_b = cutlass.Boolean(False)
-            pend_t = cutlass.Int32(0)
-            v_last = cutlass.Int32(0)
-            if (m & 1) != 0:
-                v_last = self._pair_half(False, False, 0, blk, count, pend_t, v_last, rQA, accOA, *common, *state_a)
-                if (m & 2) != 0:
-                    v_last = self._pair_half(True, False, 0, blk, count, pend_t, v_last, rQB, accOA, *common,
-                                             *state_b)
-                    pend_b = cutlass.Boolean(True)
-            else:
-                v_last = self._pair_half(False, False, 0, blk, count, pend_t, v_last, rQB, accOA, *common, *state_b)
-                pend_b = cutlass.Boolean(True)
-            for t in cutlass.range(1, n, unroll=1):
-                blk = blk_next
-                m = cute.arch.make_warp_uniform(m_next)
-                count = mKVCounts[blk]
-                blk_next = self._clamp(union[cutlass.min(t + 1, n - 1)], n_kv)
-                m_next = umask[cutlass.min(t + 1, n - 1)]
-                # entry t - 1's QKs retired in its steps: its K slot takes entry t - 1 + k_stages
-                self._release(bars["k_empty"], ks0 + (t - 1) % KS)
-                if (m & 1) != 0:
-                    if pend_b:
-                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQA, accOB, *common,
-                                                 *state_a)
-                    else:
-                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQA, accOA, *common,
-                                                 *state_a)
-                    pend_b = cutlass.Boolean(False)
-                    pend_t = t
-                if (m & 2) != 0:
-                    if pend_b:
-                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQB, accOB, *common,
-                                                 *state_b)
-                    else:
-                        v_last = self._pair_half(True, True, t, blk, count, pend_t, v_last, rQB, accOA, *common,
-                                                 *state_b)
-                    pend_b = cutlass.Boolean(True)
-                    pend_t = t
-            # drain: the last step's PV (its O was rescaled for it in that step), retired in its branch
-            if v_last != pend_t:
-                self._release(bars["v_empty"], vs0 + v_last % self.v_stages)
-            if pend_b:
-                self._pv_pending(mma_pv, accOB, rP, rV, bars["v_full"], vs0, pend_t)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-            else:
-                self._pv_pending(mma_pv, accOA, rP, rV, bars["v_full"], vs0, pend_t)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-            self._release(bars["v_empty"], vs0 + pend_t % self.v_stages)
-            self._release(bars["k_empty"], ks0 + (n - 1) % KS)
-
-        if qa < n_q:
-            self._epilogue(qa, b, h, tidx, thr_pv, accOA, OA, row_max_a, row_sum_a, alpha_a, cS_rc, gO4, mLSE,
-                           mQCounts, mGate, mOutC, mOutFine, c)
-        if qb < n_q:
-            self._epilogue(qb, b, h, tidx, thr_pv, accOB, OB, row_max_b, row_sum_b, alpha_b, cS_rc, gO4, mLSE,
-                           mQCounts, mGate, mOutC, mOutFine, c)
-
     @cute.jit
     def _epilogue(self, qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
                   mQCounts, mGate, mOutC, mOutFine, c):
@@ -1150,8 +868,7 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
 def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
                       q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                      q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
-                      pair: bool = False):
+                      q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the forward on torch's current stream at the time of this call (the tensors' CuTe
     views are built once here: timing the callable leaves the per-call host conversion out).
@@ -1165,10 +882,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     the unions of the CTAs' lists are built here on the current stream (`stages.shared_kv_lists`,
     one Triton launch; buffers allocated here, once) and run with the kernel by every call of the
     returned callable, so the lists may change between calls. The callable's `lists_only` runs
-    that step alone (for timing it).
-
-    pair (warp_specialized, consumers=2: each consumer warpgroup owns a pair of neighbouring query
-    blocks and walks the union of their lists): the same, with `stages.pair_union_lists` as the step."""
+    that step alone (for timing it)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -1233,30 +947,13 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                                    own_num)
         # the kernel reads its own tiles' union positions where the other variants read the lists
         sel_idx, sel_num = own_pos, own_num
-    elif pair:
-        if not warp_specialized or consumers != 2 or pingpong or q_in_regs:
-            raise ValueError("sm90_fwd64: pair needs warp_specialized=True and consumers=2 (no pingpong, q_in_regs)")
-        from vsa_core import stages
-        from ..launch import eager_launcher
-        cap = sel_idx.shape[-1]
-        n_pairs = -(-nq // 2)
-        union_idx = torch.empty((B, H, n_pairs, 2 * cap), dtype=torch.int32, device=q.device)
-        union_mask = torch.empty_like(union_idx)
-        union_num = torch.empty((B, H, n_pairs), dtype=torch.int32, device=q.device)
-        given_idx, given_num = sel_idx, sel_num
-
-        def lists_step():
-            stages.pair_union_lists(eager_launcher, given_idx, given_num, nkv, union_idx, union_mask, union_num)
     else:
         union_idx, union_num = sel_idx, sel_num  # placeholders (never read)
-    if not pair:
-        union_mask = union_idx  # placeholder (never read)
     args = [q, k, v, out, lse, sel_idx, sel_num, kv_counts.contiguous(),
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
-            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num,
-            union_mask]
+            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, pair)
+           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv)
     vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
     cargs = [cute_tensor(t, 16 if i in vector_args else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -1265,8 +962,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
         kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
-                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
-                                      pair=pair)
+                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv)
         fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
 
