@@ -47,6 +47,40 @@ def test_capture_refuses_overlapping_buffers():
     assert cap._place(fake(0x10000 + 20, 2)) is None            # a view inside both
 
 
+def test_replay_launches_each_step_on_the_new_addresses_and_the_workspace():
+    """Replay.run with a stand-in for the compiled kernel's runner: every pointer argument is
+    the new buffer's address plus the captured offset, workspaces sit in the one allocation at
+    aligned offsets, constants pass unchanged, a descriptor is rebuilt on its new base."""
+    from dataclasses import dataclass
+    from vsa_core.replay import TritonStep
+
+    @dataclass
+    class Desc:  # what the replay reads of a TMA descriptor
+        base: object
+        shape: list
+        block_shape: list
+
+    seen = []
+    runner = lambda *args, stream: seen.append((args, stream))  # noqa: E731
+    a, b, w1, w2 = fake(0x10000, 64), fake(0x20000, 64), fake(0x30000, 10), fake(0x40000, 3, "int32")
+    cap = CapturingLauncher({"a": a, "b": b, "w1": w1, "w2": w2}, workspaces=["w1", "w2"])
+    place = cap._place
+    steps = (TritonStep("k1", runner, (None, 7, None, None), ((0, *place(a)), (2, *place(w1)), (3, *place(w2))), ()),
+             TritonStep("k2", runner, (None, 2.5), ((0, *place(fake(0x20000 + 32, 4))),),
+                        ((1, "a", 0, Desc(a, [64], [16])),)))
+    cap._steps = list(steps)
+    replay, why = cap.replay()
+    assert why is None and replay.buffers == ("a", "b")
+    assert dict(replay.workspace) == {"w1": 0, "w2": 256} and replay.workspace_bytes == 256 + 12
+    new_a, new_b = fake(0x90000, 64), fake(0xA0000, 64)
+    replay.run({"a": new_a, "b": new_b}, stream=5, workspace=0xF000)
+    (args1, s1), (args2, s2) = seen
+    assert args1 == (0x90000, 7, 0xF000, 0xF000 + 256) and s1 == 5
+    assert args2[0] == 0xA0000 + 32
+    assert args2[1].base.data_ptr() == 0x90000 and args2[1].shape == [64] and args2[1].block_shape == [16]
+    assert steps[1].descriptors[0][3].base is a  # the captured descriptor is left as it was
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches (CPU)")
 def test_capture_of_interpreted_launches_is_refused_with_a_reason():
     from vsa_core import ops as core_ops

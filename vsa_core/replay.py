@@ -24,12 +24,14 @@ frontend therefore captures on a later call, when the tile store already answers
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from .launch import Launcher
+
+_WORKSPACE_ALIGN = 256  # each workspace buffer starts as aligned as an allocation of its own would
+
 
 class _Address:
     """What a TMA descriptor reads of its base: the address and the element type."""
@@ -62,29 +64,54 @@ class TritonStep:
         for i, name, offset in self.pointers:
             args[i] = addresses[name] + offset
         for i, name, offset, desc in self.descriptors:
-            args[i] = dataclasses.replace(desc, base=_Address(addresses[name] + offset, desc.base.dtype))
+            args[i] = _rebased(desc, _Address(addresses[name] + offset, desc.base.dtype))
         self.runner(*args, stream=stream)
+
+
+def _rebased(desc, base):
+    """desc on another base of the same alignment, without re-running its constructor's
+    checks (they passed at capture, and nothing they read has changed: the replay's key holds
+    the base's alignment and the geometry is the captured one)."""
+    out = object.__new__(type(desc))
+    out.__dict__.update(desc.__dict__)
+    out.base = base
+    return out
 
 
 @dataclass(frozen=True)
 class Replay:
-    """A stage's launches in order; `buffers` the names whose addresses they read."""
+    """A stage's launches in order. `buffers`: the names whose addresses they read from the
+    call's buffers; `workspace`: (name, byte offset) of the buffers that live in one
+    workspace allocation instead (`workspace_bytes` long), whose contents do not outlive the
+    stage."""
 
     steps: Tuple[TritonStep, ...]
     buffers: Tuple[str, ...]
+    workspace: Tuple[Tuple[str, int], ...] = ()
+    workspace_bytes: int = 0
 
-    def run(self, buffers: Mapping[str, Any], stream: int) -> None:
-        """Launches every step on `buffers` (name -> anything with `data_ptr()`) on `stream`."""
+    @property
+    def workspace_names(self) -> frozenset:
+        return frozenset(n for n, _ in self.workspace)
+
+    def run(self, buffers: Mapping[str, Any], stream: int, workspace: int = 0) -> None:
+        """Launches every step on `buffers` (name -> anything with `data_ptr()`) and the
+        workspace allocation at address `workspace`, on `stream`."""
         addresses = {n: buffers[n].data_ptr() for n in self.buffers}
+        for name, offset in self.workspace:
+            addresses[name] = workspace + offset
         for step in self.steps:
             step.launch(addresses, stream)
 
 
 class CapturingLauncher(Launcher):
     """Launches like the eager launcher and keeps each launch for `Replay` (module doc).
-    `buffers`: the call's named buffers (inputs, outputs, workspaces) as the launches get them."""
+    `buffers`: the call's named buffers (inputs, outputs, workspaces) as the launches get them;
+    `workspaces`: those whose contents do not outlive the stage, which a replay places in one
+    allocation."""
 
-    def __init__(self, buffers: Mapping[str, Any]):
+    def __init__(self, buffers: Mapping[str, Any], workspaces: Sequence[str] = ()):
+        self._workspaces = {n: _nbytes(buffers[n]) for n in workspaces if buffers.get(n) is not None}
         self._regions = []
         self._names = {}  # id(buffer) -> its first name (the frontend keys on which names share an object)
         for name, b in buffers.items():
@@ -105,7 +132,15 @@ class CapturingLauncher(Launcher):
         if self._unreplayable is not None:
             return None, self._unreplayable
         used = sorted({n for s in self._steps for n in [p[1] for p in s.pointers] + [d[1] for d in s.descriptors]})
-        return Replay(tuple(self._steps), tuple(used)), None
+        workspace, size = [], 0
+        for name in used:
+            if name in self._workspaces:
+                size = -(-size // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+                workspace.append((name, size))
+                size += self._workspaces[name]
+        in_workspace = {n for n, _ in workspace}
+        return Replay(tuple(self._steps), tuple(n for n in used if n not in in_workspace), tuple(workspace),
+                      size), None
 
     def _refuse(self, why: str) -> None:
         self._unreplayable = why

@@ -98,7 +98,7 @@ AXES = {"q": "tokens", "k": "tokens", "v": "tokens", "gate": "tokens", "out": "t
 # buffers of the forward's table that it does not return: the top-k scores workspace
 # ([B, H, nQ, nKV] fp32, the largest) and the packed blocks' sequence ids, which the
 # backward recomputes (two tiny launches) rather than keeps
-_FORWARD_WORKSPACES = ("scores", "q_seq", "kv_seq")
+FORWARD_WORKSPACES = ("scores", "q_seq", "kv_seq")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -125,10 +125,20 @@ def backward_inputs(statics: OpStatics) -> Tuple[str, ...]:
     return tuple(n for n in forward_inputs(statics) if n not in ("given_idx", "given_num", "seq_prefix"))
 
 
+@functools.lru_cache(maxsize=1024)
 def forward_results(p: AttnProblem) -> Tuple[str, ...]:
     """What the forward returns and keeps for the backward: its buffer table without the
     workspaces; `out` first (the one differentiable result)."""
-    return tuple(n for n in p.forward_buffers() if n not in _FORWARD_WORKSPACES)
+    return tuple(n for n in p.forward_buffers() if n not in FORWARD_WORKSPACES)
+
+
+def workspaces(stage: str, statics: OpStatics, p: AttnProblem) -> Tuple[str, ...]:
+    """The buffers of a stage's table whose contents do not outlive it: the forward's
+    FORWARD_WORKSPACES, the backward's buffers other than the gradients."""
+    if stage == "forward":
+        return tuple(n for n in p.forward_buffers() if n in FORWARD_WORKSPACES)
+    grads = set(gradients(statics).values())
+    return tuple(n for n in p.backward_buffers() if n not in grads)
 
 
 def gradients(statics: OpStatics) -> Dict[str, str]:

@@ -23,7 +23,7 @@ from vsa_core.problem import AttnProblem
 from vsa_core.replay import CapturingLauncher, Replay
 from vsa_core.runtime import BufferAdapter, DeviceInfo
 from vsa_core.spec import (GRADIENTS, OpStatics, backward_arguments, backward_inputs, forward_arguments, forward_inputs,
-                           forward_results, gradients)
+                           forward_results, gradients, workspaces)
 
 
 def device_info(t: Tensor) -> DeviceInfo:
@@ -81,35 +81,48 @@ def _replay_key(stage: str, s: OpStatics, arrays) -> tuple:
     return stage, s, config(), described, aliases
 
 
-def _run_stage(stage: str, s: OpStatics, p: AttnProblem, buffers: dict, arrays) -> None:
-    """core_ops.forward / backward on the named buffers: replayed where a capture of the same
-    key exists (no Python per launch beyond the binary's own call), else run and, on the
-    second call of a key, captured."""
+@functools.lru_cache(maxsize=1024)
+def _stage_table(p: AttnProblem, stage: str, dtype: torch.dtype) -> Tuple[Tuple[str, tuple, torch.dtype], ...]:
+    """(name, shape, torch dtype) of each buffer the stage allocates (its table in `p`)."""
+    table = p.forward_buffers() if stage == "forward" else p.backward_buffers()
+    return tuple((n, shape, dtype if dt == "input" else getattr(torch, dt)) for n, (shape, dt) in table.items())
+
+
+def _run_stage(stage: str, s: OpStatics, p: AttnProblem, named: dict, arrays, workspaces) -> dict:
+    """Allocates the stage's buffers and runs core_ops.forward / backward on them and the named
+    inputs: replayed where a capture of the same key exists (the `workspaces`, buffers whose
+    contents do not outlive the stage, then in one allocation), else run and, on the second call
+    of a key, captured. Returns the buffers by name (the workspaces only off the replay path)."""
     backend = backend_named(s.backend)
     run = core_ops.forward if stage == "forward" else core_ops.backward
-    q = buffers["q"]
-    if not (q.is_cuda and getattr(backend, "replayable", False)) or torch.compiler.is_compiling():
-        run(p, backend, buffers, adapter=TORCH_BUFFERS)
-        return
-    key = _replay_key(stage, s, arrays)
-    entry = _REPLAYS.get(key)
+    like = named["q"]
+    device = like.device
+    table = _stage_table(p, stage, like.dtype)
+    replayable = like.is_cuda and getattr(backend, "replayable", False) and not torch.compiler.is_compiling()
+    key = _replay_key(stage, s, arrays) if replayable else None
+    entry = _REPLAYS.get(key) if replayable else None
     if isinstance(entry, Replay):
-        device = q.device
+        skip = entry.workspace_names
+        buffers = {n: torch.empty(shape, dtype=dt, device=device) for n, shape, dt in table if n not in skip}
+        workspace = torch.empty(entry.workspace_bytes, dtype=torch.uint8, device=device)  # freed in stream order
         scope = contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
         with scope:
-            entry.run(buffers, torch.cuda.current_stream(device).cuda_stream)
-        return
+            entry.run({**named, **buffers}, torch.cuda.current_stream(device).cuda_stream, workspace.data_ptr())
+        return buffers
+    buffers = {n: torch.empty(shape, dtype=dt, device=device) for n, shape, dt in table}
+    everything = {**named, **buffers}
     if entry is True:
-        launcher = CapturingLauncher(buffers)
-        run(p, backend, buffers, adapter=TORCH_BUFFERS, launcher=launcher)
+        launcher = CapturingLauncher(everything, workspaces=[n for n in workspaces if n in buffers])
+        run(p, backend, everything, adapter=TORCH_BUFFERS, launcher=launcher)
         replay, why = launcher.replay()
         _REPLAYS[key] = replay if replay is not None else why
-        return
-    run(p, backend, buffers, adapter=TORCH_BUFFERS)
-    if entry is None:
+        return buffers
+    run(p, backend, everything, adapter=TORCH_BUFFERS)
+    if replayable and entry is None:
         if len(_REPLAYS) >= _REPLAY_LIMIT:
             _REPLAYS.clear()
         _REPLAYS[key] = True
+    return buffers
 
 
 # ---- the operator: one forward and one backward for every call ---------------------------
@@ -127,8 +140,7 @@ def _forward_impl(inputs: List[Tensor], statics: str, softmax_scale: float) -> L
     """Returns the forward's results (`vsa_core.spec.forward_results`: out first)."""
     s = _statics(statics, softmax_scale)
     p, named = forward_arguments(s, inputs)
-    buffers = _alloc(p.forward_buffers(), named["q"])
-    _run_stage("forward", s, p, {**named, **buffers}, inputs)
+    buffers = _run_stage("forward", s, p, named, inputs, workspaces("forward", s, p))
     return [buffers[n] for n in forward_results(p)]
 
 
@@ -152,8 +164,7 @@ def _backward_impl(dout: Tensor, inputs: List[Tensor], results: List[Tensor], st
     s = _statics(statics, softmax_scale)
     dout = dout.contiguous()
     p, named = backward_arguments(s, inputs, results, dout)
-    grads = _alloc(p.backward_buffers(), named["q"])
-    _run_stage("backward", s, p, {**named, **grads}, [dout, *inputs, *results])
+    grads = _run_stage("backward", s, p, named, [dout, *inputs, *results], workspaces("backward", s, p))
     return [grads[g] for g in gradients(s).values()]
 
 

@@ -127,10 +127,18 @@ class _TunedKernel:
         self._launch(launcher, kernel, grid, tile, args, kwargs)
 
 
-def _tiles(launcher, p: AttnProblem, x, seq_len: int):
-    """A descriptor over x's logical (B, H, S, D) view (block shape set per config),
-    or x itself for pointer loads (`config.tma` off: VSA_TMA=0)."""
-    if not launcher.config.tma or x.data_ptr() % 16:
+def _use_tma(launcher, *xs) -> bool:
+    """Whether the kernel reads xs by TMA: configured (`config.tma`) and every one of them
+    16-byte aligned (a descriptor's base must be; a view that starts off that, e.g. a few
+    elements into a larger tensor, is read by pointer loads). One answer for all of a
+    launch's tiled arguments: the kernel's USE_TMA covers them together."""
+    return launcher.config.tma and all(x.data_ptr() % 16 == 0 for x in xs)
+
+
+def _tiles(p: AttnProblem, x, seq_len: int, tma: bool):
+    """A descriptor over x's logical (B, H, S, D) view (block shape set per config), or x
+    itself for pointer loads."""
+    if not tma:
         return x
     return TensorDescriptor(x, [p.batch, p.heads, seq_len, p.head_dim], [*p.token_strides(seq_len), 1],
                             [1, 1, 16, p.head_dim])
@@ -169,38 +177,41 @@ def _first_blocks(p: AttnProblem) -> int:
 def sparse_forward(launcher, p: AttnProblem, a: FineForward):
     q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
     gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
+    tma = _use_tma(launcher, k, v)
     _sparse_fwd(
         launcher, p, lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
-        q, _tiles(launcher, p, k, p.kv_len), _tiles(launcher, p, v, p.kv_len), out, lse, sel_idx, sel_num, kv_counts,
+        q, _tiles(p, k, p.kv_len, tma), _tiles(p, v, p.kv_len, tma), out, lse, sel_idx, sel_num, kv_counts,
         a.q_counts, gate, out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
         int(out_fine is not None), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
-        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=launcher.config.tma,
+        HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=tma,
         IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward_dq(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
                        q_counts=None, dq_pool=None):
+    tma = _use_tma(launcher, k, v)
     _sparse_bwd_dq(
         launcher, p, lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
-        q, _tiles(launcher, p, k, p.kv_len), _tiles(launcher, p, v, p.kv_len), dout, lse, delta, dq, sel_idx, sel_num,
+        q, _tiles(p, k, p.kv_len, tma), _tiles(p, v, p.kv_len, tma), dout, lse, delta, dq, sel_idx, sel_num,
         kv_counts, q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=launcher.config.tma, IGNORE_PADDING=_ignore(p))
+        USE_TMA=tma, IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward_dkdv(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
                          dk_pool=None, dv_pool=None, q_counts=None):
+    tma = _use_tma(launcher, q, dout)
     _sparse_bwd_dkdv(
         launcher, p, lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
-        _tiles(launcher, p, q, p.q_len), k, v, _tiles(launcher, p, dout, p.q_len), lse, delta, dk, dv, inv_idx, inv_num,
+        _tiles(p, q, p.q_len, tma), k, v, _tiles(p, dout, p.q_len, tma), lse, delta, dk, dv, inv_idx, inv_num,
         kv_counts, dk_pool, dv_pool, q_counts, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=launcher.config.tma, IGNORE_PADDING=_ignore(p))
+        USE_TMA=tma, IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
