@@ -132,6 +132,7 @@ def forward_results(p: AttnProblem) -> Tuple[str, ...]:
     return tuple(n for n in p.forward_buffers() if n not in FORWARD_WORKSPACES)
 
 
+@functools.lru_cache(maxsize=1024)
 def workspaces(stage: str, statics: OpStatics, p: AttnProblem) -> Tuple[str, ...]:
     """The buffers of a stage's table whose contents do not outlive it: the forward's
     FORWARD_WORKSPACES, the backward's buffers other than the gradients."""

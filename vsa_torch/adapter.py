@@ -41,7 +41,7 @@ class TorchFrontend(FrontendAdapter):
             if x is None:
                 described.append(None)
             elif isinstance(x, Tensor):
-                described.append((tuple(x.shape), x.stride(), x.dtype, x.device))
+                described.append((x.shape, x.stride(), x.dtype, x.device))
             else:  # a list or numpy array: converted per call, not memoized
                 return None
         if not all(_plain(v) for v in statics):

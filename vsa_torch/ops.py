@@ -74,7 +74,7 @@ def _replay_key(stage: str, s: OpStatics, arrays) -> tuple:
     the launch configuration, each array's shape, strides, dtype, device and 16-byte
     alignment, and which arrays are one object (a capture names a buffer by its object: the
     same counts passed for both counts, say)."""
-    described = tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    described = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
                       for t in arrays)
     first = {}
     aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(arrays) if t is not None)
@@ -253,7 +253,7 @@ def _statics_text(problem_fields: tuple, backend: str, device_type: str, device_
 
 @torch.compiler.assume_constant_result
 def _input_names(statics: str) -> Tuple[str, ...]:
-    return forward_inputs(OpStatics.decode(statics))
+    return _names(statics)[0]
 
 
 _SCALE_FIELD = [f.name for f in dataclasses.fields(AttnProblem)].index("softmax_scale")
