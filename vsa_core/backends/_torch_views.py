@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..runtime import DeviceBuffer
+from ..runtime import DeviceBuffer, caller_stream
 
 
 def as_torch(args):
@@ -25,3 +25,25 @@ def as_torch(args):
         return args
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     return type(args)(**{n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in fields.items()})
+
+
+def as_torch_buffers(buffers: dict) -> dict:
+    """A launch's buffers (name -> buffer) with every DeviceBuffer viewed as a torch tensor (the
+    same dict when there is none)."""
+    if not any(isinstance(x, DeviceBuffer) for x in buffers.values()):
+        return buffers
+    return {n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in buffers.items()}
+
+
+def empty(shape, dtype: str, like):
+    """An uninitialised torch tensor of `shape` and `dtype` ("input": like's dtype) on like's
+    device (a torch tensor or a DeviceBuffer), from torch's caching allocator on the caller's
+    stream (`caller_stream`: under JAX, XLA's), where it is used and then freed."""
+    if isinstance(like, DeviceBuffer):
+        device = torch.device(like.device.kind, like.device.index) if like.device.kind == "cuda" else "cpu"
+        like_dtype = getattr(torch, str(like.dtype))
+    else:
+        device, like_dtype = like.device, like.dtype
+    with caller_stream():
+        return torch.empty(tuple(shape), dtype=like_dtype if dtype == "input" else getattr(torch, dtype),
+                           device=device)
