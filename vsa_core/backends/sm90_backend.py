@@ -22,14 +22,20 @@ What this module adds to the kernels:
   postprocess, dk and dv in the backward's epilogue (one rounding to q's dtype, no extra pass).
 - Layouts: the kernels take [B, H, S, D] views with any strides; BSHD buffers are passed
   transposed (no copy).
-- Streams: the launches go to torch's current stream, which is the caller's
-  (`runtime.caller_stream`: under JAX, XLA's stream made torch's current one; the
-  buffers are torch views of XLA's through DLPack).
+- Streams: eagerly the launches go to torch's current stream, which is the caller's
+  (`runtime.caller_stream`: under JAX's callback path, XLA's stream made torch's current one;
+  the buffers are torch views of XLA's through DLPack). Natively under JAX, XLA's stream through
+  the CuTe DSL runtime's FFI handler, no torch.
 
-Allocation: the backward's fp32 dQ workspace ([B, H, nQ, 64 * D], zeroed per call), the
-full query counts of padding="zeros" (cached per device and size) and the copies of
-padding="ignore" come from torch's caching allocator on the current stream; none is
-declared in the buffer tables, which stay backend-independent.
+Launches and allocation: the kernels run through `launcher.cute("sm90_fwd64" / "sm90_bwd64",
+buffers, **statics)` (`vsa_core.launch`), the copies of padding="ignore" are Triton launches
+(`valid_rows_copy`), and the scratch buffers beyond the stage's buffer table, the copies and
+the backward's fp32 dQ accumulator ([B, H, nQ, 64 * D], zeroed by the backward launch), are
+declared in `workspaces(stage, problem)` and come from `launcher.workspace`: eagerly torch's
+caching allocator on the current stream, in a recorded plan (`vsa_core.plan`) buffers it
+names, so `vsa_jax.native` replays the whole stage as XLA custom calls (`vsa_jax.sm90_call`).
+The full query counts of padding="zeros" are a constant of the forward launch (cached per
+device and size eagerly). The buffer tables stay backend-independent.
 
 What it supports: sm_90 only (the kernels use sm_90a's wgmma and TMA), 64-token blocks,
 head dim 64 or 128, bf16 or fp16, forward and backward. dq is not bitwise deterministic run
@@ -115,6 +121,8 @@ def _full_counts(like, n: int):
 
 
 # ---- the workspaces ---------------------------------------------------------------------------
+# cached per problem (read on every call); callers only read the dicts
+@functools.lru_cache(maxsize=1024)
 def _copied(stage: str, p: AttnProblem):
     """The token inputs read through `valid_rows_copy` (padding="ignore" only): name -> its sequence."""
     if p.padding != "ignore":
@@ -125,6 +133,7 @@ def _copied(stage: str, p: AttnProblem):
     return names
 
 
+@functools.lru_cache(maxsize=1024)
 def workspaces(stage: str, p: AttnProblem) -> dict:
     """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
     each from `launcher.workspace`: the padded-rows-zeroed copies of padding="ignore"
