@@ -11,8 +11,8 @@ array, no copy) and calls our kernel classes (`sm90_fwd64.BlockSparseFwd64Sm90`,
 `sm90_bwd64.BlockSparseBwd64Sm90` + `DqPostprocess`) on XLA's stream, as the eager launch
 (`sm90_backend.launch_forward64` / `launch_backward64`) does on torch's:
 
-- same kernel classes, same constructor arguments (the statics), same run-time scale (an fp32
-  value, so scale * log2(e) is the same fp32 product), same placeholders for absent features;
+- same kernel classes, same constructor arguments (the statics), the scale as an fp32 value
+  (so scale * log2(e) is the same fp32 product), same placeholders for absent features;
 - the buffers the step writes in place are aliased (`input_output_aliases`), the ones born there
   are results; the dQ accumulator, which the eager launch zeroes, is handed in as XLA zeros
   (donated); padding="zeros"'s full query counts are an XLA constant;
@@ -60,7 +60,9 @@ class _Adapter:
         s = self.statics
         t = dict(zip(self.names, tensors))
         dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[s["dtype"]]
-        scale = cutlass.Float32(s["softmax_scale"])
+        # an fp32 IR value, like the eager launchers' run-time argument: the kernels' host code then
+        # forms scale * log2(e) as an fp32 product (on a Python constant the DSL multiplies in double)
+        scale = cutlass.Float32(cutlass.Float32(s["softmax_scale"]).ir_value())
         if self.step == "sm90_fwd64":
             kernel = sm90_fwd64.BlockSparseFwd64Sm90(dtype, s["head_dim"], has_coarse=s["has_coarse"],
                                                      has_gate=s["has_gate"], store_fine=s["store_fine"],
