@@ -278,14 +278,17 @@ LOWER = textwrap.dedent("""
     native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
     native._kernel_call = lambda compiled, cap: compiled.name.encode()
 
-    def lowered(stage, p, inputs):
+    def lowered(stage, p, inputs, mapped=False):
         names = list(inputs)
         args = [jax.ShapeDtypeStruct(s, jnp.dtype(p.dtype if d == "input" else d)) for s, d in inputs.values()]
+        fn = lambda *xs: native.run(stage, p, dict(zip(names, xs)), "sm90")
+        if mapped:  # a leading axis of 2 on q only: each element runs alone (a loop)
+            args[0] = jax.ShapeDtypeStruct((2, *args[0].shape), args[0].dtype)
+            fn = jax.vmap(fn, in_axes=(0,) + (None,) * (len(args) - 1))
         checks = [*cutlass.jax.get_export_disabled_safety_checks(),
                   jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGET)]
         with compile_without_gpu():
-            exported = jax.export.export(jax.jit(lambda *xs: native.run(stage, p, dict(zip(names, xs)), "sm90")),
-                                         platforms=("cuda",), disabled_checks=checks)(*args)
+            exported = jax.export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
         return exported.mlir_module()
 
     for stage, padding, layout in CASES:
@@ -305,6 +308,10 @@ LOWER = textwrap.dedent("""
         if stage == "backward":
             assert "tensor<1x2x4x8192xf32>" in line  # the dQ accumulator, handed in (zeroed)
         print("LOWERED", stage, padding, layout, n_triton)
+        if stage == "forward" and padding == "zeros":
+            text = lowered(stage, p, inputs, mapped=True)
+            assert "stablehlo.while" in text and text.count("@CuteDSLRT_NvJaxCutlassCall_v2(") == 1
+            print("LOWERED under vmap")
     """)
 
 
@@ -324,7 +331,7 @@ def _run_no_torch(code: str, platform: str, extra_env=None) -> str:
 def test_native_stage_lowers_to_triton_calls_and_one_cute_call(stage):
     cases = [(stage, "zeros", "bhsd"), (stage, "ignore", "bshd")]
     out = _run_no_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
-    assert out.count("LOWERED") == 2, out
+    assert out.count("LOWERED") == 2 + (stage == "forward"), out
 
 
 def test_native_selects_sm90_only_in_native_mode(launch_config):
@@ -493,3 +500,48 @@ def test_gpu_native_sm90_runs_with_torch_blocked():
         print("NATIVE SM90 OK")
         """), "cuda")
     assert "NATIVE SM90 OK" in out
+
+
+@pytest.mark.gpu
+def test_gpu_native_sm90_under_xla_command_buffers():
+    """tests/native_cmdbuf_check.py with the sm90 backend: in a fresh process with command buffers
+    on for custom calls, three replays with new inputs equal the callback path (dq within the
+    reference tolerance), and XLA's thunks put every native custom call, the CuTe DSL ones
+    included, inside a command buffer."""
+    require_jax_gpu()
+    env = dict(os.environ, VSA_CMDBUF_BACKEND="sm90")
+    env["PYTHONPATH"] = REPO + os.pathsep + os.path.join(REPO, "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "native_cmdbuf_check.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0 and "ALL EQUAL" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_gpu_native_under_vmap_equals_each_element(launch_config):
+    """jax.vmap over q, k, v, gate, dout (two draws, shared counts): each element equals the
+    native call on it alone (out, dk, dv, dgate bit for bit, dq within the reduction order)."""
+    import jax
+    import jax.numpy as jnp
+    from frontends import jax_args, vsa_fn
+    case = Case(head_dim=128, batch=1)
+    _require_sm90_jax(case)
+    launch_config(jax_launch="native")
+    draws = [make_inputs(case, seed=40 + i, margin=None) for i in range(2)]
+    for d in draws[1:]:
+        d["kv_counts"], d["q_counts"] = draws[0]["kv_counts"], draws[0]["q_counts"]
+    f = vsa_fn(case, draws[0]["kv_counts"], draws[0]["q_counts"], backend="sm90")
+
+    def out_and_grads(q, k, v, gate, dout):
+        out, vjp = jax.vjp(f, q, k, v, gate)
+        return (out, *vjp(dout))
+
+    names = ("out", "dq", "dk", "dv", "dgate")
+    args = [jax_args(case, d) for d in draws]
+    batched = [jnp.stack(xs) for xs in zip(*args)]
+    together = [np.asarray(x, np.float32) for x in jax.jit(jax.vmap(out_and_grads))(*batched)]
+    for j, a in enumerate(args):
+        alone = dict(zip(names, (np.asarray(x, np.float32) for x in jax.jit(out_and_grads)(*a))))
+        element = {n: x[j] for n, x in zip(names, together)}
+        _bitwise(element, alone, ("out", "dk", "dv", "dgate"), f"vmap element {j} - alone")
+        assert_dq_within_reduction_order(case, element, alone, f"vmap element {j} and alone")
