@@ -334,6 +334,57 @@ def test_native_stage_lowers_to_triton_calls_and_one_cute_call(stage):
     assert out.count("LOWERED") == 2 + (stage == "forward"), out
 
 
+SHARD_MAP = textwrap.dedent("""
+    import re, types
+    import jax, jax.numpy as jnp
+    import cutlass.jax
+    from jax.sharding import NamedSharding, PartitionSpec as PS
+    from vsa_core import plan as P
+    from vsa_core.backends import sm90_backend
+    from vsa_core.problem import AttnProblem
+    from vsa_jax import native, ops
+    from vsa_jax.cute_call import compile_without_gpu
+
+    native._capability = lambda: 90
+    native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
+    native._kernel_call = lambda compiled, cap: compiled.name.encode()
+    native.set_launch("native")
+
+    def problem(heads):
+        return AttnProblem(batch=1, heads=heads, q_len=256, kv_len=320, head_dim=128, block_elems=64,
+                           dtype="bfloat16", topk=2, has_gate=True, fine_residual="float32")
+
+    p = problem(2)  # each device's heads
+    inputs = P.forward_inputs(problem(4))
+    names = list(inputs)
+    mesh = jax.make_mesh((2,), ("x",))
+    specs = tuple(PS(None, "x") if len(s) == 4 else PS() for s, _ in inputs.values())
+    args = [jax.ShapeDtypeStruct(s, jnp.dtype(p.dtype if d == "input" else d), sharding=NamedSharding(mesh, sp))
+            for (s, d), sp in zip(inputs.values(), specs)]
+
+    def local(*xs):  # vsa_jax.ops._run: results typed as varying like the inputs (check_vma on)
+        return ops._run("forward", p, sm90_backend, **dict(zip(names, xs)))["out"]
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PS(None, "x")))
+    checks = [*cutlass.jax.get_export_disabled_safety_checks(),
+              jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGET)]
+    with compile_without_gpu():
+        text = jax.export.export(fn, platforms=("cuda",), disabled_checks=checks)(*args).mlir_module()
+    calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)
+    assert calls == [native.FFI_TARGET] * 3 + ["CuteDSLRT_NvJaxCutlassCall_v2"], calls
+    print("LOWERED under shard_map")
+    """)
+
+
+@pytest.mark.skipif(not HAS_CUTE_JAX, reason="needs jax and nvidia-cutlass-dsl 4.8.1")
+def test_native_forward_lowers_inside_shard_map():
+    """Inside jax.shard_map (check_vma on, heads split over 2 devices) the native sm90 forward
+    type-checks and lowers for CUDA: each device's plan, one CuTe DSL call."""
+    out = _run_no_torch(SHARD_MAP, "cpu", {"CUTE_DSL_ARCH": "sm_90a",
+                                           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert "LOWERED under shard_map" in out
+
+
 def test_native_selects_sm90_only_in_native_mode(launch_config):
     from vsa_jax import native
     launch_config(jax_launch="native")
