@@ -370,7 +370,7 @@ SHARD_MAP = textwrap.dedent("""
               jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGET)]
     with compile_without_gpu():
         text = jax.export.export(fn, platforms=("cuda",), disabled_checks=checks)(*args).mlir_module()
-    calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)
+    calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
     assert calls == [native.FFI_TARGET] * 3 + ["CuteDSLRT_NvJaxCutlassCall_v2"], calls
     print("LOWERED under shard_map")
     """)
