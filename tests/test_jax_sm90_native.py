@@ -320,10 +320,25 @@ LOWER = textwrap.dedent("""
             exported = jax.export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
         return exported.mlir_module()
 
-    for stage, padding, layout in CASES:
-        p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16",
-                        topk=2, has_gate=True, padding=padding, layout=layout, fine_residual="float32")
-        inputs = P.forward_inputs(p) if stage == "forward" else P.backward_inputs(p)
+    from vsa_core.spec import forward_results
+
+    def stage_inputs(stage, p):
+        if p.is_vsa:
+            return P.forward_inputs(p) if stage == "forward" else P.backward_inputs(p)
+        tok = {"q": (p.token_shape(p.q_len), "input"), "k": (p.token_shape(p.kv_len), "input"),
+               "v": (p.token_shape(p.kv_len), "input"), "kv_counts": ((p.n_kv_blocks,), "int32")}
+        if stage == "forward":
+            lists = (p.batch, p.heads, p.n_q_blocks)
+            return {**tok, "given_idx": (lists + (p.select_capacity,), "int32"), "given_num": (lists, "int32")}
+        kept = {n: spec for n, spec in p.forward_buffers().items() if n in forward_results(p)}
+        return {"dout": (p.token_shape(p.q_len), "input"), **tok, **kept}
+
+    for stage, padding, layout, extra in CASES:
+        kw = dict(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16",
+                  topk=2, has_gate=True, padding=padding, layout=layout, fine_residual="float32")
+        kw.update(extra)
+        p = AttnProblem(**kw)
+        inputs = stage_inputs(stage, p)
         plan = P.record_plan(stage, p, inputs, sm90_backend)
         text = lowered(stage, p, inputs)
         calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
@@ -332,12 +347,13 @@ LOWER = textwrap.dedent("""
         assert "callback" not in text
         line = next(ln for ln in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall_v2" in ln)
         assert "output_operand_aliases" in line and "-arch sm_90a" in line
-        tok = "1x256x2x128xbf16" if layout == "bshd" else "1x2x256x128xbf16"
+        D, dt = p.head_dim, {"bfloat16": "bf16", "float16": "f16"}[p.dtype]
+        tok = f"1x256x2x{D}x{dt}" if layout == "bshd" else f"1x2x256x{D}x{dt}"
         assert f"tensor<{tok}>" in line, line[-2000:]
         if stage == "backward":
-            assert "tensor<1x2x4x8192xf32>" in line  # the dQ accumulator, handed in (zeroed)
+            assert f"tensor<1x2x4x{64 * D}xf32>" in line  # the dQ accumulator, handed in (zeroed)
         print("LOWERED", stage, padding, layout, n_triton)
-        if stage == "forward" and padding == "zeros":
+        if stage == "forward" and padding == "zeros" and not extra:
             text = lowered(stage, p, inputs, mapped=True)
             assert "stablehlo.while" in text and text.count("@CuteDSLRT_NvJaxCutlassCall_v2(") == 1
             print("LOWERED under vmap")
@@ -358,9 +374,28 @@ def _run_no_torch(code: str, platform: str, extra_env=None) -> str:
 @pytest.mark.skipif(not HAS_CUTE_JAX, reason="needs jax and nvidia-cutlass-dsl 4.8.1")
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 def test_native_stage_lowers_to_triton_calls_and_one_cute_call(stage):
-    cases = [(stage, "zeros", "bhsd"), (stage, "ignore", "bshd")]
+    cases = [(stage, "zeros", "bhsd", {}), (stage, "ignore", "bshd", {})]
     out = _run_no_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
     assert out.count("LOWERED") == 2 + (stage == "forward"), out
+
+
+VARIANTS = {  # each a specialization of the kernel classes the GPU tests run
+    "indices": dict(selection="indices", topk=None, has_gate=False, list_capacity=3),
+    "fp16-d64-no-gate": dict(dtype="float16", head_dim=64, has_gate=False),
+    "inference": dict(training=False),
+}
+
+
+@pytest.mark.skipif(not HAS_CUTE_JAX, reason="needs jax and nvidia-cutlass-dsl 4.8.1")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_native_variants_lower(variant):
+    """Block-sparse lists (no coarse branch, no pooling gradients), fp16 at head dim 64 without a
+    gate, inference (no fine output kept): the kernels compile for sm_90a inside the custom call."""
+    extra = VARIANTS[variant]
+    stages = ("forward",) if extra.get("training") is False else ("forward", "backward")
+    cases = [(stage, "ignore" if variant == "indices" else "zeros", "bshd", extra) for stage in stages]
+    out = _run_no_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
+    assert out.count("LOWERED") == len(stages), out
 
 
 SHARD_MAP = textwrap.dedent("""
