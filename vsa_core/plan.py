@@ -66,7 +66,6 @@ class Launch:
     def arg(self, name: str) -> Arg:
         return next(a for a in self.args if a.name == name)
 
-
     @property
     def kind(self) -> str:
         return "triton"
@@ -189,6 +188,7 @@ class RecordingLauncher(Launcher):
         self.launches.append(Launch(kernel, grid, tuple(recorded), tuple(sorted(options.items()))))
 
     def cute(self, step: str, buffers: dict, **statics) -> None:
+        """Records a `CuteLaunch`; every buffer must be one of the plan's."""
         args = []
         for arg, value in buffers.items():
             if id(value) not in self.names_by_id:
