@@ -69,8 +69,13 @@ class Launcher:
         this call's launches, on like's device: the entry `name` of the backend's workspace
         table. Eagerly a torch tensor from torch's caching allocator on the caller's stream (the
         backends that declare workspaces run through torch eagerly)."""
-        from .backends._torch_views import empty
-        return empty(shape, dtype, like)
+        global _empty
+        if _empty is None:
+            from .backends._torch_views import empty as _empty
+        return _empty(shape, dtype, like)
+
+
+_empty = None  # `_torch_views.empty`, imported on first use (torch loads then)
 
 
 eager_launcher = Launcher()

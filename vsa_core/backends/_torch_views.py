@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..runtime import DeviceBuffer, caller_stream
+from ..runtime import DeviceBuffer, caller_stream, current_raw_launch
 
 
 def as_torch(args):
@@ -29,10 +29,14 @@ def as_torch(args):
 
 def as_torch_buffers(buffers: dict) -> dict:
     """A launch's buffers (name -> buffer) with every DeviceBuffer viewed as a torch tensor (the
-    same dict when there is none)."""
-    if not any(isinstance(x, DeviceBuffer) for x in buffers.values()):
+    same dict when the frontend's buffers are torch tensors: one adapter made q and the rest,
+    the workspaces are torch tensors either way)."""
+    if not isinstance(buffers["q"], DeviceBuffer):
         return buffers
     return {n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in buffers.items()}
+
+
+_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def empty(shape, dtype: str, like):
@@ -41,9 +45,11 @@ def empty(shape, dtype: str, like):
     stream (`caller_stream`: under JAX, XLA's), where it is used and then freed."""
     if isinstance(like, DeviceBuffer):
         device = torch.device(like.device.kind, like.device.index) if like.device.kind == "cuda" else "cpu"
-        like_dtype = getattr(torch, str(like.dtype))
+        like_dtype = _DTYPES[str(like.dtype)]
     else:
         device, like_dtype = like.device, like.dtype
+    dtype = like_dtype if dtype == "input" else _DTYPES[dtype]
+    if current_raw_launch() is None:  # torch's current stream is the caller's already
+        return torch.empty(shape, dtype=dtype, device=device)
     with caller_stream():
-        return torch.empty(tuple(shape), dtype=like_dtype if dtype == "input" else getattr(torch, dtype),
-                           device=device)
+        return torch.empty(shape, dtype=dtype, device=device)

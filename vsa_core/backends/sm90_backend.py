@@ -121,38 +121,41 @@ def _full_counts(like, n: int):
 
 
 # ---- the workspaces ---------------------------------------------------------------------------
-# cached per problem (read on every call); callers only read the dicts
-@functools.lru_cache(maxsize=1024)
-def _copied(stage: str, p: AttnProblem):
-    """The token inputs read through `valid_rows_copy` (padding="ignore" only): name -> its sequence."""
-    if p.padding != "ignore":
-        return {}
-    names = {"k": "kv", "v": "kv"}
-    if stage == "backward" and p.is_vsa:  # q_counts given: the padded query rows are known
-        names = {"q": "q", "dout": "q", **names}
-    return names
+# the token inputs each stage reads through `valid_rows_copy` under padding="ignore" (the query
+# rows only with the coarse branch, whose q_counts say which are padded): name -> its sequence
+_COPIED = {"forward": {"k": "kv", "v": "kv"}, "backward": {"q": "q", "dout": "q", "k": "kv", "v": "kv"}}
 
 
-@functools.lru_cache(maxsize=1024)
+def _copied(stage: str, p: AttnProblem, name: str) -> bool:
+    return p.padding == "ignore" and name in _COPIED[stage] and (p.is_vsa or _COPIED[stage][name] == "kv")
+
+
+def _copy_shape(p: AttnProblem, stage: str, name: str):
+    return p.token_shape(p.q_len if _COPIED[stage][name] == "q" else p.kv_len)
+
+
+def _dq_accum_shape(p: AttnProblem):
+    return (p.batch, p.heads, p.n_q_blocks, BLOCK_ELEMS * p.head_dim)
+
+
 def workspaces(stage: str, p: AttnProblem) -> dict:
     """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
     each from `launcher.workspace`: the padded-rows-zeroed copies of padding="ignore"
     ("<name>_valid") and the backward's fp32 dQ accumulator ([B, H, nQ, 64 * D], which the
     sm90_bwd64 launch zeroes before its main kernel)."""
-    table = {f"{n}_valid": (p.token_shape(p.q_len if seq == "q" else p.kv_len), "input")
-             for n, seq in _copied(stage, p).items()}
+    table = {f"{n}_valid": (_copy_shape(p, stage, n), "input") for n in _COPIED[stage] if _copied(stage, p, n)}
     if stage == "backward":
-        table["dq_accum"] = ((p.batch, p.heads, p.n_q_blocks, BLOCK_ELEMS * p.head_dim), "float32")
+        table["dq_accum"] = (_dq_accum_shape(p), "float32")
     return table
 
 
 def _valid_rows(launcher, p: AttnProblem, stage: str, name: str, x, counts):
     """x, or its valid-rows copy in workspace "<name>_valid" under padding="ignore"."""
-    if name not in _copied(stage, p):
+    if not _copied(stage, p, name):
         return x
-    shape, dtype = workspaces(stage, p)[f"{name}_valid"]
+    shape = _copy_shape(p, stage, name)
     seq_len = shape[2] if p.layout == "bhsd" else shape[1]
-    return valid_rows_copy(launcher, p, x, counts, seq_len, out=launcher.workspace(f"{name}_valid", shape, dtype, x))
+    return valid_rows_copy(launcher, p, x, counts, seq_len, out=launcher.workspace(f"{name}_valid", shape, "input", x))
 
 
 # ---- the fine stage -------------------------------------------------------------------------
@@ -205,10 +208,9 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     pooling gradients. `out`, `sel_idx`, `sel_num` are not read."""
     q, dout = (_valid_rows(launcher, p, "backward", n, x, a.q_counts) for n, x in (("q", a.q), ("dout", a.dout)))
     k, v = (_valid_rows(launcher, p, "backward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
-    shape, dtype = workspaces("backward", p)["dq_accum"]
     buffers = dict(q=q, k=k, v=v, dout=dout, lse=a.lse, delta=a.delta, dq=a.dq, dk=a.dk, dv=a.dv,
                    inv_idx=a.inv_idx, inv_num=a.inv_num, kv_counts=a.kv_counts,
-                   dq_accum=launcher.workspace("dq_accum", shape, dtype, a.q))
+                   dq_accum=launcher.workspace("dq_accum", _dq_accum_shape(p), "float32", a.q))
     pool_grads = a.dq_pool is not None
     if pool_grads:  # VSA: the pooling gradients, added where dq / dk / dv are formed
         buffers.update(dq_pool=a.dq_pool, dk_pool=a.dk_pool, dv_pool=a.dv_pool, q_counts=a.q_counts)
