@@ -660,3 +660,41 @@ def test_gpu_native_under_vmap_equals_each_element(launch_config):
         element = {n: x[j] for n, x in zip(names, together)}
         _bitwise(element, alone, ("out", "dk", "dv", "dgate"), f"vmap element {j} - alone")
         assert_dq_within_reduction_order(case, element, alone, f"vmap element {j} and alone")
+
+
+@pytest.mark.gpu
+def test_gpu_native_sm90_runs_no_python_per_call(monkeypatch, launch_config):
+    """Once compiled, the native sm90 program never calls back into Python: with the core's
+    operators and the backend's eager launches replaced by functions that raise, new inputs
+    still run, and right."""
+    import jax
+    from frontends import jax_args, vsa_fn
+    case = Case(head_dim=128, batch=1)
+    _require_sm90_jax(case)
+    launch_config(jax_launch="native")
+    first = make_inputs(case, seed=8)
+    fresh = make_inputs(case, seed=9)
+    fresh["kv_counts"], fresh["q_counts"] = first["kv_counts"], first["q_counts"]  # the counts are traced constants
+    f = vsa_fn(case, first["kv_counts"], first["q_counts"], backend="sm90")
+    names = ("out", "dq", "dk", "dv", "dgate")
+
+    @jax.jit
+    def run(q, k, v, gate, dout):
+        out, vjp = jax.vjp(f, q, k, v, gate)
+        return (out, *vjp(dout))
+
+    run(*jax_args(case, first))
+
+    def no_python(*_, **__):
+        raise AssertionError("Python ran during a native call")
+
+    from vsa_core import ops as core_ops
+    for module, name in ((core_ops, "forward"), (core_ops, "backward"), (sm90_backend, "launch_forward64"),
+                         (sm90_backend, "launch_backward64"), (sm90_backend, "sparse_forward"),
+                         (sm90_backend, "sparse_backward")):
+        monkeypatch.setattr(module, name, no_python)
+    got = dict(zip(names, (np.asarray(x, np.float32) for x in run(*jax_args(case, fresh)))))
+    from common import from_layout
+    got = {n: from_layout(x, case.layout) for n, x in got.items()}
+    # fresh values with the first draw's counts: the reference of exactly these inputs
+    assert_close(case, got, reference(case, fresh))
