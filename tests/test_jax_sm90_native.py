@@ -695,3 +695,53 @@ def test_gpu_native_sm90_runs_no_python_per_call(monkeypatch, launch_config):
         monkeypatch.setattr(module, name, no_python)
     got = dict(zip(names, (np.asarray(x, np.float32) for x in run(*jax_args(case, fresh), *counts(fresh)))))
     assert_close(case, got, reference(case, fresh))  # bhsd: no layout swap
+
+
+# ---- the callback path (eager launcher on XLA's buffers; launchers stubbed) ----------------------
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_callback_path_copies_into_torch_workspaces(monkeypatch):
+    """vsa_jax's callback path (JAX arrays, the core on DeviceBuffers over XLA's buffers, the eager
+    launcher): under padding="ignore" the valid-rows copies are Triton launches from XLA's buffers
+    into torch workspaces, and the stubbed kernel launchers get torch views: K and V with the
+    padded rows zeroed, the given q_counts; the backward also Q and dO zeroed and an fp32 dQ
+    accumulator of its shape."""
+    import jax.numpy as jnp
+    from vsa_core.spec import forward_results
+    from vsa_jax import ops as jax_ops
+    calls = []
+
+    def record(kind):
+        def prepare(*args, **kwargs):
+            keep = lambda x: x.detach().float().cpu().numpy() if hasattr(x, "detach") else x  # noqa: E731
+            calls.append((kind, [keep(a) for a in args], {n: keep(v) for n, v in kwargs.items()}))
+            return lambda: None
+        return prepare
+
+    monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_fwd64",
+                        types.SimpleNamespace(prepare_forward64=record("fwd")))
+    monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_bwd64",
+                        types.SimpleNamespace(prepare_backward64=record("bwd")))
+    p = _vsa(q_len=128, kv_len=192, head_dim=64, padding="ignore", layout="bshd")
+    rng = np.random.default_rng(0)
+    counts = {"q_counts": np.array([64, 40], np.int32), "kv_counts": np.array([64, 40, 0], np.int32)}
+    inputs = {n: jnp.asarray(counts[n]) if d == "int32" else jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+              for n, (s, d) in core_plan.forward_inputs(p).items()}
+
+    def valid(name, count_name):  # BHSD float32 with the padded rows zeroed
+        x = np.asarray(inputs[name].astype(jnp.float32)).transpose(0, 2, 1, 3).copy()
+        for blk, c in enumerate(counts[count_name]):
+            x[:, :, blk * 64 + c:(blk + 1) * 64] = 0
+        return x
+
+    results = jax_ops._callback("forward", p, sm90_backend)(inputs)
+    (_, args, kwargs), = calls
+    assert np.array_equal(args[1], valid("k", "kv_counts")) and np.array_equal(args[2], valid("v", "kv_counts"))
+    assert kwargs["q_counts"].tolist() == [64, 40]
+    inputs["dout"] = jnp.asarray(rng.standard_normal(inputs["q"].shape), jnp.bfloat16)
+    kept = {n: results[n] for n in forward_results(p)}
+    bwd_inputs = {n: x for n, x in {**inputs, **kept}.items() if n in core_plan.backward_inputs(p)}
+    jax_ops._callback("backward", p, sm90_backend)(bwd_inputs)
+    (_, args, kwargs) = calls[1]
+    assert np.array_equal(args[0], valid("q", "q_counts")) and np.array_equal(args[3], valid("dout", "q_counts"))
+    assert np.array_equal(args[1], valid("k", "kv_counts"))
+    assert kwargs["dq_accum"].shape == (1, 2, 2, 64 * 64) and kwargs["ignore_padding"] is True

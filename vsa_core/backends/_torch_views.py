@@ -29,9 +29,9 @@ def as_torch(args):
 
 def as_torch_buffers(buffers: dict) -> dict:
     """A launch's buffers (name -> buffer) with every DeviceBuffer viewed as a torch tensor (the
-    same dict when the frontend's buffers are torch tensors: one adapter made q and the rest,
-    the workspaces are torch tensors either way)."""
-    if not isinstance(buffers["q"], DeviceBuffer):
+    same dict when there is none). The frontend's buffers and the workspaces (torch tensors
+    either way) mix under JAX."""
+    if DeviceBuffer not in set(map(type, buffers.values())):
         return buffers
     return {n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in buffers.items()}
 
