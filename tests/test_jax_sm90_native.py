@@ -699,7 +699,8 @@ def test_gpu_native_sm90_runs_no_python_per_call(monkeypatch, launch_config):
 
 # ---- the callback path (eager launcher on XLA's buffers; launchers stubbed) ----------------------
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
-def test_callback_path_copies_into_torch_workspaces(monkeypatch):
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
+def test_callback_path_copies_into_torch_workspaces(padding, monkeypatch):
     """vsa_jax's callback path (JAX arrays, the core on DeviceBuffers over XLA's buffers, the eager
     launcher): under padding="ignore" the valid-rows copies are Triton launches from XLA's buffers
     into torch workspaces, and the stubbed kernel launchers get torch views: K and V with the
@@ -721,22 +722,22 @@ def test_callback_path_copies_into_torch_workspaces(monkeypatch):
                         types.SimpleNamespace(prepare_forward64=record("fwd")))
     monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_bwd64",
                         types.SimpleNamespace(prepare_backward64=record("bwd")))
-    p = _vsa(q_len=128, kv_len=192, head_dim=64, padding="ignore", layout="bshd")
+    p = _vsa(q_len=128, kv_len=192, head_dim=64, padding=padding, layout="bshd")
     rng = np.random.default_rng(0)
     counts = {"q_counts": np.array([64, 40], np.int32), "kv_counts": np.array([64, 40, 0], np.int32)}
     inputs = {n: jnp.asarray(counts[n]) if d == "int32" else jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
               for n, (s, d) in core_plan.forward_inputs(p).items()}
 
-    def valid(name, count_name):  # BHSD float32 with the padded rows zeroed
+    def valid(name, count_name):  # BHSD float32 with the padded rows zeroed under "ignore"
         x = np.asarray(inputs[name].astype(jnp.float32)).transpose(0, 2, 1, 3).copy()
-        for blk, c in enumerate(counts[count_name]):
+        for blk, c in enumerate(counts[count_name] if padding == "ignore" else ()):
             x[:, :, blk * 64 + c:(blk + 1) * 64] = 0
         return x
 
     results = jax_ops._callback("forward", p, sm90_backend)(inputs)
     (_, args, kwargs), = calls
     assert np.array_equal(args[1], valid("k", "kv_counts")) and np.array_equal(args[2], valid("v", "kv_counts"))
-    assert kwargs["q_counts"].tolist() == [64, 40]
+    assert kwargs["q_counts"].tolist() == ([64, 40] if padding == "ignore" else [64, 64])
     inputs["dout"] = jnp.asarray(rng.standard_normal(inputs["q"].shape), jnp.bfloat16)
     kept = {n: results[n] for n in forward_results(p)}
     bwd_inputs = {n: x for n, x in {**inputs, **kept}.items() if n in core_plan.backward_inputs(p)}
@@ -744,4 +745,4 @@ def test_callback_path_copies_into_torch_workspaces(monkeypatch):
     (_, args, kwargs) = calls[1]
     assert np.array_equal(args[0], valid("q", "q_counts")) and np.array_equal(args[3], valid("dout", "q_counts"))
     assert np.array_equal(args[1], valid("k", "kv_counts"))
-    assert kwargs["dq_accum"].shape == (1, 2, 2, 64 * 64) and kwargs["ignore_padding"] is True
+    assert kwargs["dq_accum"].shape == (1, 2, 2, 64 * 64) and kwargs["ignore_padding"] is (padding == "ignore")
