@@ -27,11 +27,11 @@ def as_torch(args):
     return type(args)(**{n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in fields.items()})
 
 
-def as_torch_buffers(buffers: dict) -> dict:
+def as_torch_buffers(buffers: dict, frontends: str) -> dict:
     """A launch's buffers (name -> buffer) with every DeviceBuffer viewed as a torch tensor (the
-    same dict when there is none). The frontend's buffers and the workspaces (torch tensors
-    either way) mix under JAX."""
-    if DeviceBuffer not in set(map(type, buffers.values())):
+    same dict when there is none). `frontends` names a buffer the frontend made (never a
+    workspace): one adapter made all of those, and the workspaces are torch tensors either way."""
+    if not isinstance(buffers[frontends], DeviceBuffer):
         return buffers
     return {n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in buffers.items()}
 

@@ -189,7 +189,7 @@ def launch_forward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, s
     from ._torch_views import as_torch_buffers  # torch loads with this backend's first call
     from .sm90_fwd64 import prepare_forward64
     with caller_stream(), _COMPILE_LOCK:
-        b = as_torch_buffers(buffers)
+        b = as_torch_buffers(buffers, "lse")  # lse: the frontend's in both steps
         coarse = {}
         if has_coarse:
             q = b["q"]
@@ -227,7 +227,7 @@ def launch_backward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, 
     from ._torch_views import as_torch_buffers
     from .sm90_bwd64 import prepare_backward64
     with caller_stream(), _COMPILE_LOCK:
-        b = as_torch_buffers(buffers)
+        b = as_torch_buffers(buffers, "lse")  # lse: the frontend's in both steps
         pools = {}
         if pool_grads:
             pools = dict(dq_pool=b["dq_pool"], dk_pool=b["dk_pool"], dv_pool=b["dv_pool"], q_counts=b["q_counts"],
