@@ -5,6 +5,9 @@ XLA reads XLA_FLAGS once, at backend start, hence a process of its own. Prints o
 per replay and "ALL EQUAL" at the end when every result matched bit for bit; exits nonzero
 unless every result matched and XLA's optimized HLO shows the native custom calls inside a
 command buffer (the point of the check: a run without command buffers proves nothing).
+
+VSA_CMDBUF_BACKEND=sm90 runs the sm90 backend (its CuTe DSL custom calls with the Triton ones;
+dq, whose fp32 atomics' order varies, compared within the reference tolerance, the rest bit for bit).
 """
 
 import glob
@@ -27,11 +30,13 @@ from vsa_jax import native  # noqa: E402
 
 configure(autotune=False, tma=False)  # the default tile config and pointer loads everywhere, as the plan runs
 
-case = Case(batch=1)
+BACKEND = os.environ.get("VSA_CMDBUF_BACKEND", "triton")
+case = Case(batch=1) if BACKEND == "triton" else Case(batch=1, head_dim=128)
+NATIVE_TARGETS = (native.FFI_TARGET,) + (("CuteDSLRT_NvJaxCutlassCall_v2",) if BACKEND == "sm90" else ())
 
 
 def loss(q, k, v, gate, dout, kv_counts, q_counts):
-    out = vsa_jax.video_sparse_attn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate, backend="triton")
+    out = vsa_jax.video_sparse_attn(q, k, v, kv_counts, q_counts, case.topk, case.block, gate, backend=BACKEND)
     return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
 
@@ -58,7 +63,10 @@ for replay in range(3):
         res[mode] = {n: np.asarray(x, np.float32) for n, x in
                      {"out": out, "dq": dq, "dk": dk, "dv": dv, "dgate": dgate}.items()}
     assert_close(case, res["native"], reference(case, inputs))
-    equal = {n: bool(np.array_equal(res["native"][n], res["callback"][n])) for n in res["native"]}
+    exact = [n for n in res["native"] if not (BACKEND == "sm90" and n == "dq")]
+    equal = {n: bool(np.array_equal(res["native"][n], res["callback"][n])) for n in exact}
+    if len(exact) < len(res["native"]):
+        assert_close(case, {"dq": res["native"]["dq"]}, {"dq": res["callback"]["dq"].astype(np.float64)})
     ok &= all(equal.values())
     print(f"replay {replay}: native == callback: {equal}")
 
@@ -81,7 +89,8 @@ def custom_calls_in_command_buffers(thunks: str) -> int:
 # per module that holds native custom calls: how many it has, and how many run in a command buffer
 captured = {}
 for f in glob.glob(os.path.join(DUMP, "*after_optimizations.txt")):
-    native_calls = open(f, errors="ignore").read().count(f'custom_call_target="{native.FFI_TARGET}"')
+    hlo = open(f, errors="ignore").read()
+    native_calls = sum(hlo.count(f'custom_call_target="{target}"') for target in NATIVE_TARGETS)
     if native_calls:
         module = os.path.basename(f).split(".")[0]  # module_NNNN
         thunk_files = glob.glob(os.path.join(DUMP, module + ".*thunk_sequence_after_thunk_passes.txt"))

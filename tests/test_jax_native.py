@@ -225,8 +225,8 @@ def test_native_program_under_shard_map_is_typed_and_lowers(monkeypatch, launch_
     monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
     seen = []
     record = native.core_plan.record_plan
-    monkeypatch.setattr(native.core_plan, "record_plan", lambda stage, p, inputs: seen.append(p) or
-                        record(stage, p, inputs))
+    monkeypatch.setattr(native.core_plan, "record_plan", lambda stage, p, inputs, *backend: seen.append(p) or
+                        record(stage, p, inputs, *backend))
     native.native_program.cache_clear()
     try:
         case = Case(batch=1, heads=4, n_q_blocks=2, n_kv_blocks=3)

@@ -19,7 +19,7 @@ Variables (field of `LaunchConfig` in brackets):
   measured order of `vsa_core.backends.auto_table`).
 - `VSA_ULYSSES_CHUNKS` [ulysses_chunks]: head chunks per device in the Ulysses sequence
   parallel ops (`vsa_core.sequence_parallel.DEFAULT_CHUNKS` when unset).
-- `VSA_JAX_LAUNCH` [jax_launch]: how vsa_jax launches the Triton backend on a GPU,
+- `VSA_JAX_LAUNCH` [jax_launch]: how vsa_jax launches the Triton and sm90 backends on a GPU,
   "callback" (the default) or "native" (`vsa_jax.native`); read when a call is traced.
 
 `forced_tiles` has no variable: benchmarks set it to run one tile config of an attention

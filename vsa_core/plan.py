@@ -4,9 +4,11 @@
 `backward`), but hands them placeholder buffers (`DeviceBuffer`s on a "meta" device, with
 no memory) and a `RecordingLauncher` (`vsa_core.launch`), which records each Triton launch
 instead of running it: the kernel, its grid, each argument
-as a named buffer (an input, or an output/workspace of the problem's buffer table), a
-scalar or a constexpr, and num_warps/num_stages. The plan is built once per problem, at
-trace time; an executor (`vsa_jax.native`) replays it with no Python per call.
+as a named buffer (an input, an output/workspace of the problem's buffer table, or a
+workspace of the backend's own table), a scalar or a constexpr, and num_warps/num_stages.
+A backend's own CuTe DSL launches (`Launcher.cute`) are recorded as a `CuteLaunch`: the
+step's name, its buffers by argument name, its statics. The plan is built once per
+problem, at trace time; an executor (`vsa_jax.native`) replays it with no Python per call.
 
 The recording launcher's configuration turns autotuning off (the attention kernels take
 their fixed default tile config: a replay cannot time candidates) and TMA off (pointer
@@ -64,6 +66,45 @@ class Launch:
     def arg(self, name: str) -> Arg:
         return next(a for a in self.args if a.name == name)
 
+    @property
+    def kind(self) -> str:
+        return "triton"
+
+
+@dataclass(frozen=True)
+class CuteLaunch:
+    """One of a backend's own CuTe DSL launches (`vsa_core.launch.CUTE_STEPS`): `Launcher.cute(step,
+    buffers, **statics)` with the buffers as plan names. The argument names are the step's; the
+    statics hold a dict as a sorted tuple of its items (`statics_dict` gives them back)."""
+
+    step: str
+    args: Tuple[Tuple[str, str], ...]  # (argument name, buffer name), in the order the backend gave them
+    statics: Tuple[Tuple[str, Any], ...]
+
+    kind = "cute"
+
+    @property
+    def kernel_name(self) -> str:
+        return self.step
+
+    @property
+    def buffers(self) -> Tuple[str, ...]:
+        return tuple(b for _, b in self.args)
+
+    def buffer(self, arg: str) -> str:
+        return dict(self.args)[arg]
+
+    def statics_dict(self) -> dict:
+        return {n: dict(v) if isinstance(v, _FrozenDict) else v for n, v in self.statics}
+
+
+class _FrozenDict(tuple):
+    """A dict static as a hashable tuple of its sorted items."""
+
+
+def _frozen(value):
+    return _FrozenDict(sorted(value.items())) if isinstance(value, dict) else value
+
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -71,7 +112,15 @@ class LaunchPlan:
     problem: AttnProblem
     inputs: Dict[str, Tuple[Tuple[int, ...], str]]  # read-only buffers: name -> (shape, dtype)
     buffers: Dict[str, Tuple[Tuple[int, ...], str]]  # outputs + workspaces (the stage's buffer table)
-    launches: Tuple[Launch, ...]
+    launches: Tuple[Any, ...]  # Launch (Triton) or CuteLaunch
+    backend: str = "triton"
+    # the backend's own workspaces (its `workspaces(stage, problem)`): born and used inside the plan only
+    workspaces: Dict[str, Tuple[Tuple[int, ...], str]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def all_buffers(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """Every buffer the launches may take: inputs, the stage's table, the backend's workspaces."""
+        return {**self.inputs, **self.buffers, **self.workspaces}
 
 
 @dataclass(frozen=True)
@@ -79,7 +128,8 @@ class Step:
     """How one launch maps onto a custom call whose buffers are its operands followed by
     its results, consumed in that order by the kernel's pointer parameters.
 
-    operands: buffers that exist before the launch, in parameter order; results: first
+    operands: buffers that exist before the launch, in parameter order (a CuTe DSL launch:
+    in the order of its arguments); results: first
     the buffers born here that the kernel takes (a suffix of its pointer parameters),
     then the operands that are not inputs (updated in place: result i aliases operand j
     for (j, i) in `aliases`), then buffers born here for later launches only."""
@@ -97,8 +147,9 @@ class RecordingLauncher(Launcher):
     cannot time candidates: the attention kernels take their default tile config) and with
     pointer loads (a host TMA descriptor embeds the buffer's address, known only at run time)."""
 
-    def __init__(self, names_by_id: Mapping[int, str]):
+    def __init__(self, names_by_id: Mapping[int, str], workspaces: Mapping[str, DeviceBuffer] = None):
         self.names_by_id = names_by_id
+        self.workspaces = dict(workspaces or {})
         self.launches = []
         self._config = dataclasses.replace(config(), autotune=False, tma=False)
 
@@ -136,6 +187,24 @@ class RecordingLauncher(Launcher):
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.launches.append(Launch(kernel, grid, tuple(recorded), tuple(sorted(options.items()))))
 
+    def cute(self, step: str, buffers: dict, **statics) -> None:
+        """Records a `CuteLaunch`; every buffer must be one of the plan's."""
+        args = []
+        for arg, value in buffers.items():
+            if id(value) not in self.names_by_id:
+                raise RuntimeError(f"{step}: argument {arg} is not a buffer of the plan")
+            args.append((arg, self.names_by_id[id(value)]))
+        self.launches.append(CuteLaunch(step, tuple(args), tuple(sorted((n, _frozen(v)) for n, v in statics.items()))))
+
+    def workspace(self, name: str, shape, dtype: str, like):
+        """The plan's placeholder for the backend's workspace `name` (declared in its table)."""
+        buf = self.workspaces.get(name)
+        if buf is None:
+            raise RuntimeError(f"workspace {name} is not in the backend's workspace table")
+        if buf.shape != tuple(shape) or buf.dtype != (like.dtype if dtype == "input" else dtype):
+            raise RuntimeError(f"workspace {name}: {tuple(shape)} {dtype} asked, {buf.shape} {buf.dtype} declared")
+        return buf
+
 
 def _constexpr_names(kernel, signature) -> set:
     params = getattr(kernel, "params", None)
@@ -152,26 +221,36 @@ def _placeholder(shape, dtype: str, problem: AttnProblem) -> DeviceBuffer:
     return DeviceBuffer(0, problem.dtype if dtype == "input" else dtype, shape, _META)
 
 
-def record_plan(stage: str, problem: AttnProblem, inputs: Mapping[str, Tuple[Tuple[int, ...], str]]) -> LaunchPlan:
-    """The launch plan of `stage` ("forward" / "backward") on the Triton backend.
+def record_plan(stage: str, problem: AttnProblem, inputs: Mapping[str, Tuple[Tuple[int, ...], str]],
+                backend=None) -> LaunchPlan:
+    """The launch plan of `stage` ("forward" / "backward") on `backend` (a backend module;
+    the Triton backend by default).
 
     `inputs`: the stage's input buffers by name (as `vsa_core.ops` names them) with their
-    shape and dtype name ("input" = q's dtype)."""
+    shape and dtype name ("input" = q's dtype). The backend's own workspaces (its optional
+    `workspaces(stage, problem)` table) become buffers of the plan."""
     from . import ops
     from .backends import triton_backend
 
     if stage not in ("forward", "backward"):
         raise ValueError(f"stage must be 'forward' or 'backward', got {stage!r}")
+    backend = backend or triton_backend
     table = problem.forward_buffers() if stage == "forward" else problem.backward_buffers()
+    declared = getattr(backend, "workspaces", None)
+    workspaces = {n: (tuple(s), d) for n, (s, d) in (declared(stage, problem) if declared else {}).items()}
     inputs = {n: (tuple(s), d) for n, (s, d) in inputs.items()}
     both = set(inputs) & set(table)
     if both:
         raise ValueError(f"buffers {sorted(both)} are both inputs and outputs of the {stage}")
-    placeholders = {n: _placeholder(s, d, problem) for n, (s, d) in {**inputs, **table}.items()}
-    recorder = RecordingLauncher({id(t): n for n, t in placeholders.items()})
+    clash = set(workspaces) & (set(inputs) | set(table))
+    if clash:
+        raise ValueError(f"{backend.name} workspaces {sorted(clash)} clash with the {stage}'s buffers")
+    placeholders = {n: _placeholder(s, d, problem) for n, (s, d) in {**inputs, **table, **workspaces}.items()}
+    recorder = RecordingLauncher({id(t): n for n, t in placeholders.items()},
+                                 {n: placeholders[n] for n in workspaces})
     run = ops.forward if stage == "forward" else ops.backward
-    run(problem, triton_backend, placeholders, launcher=recorder)
-    return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches))
+    run(problem, backend, placeholders, launcher=recorder)
+    return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches), backend.name, workspaces)
 
 
 # ---- scheduling onto custom calls -------------------------------------------------------------
@@ -180,11 +259,20 @@ def schedule(plan: LaunchPlan) -> Tuple[Step, ...]:
     an output of the callback path) as a result of the first launch that takes it, when
     it sits in the suffix of that launch's pointer parameters that follows every existing
     buffer; otherwise (and for table buffers no launch takes) it is born, unused, by the
-    first launch, and passed as an operand from then on."""
+    first launch, and passed as an operand from then on. A CuTe DSL launch takes its buffers
+    by name, in any order: its existing buffers are its operands, the others are born there.
+    The backend's workspaces are born like the table's buffers."""
     launches = plan.launches
     if not launches:
         raise ValueError(f"the {plan.stage} plan has no launch")
     inputs = set(plan.inputs)
+    owned = {**plan.buffers, **plan.workspaces}
+
+    def buffers_of(launch, existing):
+        bufs = launch.buffers
+        if launch.kind == "cute":
+            return tuple(b for b in bufs if b in existing) + tuple(b for b in bufs if b not in existing)
+        return bufs
 
     def split(bufs, existing):
         """(leading existing part, suffix of not-yet-existing buffers) or None if interleaved."""
@@ -200,7 +288,7 @@ def schedule(plan: LaunchPlan) -> Tuple[Step, ...]:
     existing = set(inputs)
     early = []
     for launch in launches:
-        bufs = launch.buffers
+        bufs = buffers_of(launch, existing)
         if split(bufs, existing) is None:
             i = len(bufs)
             while i > 0 and bufs[i - 1] not in existing:
@@ -208,12 +296,12 @@ def schedule(plan: LaunchPlan) -> Tuple[Step, ...]:
             early += [b for b in bufs[:i] if b not in existing and b not in early]
             existing.update(bufs[:i])
         existing.update(bufs)
-    early += [b for b in plan.buffers if b not in existing and b not in early]
+    early += [b for b in owned if b not in existing and b not in early]
 
     steps = []
     existing = set(inputs)
     for index, launch in enumerate(launches):
-        bufs = launch.buffers
+        bufs = buffers_of(launch, existing)
         parts = split(bufs, existing)
         if parts is None:
             raise NotImplementedError(f"launch {index} ({launch.kernel_name}) takes a new buffer before an "
@@ -222,6 +310,8 @@ def schedule(plan: LaunchPlan) -> Tuple[Step, ...]:
         if len(set(tail)) != len(tail):
             raise NotImplementedError(f"launch {index} ({launch.kernel_name}) takes a new buffer twice")
         born_extra = tuple(b for b in early if b not in existing and b not in tail) if index == 0 else ()
+        if born_extra and launch.kind == "cute":
+            raise NotImplementedError(f"{launch.step} is the first launch and would bear buffers it does not take")
         in_place, aliases, seen = [], [], set()
         for j, b in enumerate(head):
             if b not in inputs and b not in seen:
@@ -231,7 +321,7 @@ def schedule(plan: LaunchPlan) -> Tuple[Step, ...]:
         steps.append(Step(tuple(head), tuple(tail) + tuple(in_place) + born_extra, tuple(aliases), len(tail)))
         existing.update(tail)
         existing.update(born_extra)
-    missing = [b for b in plan.buffers if b not in existing]
+    missing = [b for b in owned if b not in existing]
     if missing:
         raise RuntimeError(f"buffers {missing} are never allocated")
     return tuple(steps)
@@ -263,7 +353,7 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
 
     if not isinstance(launch.kernel, JITFunction):
         raise RuntimeError("compiling needs Triton's compiler: unset TRITON_INTERPRET")
-    shapes = {**plan.inputs, **plan.buffers}
+    shapes = plan.all_buffers
     args = []
     for a in launch.args:
         if a.kind == "buffer":

@@ -251,14 +251,15 @@ def add_block_grad(launcher, p: AttnProblem, x, pooled, counts, seq_len: int) ->
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=rows, IGNORE_PADDING=_ignore(p), num_warps=4)
 
 
-def valid_rows_copy(launcher, p: AttnProblem, x, counts, seq_len: int):
+def valid_rows_copy(launcher, p: AttnProblem, x, counts, seq_len: int, out=None):
     """A copy of token tensor x (the problem's layout) with the padded rows of each block
     (past counts) written 0, or x itself under padding="zeros": what a library kernel reads
     under padding="ignore", since it multiplies padded rows by zero weights (0 * inf is
-    NaN). Allocated like x (torch: the backends that call libraries hold torch tensors)."""
+    NaN). Written to `out` (x's shape and dtype) when given, else allocated like x (torch: the
+    backends that call libraries hold torch tensors)."""
     if not _ignore(p):
         return x
-    y = x.new_empty(x.shape)
+    y = x.new_empty(x.shape) if out is None else out
     rows = _epilogue_rows(p)
     launcher.triton(K.valid_rows_copy_kernel, (seq_len // rows, _bh(p)),
         x, y, counts, *p.token_strides(seq_len), p.heads,

@@ -12,10 +12,15 @@ Every output and workspace of the stage is an XLA buffer: it is born as a result
 first launch that takes it, and passed on to later launches with an input/output alias
 (updated in place), as `vsa_core.plan.schedule` lays out.
 
+The sm90 backend's own CuTe DSL launches (`CuteLaunch`es of its plans) become one
+`cutlass.jax.cutlass_call` each (`vsa_jax.sm90_call`), its workspaces (the valid-rows copies
+of padding="ignore", the backward's dQ accumulator) XLA buffers born in the plan like the
+stage's own: the sm90 backend runs natively with no torch.
+
 Selected with `set_launch("native")` or VSA_JAX_LAUNCH=native (the configured `jax_launch`,
 `vsa_core.config`, read at trace time: a function already jitted keeps the path it was traced with); "callback" (buffer_callback
-over vsa_core.ops) stays the default, the CPU (interpreter) path and the fallback. Only
-the Triton backend runs natively; the cute (FA4) backend stays on the callback path.
+over vsa_core.ops) stays the default, the CPU (interpreter) path and the fallback. The
+Triton and sm90 backends run natively; the cute (FA4) and cudnn backends stay on the callback path.
 """
 
 from __future__ import annotations
@@ -48,10 +53,13 @@ def launch_mode() -> str:
     return config().jax_launch
 
 
+NATIVE_BACKENDS = ("triton", "sm90")
+
+
 def selected(impl) -> bool:
-    """True when this call launches natively: "native" is selected and the backend is Triton
-    (the cute backend has no plan yet and keeps the callback)."""
-    return launch_mode() == "native" and getattr(impl, "name", None) == "triton"
+    """True when this call launches natively: "native" is selected and the backend has a
+    replayable plan (Triton, sm90; the library backends keep the callback)."""
+    return launch_mode() == "native" and getattr(impl, "name", None) in NATIVE_BACKENDS
 
 
 # ---- trace time ----------------------------------------------------------------------------------
@@ -88,13 +96,22 @@ def _kernel_call(compiled: core_plan.CompiledLaunch, capability: int) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def native_program(stage: str, p: AttnProblem, inputs: Tuple[Tuple[str, Tuple[int, ...], str], ...],
-                   capability: int):
-    """(plan, steps, kernel calls) of one stage of one problem, built once."""
-    plan = core_plan.record_plan(stage, p, {n: (s, d) for n, s, d in inputs})
+                   capability: int, backend: str = "triton"):
+    """(plan, steps, kernel calls) of one stage of one problem on `backend`, built once; a CuTe
+    DSL launch has no kernel call here (it compiles when its cutlass_call lowers)."""
+    from vsa_core.backends import backend_named
+
+    plan = core_plan.record_plan(stage, p, {n: (s, d) for n, s, d in inputs}, backend_named(backend))
     steps = core_plan.schedule(plan)
-    calls = tuple(_kernel_call(core_plan.compile_launch(launch, plan, capability), capability)
-                  for launch in plan.launches)
-    return plan, steps, calls
+    calls = []
+    for launch in plan.launches:
+        if launch.kind == "cute":
+            from . import sm90_call
+            sm90_call.check(launch)
+            calls.append(None)
+        else:
+            calls.append(_kernel_call(core_plan.compile_launch(launch, plan, capability), capability))
+    return plan, steps, tuple(calls)
 
 
 def _result_type(spec, p: AttnProblem):
@@ -102,17 +119,21 @@ def _result_type(spec, p: AttnProblem):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(p.dtype if dtype == "input" else dtype))
 
 
-def run(stage: str, p: AttnProblem, inputs: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+def run(stage: str, p: AttnProblem, inputs: Dict[str, jax.Array], backend: str = "triton") -> Dict[str, jax.Array]:
     """Same contract as the callback path: every output and workspace of the stage's table."""
     described = tuple(sorted((n, tuple(int(s) for s in x.shape), jnp.dtype(x.dtype).name)
                              for n, x in inputs.items()))
-    plan, steps, calls = native_program(stage, p, described, _capability())
+    plan, steps, calls = native_program(stage, p, described, _capability(), backend)
     current = dict(inputs)
-    for step, call in zip(steps, calls):
-        operands = [current[n] for n in step.operands]
-        specs = {**plan.inputs, **plan.buffers}
+    specs = plan.all_buffers
+    for launch, step, call in zip(plan.launches, steps, calls):
         result_types = tuple(_result_type(specs[n], p) for n in step.results)
-        results = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=dict(step.aliases),
-                                   vmap_method="sequential")(*operands, opaque=call)
+        if launch.kind == "cute":
+            from . import sm90_call
+            results = sm90_call.call(launch, step, current, result_types)
+        else:
+            operands = [current[n] for n in step.operands]
+            results = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=dict(step.aliases),
+                                       vmap_method="sequential")(*operands, opaque=call)
         current.update(zip(step.results, results))
     return {n: current[n] for n in plan.buffers}

@@ -120,7 +120,7 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     inputs = {n: x for n, x in inputs.items() if x is not None}
     axes = frozenset().union(*(_vma(x) for x in inputs.values()))
     if _native.selected(impl):
-        results = _native.run(stage, p, inputs)
+        results = _native.run(stage, p, inputs, impl.name)
     else:
         results = _callback(stage, p, impl)(inputs)
     return {n: _vary(x, axes) for n, x in results.items()}

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..runtime import DeviceBuffer
+from ..runtime import DeviceBuffer, caller_stream, current_raw_launch
 
 
 def as_torch(args):
@@ -25,3 +25,31 @@ def as_torch(args):
         return args
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     return type(args)(**{n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in fields.items()})
+
+
+def as_torch_buffers(buffers: dict, frontends: str) -> dict:
+    """A launch's buffers (name -> buffer) with every DeviceBuffer viewed as a torch tensor (the
+    same dict when there is none). `frontends` names a buffer the frontend made (never a
+    workspace): one adapter made all of those, and the workspaces are torch tensors either way."""
+    if not isinstance(buffers[frontends], DeviceBuffer):
+        return buffers
+    return {n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in buffers.items()}
+
+
+_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def empty(shape, dtype: str, like):
+    """An uninitialised torch tensor of `shape` and `dtype` ("input": like's dtype) on like's
+    device (a torch tensor or a DeviceBuffer), from torch's caching allocator on the caller's
+    stream (`caller_stream`: under JAX, XLA's), where it is used and then freed."""
+    if isinstance(like, DeviceBuffer):
+        device = torch.device(like.device.kind, like.device.index) if like.device.kind == "cuda" else "cpu"
+        like_dtype = _DTYPES[str(like.dtype)]
+    else:
+        device, like_dtype = like.device, like.dtype
+    dtype = like_dtype if dtype == "input" else _DTYPES[dtype]
+    if current_raw_launch() is None:  # torch's current stream is the caller's already
+        return torch.empty(shape, dtype=dtype, device=device)
+    with caller_stream():
+        return torch.empty(shape, dtype=dtype, device=device)

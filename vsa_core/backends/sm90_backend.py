@@ -22,14 +22,20 @@ What this module adds to the kernels:
   postprocess, dk and dv in the backward's epilogue (one rounding to q's dtype, no extra pass).
 - Layouts: the kernels take [B, H, S, D] views with any strides; BSHD buffers are passed
   transposed (no copy).
-- Streams: the launches go to torch's current stream, which is the caller's
-  (`runtime.caller_stream`: under JAX, XLA's stream made torch's current one; the
-  buffers are torch views of XLA's through DLPack).
+- Streams: eagerly the launches go to torch's current stream, which is the caller's
+  (`runtime.caller_stream`: under JAX's callback path, XLA's stream made torch's current one;
+  the buffers are torch views of XLA's through DLPack). Natively under JAX, XLA's stream through
+  the CuTe DSL runtime's FFI handler, no torch.
 
-Allocation: the backward's fp32 dQ workspace ([B, H, nQ, 64 * D], zeroed per call), the
-full query counts of padding="zeros" (cached per device and size) and the copies of
-padding="ignore" come from torch's caching allocator on the current stream; none is
-declared in the buffer tables, which stay backend-independent.
+Launches and allocation: the kernels run through `launcher.cute("sm90_fwd64" / "sm90_bwd64",
+buffers, **statics)` (`vsa_core.launch`), the copies of padding="ignore" are Triton launches
+(`valid_rows_copy`), and the scratch buffers beyond the stage's buffer table, the copies and
+the backward's fp32 dQ accumulator ([B, H, nQ, 64 * D], zeroed by the backward launch), are
+declared in `workspaces(stage, problem)` and come from `launcher.workspace`: eagerly torch's
+caching allocator on the current stream, in a recorded plan (`vsa_core.plan`) buffers it
+names, so `vsa_jax.native` replays the whole stage as XLA custom calls (`vsa_jax.sm90_call`).
+The full query counts of padding="zeros" are a constant of the forward launch (cached per
+device and size eagerly). The buffer tables stay backend-independent.
 
 What it supports: sm_90 only (the kernels use sm_90a's wgmma and TMA), 64-token blocks,
 head dim 64 or 128, bf16 or fp16, forward and backward. dq is not bitwise deterministic run
@@ -97,9 +103,9 @@ def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
     return None
 
 
-def _bhsd(p: AttnProblem, x):
-    """A token buffer of the problem's layout as the kernels' [B, H, S, D] view (no copy)."""
-    return None if x is None else (x if p.layout == "bhsd" else x.transpose(1, 2))
+def _bhsd(layout: str, x):
+    """A token buffer of `layout` as the kernels' [B, H, S, D] view (no copy)."""
+    return None if x is None else (x if layout == "bhsd" else x.transpose(1, 2))
 
 
 _FULL_COUNTS = {}  # (device, n blocks) -> int32 [n] of BLOCK_ELEMS: padding="zeros" computes every row
@@ -114,43 +120,119 @@ def _full_counts(like, n: int):
     return counts
 
 
+# ---- the workspaces ---------------------------------------------------------------------------
+# the token inputs each stage reads through `valid_rows_copy` under padding="ignore" (the query
+# rows only with the coarse branch, whose q_counts say which are padded): name -> its sequence
+_COPIED = {"forward": {"k": "kv", "v": "kv"}, "backward": {"q": "q", "dout": "q", "k": "kv", "v": "kv"}}
+
+
+def _copied(stage: str, p: AttnProblem, name: str) -> bool:
+    return p.padding == "ignore" and name in _COPIED[stage] and (p.is_vsa or _COPIED[stage][name] == "kv")
+
+
+def _copy_shape(p: AttnProblem, stage: str, name: str):
+    return p.token_shape(p.q_len if _COPIED[stage][name] == "q" else p.kv_len)
+
+
+def _dq_accum_shape(p: AttnProblem):
+    return (p.batch, p.heads, p.n_q_blocks, BLOCK_ELEMS * p.head_dim)
+
+
+def workspaces(stage: str, p: AttnProblem) -> dict:
+    """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
+    each from `launcher.workspace`: the padded-rows-zeroed copies of padding="ignore"
+    ("<name>_valid") and the backward's fp32 dQ accumulator ([B, H, nQ, 64 * D], which the
+    sm90_bwd64 launch zeroes before its main kernel)."""
+    table = {f"{n}_valid": (_copy_shape(p, stage, n), "input") for n in _COPIED[stage] if _copied(stage, p, n)}
+    if stage == "backward":
+        table["dq_accum"] = (_dq_accum_shape(p), "float32")
+    return table
+
+
+def _valid_rows(launcher, p: AttnProblem, stage: str, name: str, x, counts):
+    """x, or its valid-rows copy in workspace "<name>_valid" under padding="ignore"."""
+    if not _copied(stage, p, name):
+        return x
+    shape = _copy_shape(p, stage, name)
+    seq_len = shape[2] if p.layout == "bhsd" else shape[1]
+    return valid_rows_copy(launcher, p, x, counts, seq_len, out=launcher.workspace(f"{name}_valid", shape, "input", x))
+
+
 # ---- the fine stage -------------------------------------------------------------------------
+def _statics(p: AttnProblem) -> dict:
+    return dict(dtype=p.dtype, head_dim=p.head_dim, layout=p.layout, softmax_scale=p.softmax_scale)
+
+
 def sparse_forward(launcher, p: AttnProblem, a: FineForward):
-    from ._torch_views import as_torch  # torch loads with this backend's first call
-    with caller_stream(), _COMPILE_LOCK:
-        _sparse_forward(launcher, p, as_torch(a))
+    k, v = (_valid_rows(launcher, p, "forward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
+    buffers = dict(q=a.q, k=k, v=v, out=a.out, lse=a.lse, sel_idx=a.sel_idx, sel_num=a.sel_num,
+                   kv_counts=a.kv_counts)
+    has_coarse = a.out_coarse is not None
+    ignore_padding = p.padding == "ignore"
+    if has_coarse:
+        buffers["out_coarse"] = a.out_coarse
+        if ignore_padding:  # under "zeros" the launch takes full counts (every row valid)
+            buffers["q_counts"] = a.q_counts
+        if a.gate is not None:
+            buffers["gate"] = a.gate
+        if a.out_fine is not None:
+            buffers["out_fine"] = a.out_fine
+    launcher.cute("sm90_fwd64", buffers, **_statics(p), has_coarse=has_coarse, has_gate=a.gate is not None,
+                  store_fine=has_coarse and a.out_fine is not None, ignore_padding=ignore_padding, config=FORWARD)
 
 
-def _sparse_forward(launcher, p: AttnProblem, a: FineForward):
+def launch_forward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, softmax_scale: float,
+                     has_coarse: bool, has_gate: bool, store_fine: bool, ignore_padding: bool, config: dict):
+    """The "sm90_fwd64" launch on framework buffers (`vsa_core.launch.CUTE_STEPS`): `prepare_forward64`
+    on torch views, on the caller's stream. Buffers: q, k, v, out, lse, sel_idx, sel_num, kv_counts;
+    with the coarse branch out_coarse (+ q_counts under ignore_padding, gate, out_fine)."""
+    from ._torch_views import as_torch_buffers  # torch loads with this backend's first call
     from .sm90_fwd64 import prepare_forward64
-    k, v = (valid_rows_copy(launcher, p, x, a.kv_counts, p.kv_len) for x in (a.k, a.v))  # padding="ignore" only
-    coarse = {}
-    if a.out_coarse is not None:
-        q_counts = a.q_counts if p.padding == "ignore" else _full_counts(a.q, p.n_q_blocks)
-        coarse = dict(q_counts=q_counts, out_coarse=a.out_coarse, gate=_bhsd(p, a.gate),
-                      out_fine=_bhsd(p, a.out_fine))
-    prepare_forward64(_bhsd(p, a.q), _bhsd(p, k), _bhsd(p, v), _bhsd(p, a.out), a.lse, a.sel_idx, a.sel_num,
-                      a.kv_counts, softmax_scale=p.softmax_scale, **coarse, **FORWARD)()
+    with caller_stream(), _COMPILE_LOCK:
+        b = as_torch_buffers(buffers, "lse")  # lse: the frontend's in both steps
+        coarse = {}
+        if has_coarse:
+            q = b["q"]
+            q_counts = b["q_counts"] if ignore_padding else _full_counts(q, q.shape[2 if layout == "bhsd" else 1]
+                                                                           // BLOCK_ELEMS)
+            coarse = dict(q_counts=q_counts, out_coarse=b["out_coarse"],
+                          gate=_bhsd(layout, b["gate"]) if has_gate else None,
+                          out_fine=_bhsd(layout, b["out_fine"]) if store_fine else None)
+        prepare_forward64(_bhsd(layout, b["q"]), _bhsd(layout, b["k"]), _bhsd(layout, b["v"]), _bhsd(layout, b["out"]),
+                          b["lse"], b["sel_idx"], b["sel_num"], b["kv_counts"], softmax_scale=softmax_scale,
+                          **coarse, **config)()
 
 
 def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
-    from ._torch_views import as_torch
-    with caller_stream(), _COMPILE_LOCK:
-        _sparse_backward(launcher, p, as_torch(a))
-
-
-def _sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage from the KV-owned lists and the core's delta, with the
     pooling gradients. `out`, `sel_idx`, `sel_num` are not read."""
+    q, dout = (_valid_rows(launcher, p, "backward", n, x, a.q_counts) for n, x in (("q", a.q), ("dout", a.dout)))
+    k, v = (_valid_rows(launcher, p, "backward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
+    buffers = dict(q=q, k=k, v=v, dout=dout, lse=a.lse, delta=a.delta, dq=a.dq, dk=a.dk, dv=a.dv,
+                   inv_idx=a.inv_idx, inv_num=a.inv_num, kv_counts=a.kv_counts,
+                   dq_accum=launcher.workspace("dq_accum", _dq_accum_shape(p), "float32", a.q))
+    pool_grads = a.dq_pool is not None
+    if pool_grads:  # VSA: the pooling gradients, added where dq / dk / dv are formed
+        buffers.update(dq_pool=a.dq_pool, dk_pool=a.dk_pool, dv_pool=a.dv_pool, q_counts=a.q_counts)
+    launcher.cute("sm90_bwd64", buffers, **_statics(p), pool_grads=pool_grads,
+                  ignore_padding=pool_grads and p.padding == "ignore", config=BACKWARD)
+
+
+def launch_backward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, softmax_scale: float,
+                      pool_grads: bool, ignore_padding: bool, config: dict):
+    """The "sm90_bwd64" launch on framework buffers (`vsa_core.launch.CUTE_STEPS`): dq_accum zeroed,
+    the main kernel and the dQ postprocess (`prepare_backward64`) on torch views, on the caller's
+    stream. Buffers: q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum;
+    with pool_grads dq_pool, dk_pool, dv_pool, q_counts."""
+    from ._torch_views import as_torch_buffers
     from .sm90_bwd64 import prepare_backward64
-    q, dout = a.q, a.dout
-    if a.q_counts is not None:  # padding="ignore": what the kernel multiplies by zero weights is read as 0
-        q, dout = (valid_rows_copy(launcher, p, x, a.q_counts, p.q_len) for x in (q, dout))
-    k, v = (valid_rows_copy(launcher, p, x, a.kv_counts, p.kv_len) for x in (a.k, a.v))
-    pools = {}
-    if a.dq_pool is not None:  # VSA: the pooling gradients, added where dq / dk / dv are formed
-        pools = dict(dq_pool=a.dq_pool, dk_pool=a.dk_pool, dv_pool=a.dv_pool, q_counts=a.q_counts,
-                     ignore_padding=p.padding == "ignore")
-    prepare_backward64(_bhsd(p, q), _bhsd(p, k), _bhsd(p, v), _bhsd(p, dout), a.lse, a.delta, _bhsd(p, a.dq),
-                       _bhsd(p, a.dk), _bhsd(p, a.dv), a.inv_idx, a.inv_num, a.kv_counts,
-                       softmax_scale=p.softmax_scale, **pools, **BACKWARD)()
+    with caller_stream(), _COMPILE_LOCK:
+        b = as_torch_buffers(buffers, "lse")  # lse: the frontend's in both steps
+        pools = {}
+        if pool_grads:
+            pools = dict(dq_pool=b["dq_pool"], dk_pool=b["dk_pool"], dv_pool=b["dv_pool"], q_counts=b["q_counts"],
+                         ignore_padding=ignore_padding)
+        t = {n: _bhsd(layout, b[n]) for n in ("q", "k", "v", "dout", "dq", "dk", "dv")}
+        prepare_backward64(t["q"], t["k"], t["v"], t["dout"], b["lse"], b["delta"], t["dq"], t["dk"], t["dv"],
+                           b["inv_idx"], b["inv_num"], b["kv_counts"], softmax_scale=softmax_scale,
+                           dq_accum=b["dq_accum"], **pools, **config)()
