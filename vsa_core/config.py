@@ -68,7 +68,7 @@ class LaunchConfig:
         if self.coarse_precision not in COARSE_PRECISIONS:
             raise ValueError(f"LaunchConfig.coarse_precision must be one of {COARSE_PRECISIONS}, "
                              f"got {self.coarse_precision!r}")
-        from .backends import CHOICES  # here: the registry imports this module
+        from .backends.registry import CHOICES
         if self.backend not in CHOICES:
             raise ValueError(f"LaunchConfig.backend must be one of {CHOICES}, got {self.backend!r}")
         chunks = self.ulysses_chunks

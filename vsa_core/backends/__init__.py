@@ -10,7 +10,7 @@ DEFAULT_ORDER for shapes it has no entry for; the configured backend (`VSA_BACKE
 `vsa_core.config`) replaces "auto". Asking for a backend by name that cannot run raises
 BackendUnavailableError with the reason.
 
-`REGISTRY` is the one list of backends (the frontends' docstrings, the tests, demo.py and
+`REGISTRY` (`registry.py`) is the one list of backends (the frontends' docstrings, the tests, demo.py and
 the benchmarks read it): a new backend is its module, one line there and its measured
 `auto_table` rows. Backend modules are imported on first use, so a backend whose module
 does not import (a broken library install) is unavailable with that error as its reason
@@ -22,32 +22,19 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Mapping
-from typing import Optional, Tuple
+from typing import Optional
 
 from ..config import config
 from ..problem import AttnProblem
 from ..runtime import INTERPRETING, DeviceInfo
 from .auto_table import auto_order
 
-# name -> the module that implements `base.FineStageBackend`
-REGISTRY = {
-    "triton": "vsa_core.backends.triton_backend",
-    "cute": "vsa_core.backends.cute_backend",
-    "cudnn": "vsa_core.backends.cudnn_backend",
-    "sm90": "vsa_core.backends.sm90_backend",
-}
-
-NAMES: Tuple[str, ...] = tuple(REGISTRY)
-
-# the backends whose fine kernel writes its output in q's dtype only (a library kernel): the fine
-# output kept for the backward (`out_fine`) is then q's dtype too; the others keep it in fp32
-_FINE_OUTPUT_IN_INPUT_DTYPE = frozenset({"cute", "cudnn"})
+from .registry import CHOICES, FINE_OUTPUT_IN_INPUT_DTYPE, NAMES, REGISTRY  # noqa: F401 (the registry's names)
 
 
 def fine_residual(name: str) -> str:
     """`AttnProblem.fine_residual` of backend `name`: "input" or "float32"."""
-    return "input" if name in _FINE_OUTPUT_IN_INPUT_DTYPE else "float32"
-CHOICES: Tuple[str, ...] = ("auto",) + NAMES
+    return "input" if name in FINE_OUTPUT_IN_INPUT_DTYPE else "float32"
 
 
 def names_text(names=CHOICES) -> str:
