@@ -40,6 +40,19 @@ def test_capture_places_buffers_and_views_and_refuses_ambiguity():
     assert cap._place(fake(0x30000 + 4, 2)) is None             # a view of the shared object: inside both names
 
 
+def test_capture_refuses_stages_with_launches_it_cannot_keep(monkeypatch):
+    """A CuTe DSL launch or a backend's own workspace is run (the eager launcher's work) but
+    makes the stage unreplayable, whatever the backend declares."""
+    from vsa_core import launch
+    ran = []
+    monkeypatch.setitem(launch._STEP_FUNCTIONS, "sm90_fwd64", lambda buffers, **statics: ran.append(statics))
+    cap = CapturingLauncher({"a": fake(0x10000, 64)})
+    cap.cute("sm90_fwd64", {"a": fake(0x10000, 64)}, head_dim=64)
+    assert ran == [{"head_dim": 64}]
+    replay, why = cap.replay()
+    assert replay is None and "sm90_fwd64" in why
+
+
 def test_capture_refuses_overlapping_buffers():
     outer, inner = fake(0x10000, 64), fake(0x10000 + 16, 8)
     cap = CapturingLauncher({"outer": outer, "inner": inner})

@@ -127,6 +127,14 @@ class CapturingLauncher(Launcher):
         if self._unreplayable is None:
             self._keep(kernel, compiled, grid, args, meta)
 
+    def cute(self, step: str, buffers: dict, **statics) -> None:
+        super().cute(step, buffers, **statics)
+        self._refuse(f"the stage runs a CuTe DSL launch ({step}), which a replay does not keep")
+
+    def workspace(self, name: str, shape, dtype: str, like):
+        self._refuse(f"the stage allocates a workspace of its own ({name}), outside the call's buffers")
+        return super().workspace(name, shape, dtype, like)
+
     def replay(self) -> Tuple[Optional[Replay], Optional[str]]:
         """(the replay, None), or (None, why the stage cannot be replayed)."""
         if self._unreplayable is not None:
@@ -215,8 +223,3 @@ def _signature(kernel) -> inspect.Signature:
         sig = _SIGNATURES[fn] = inspect.signature(fn)
     return sig
 
-
-def addresses_aligned(buffers: Sequence[Any]) -> Tuple[bool, ...]:
-    """Whether each buffer starts on 16 bytes (None: absent): part of a replay's key, since
-    Triton specializes a pointer argument on it."""
-    return tuple(None if b is None else b.data_ptr() % 16 == 0 for b in buffers)
