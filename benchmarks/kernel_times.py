@@ -4,7 +4,9 @@ Unlike benchmarks/stage_breakdown.py, whose CUDA events around each launch funct
 the GPU waiting for the host between two launches (small stages issued one after another read
 their host time), these are the kernels' own times.
 
-    PYTHONPATH=. python3 benchmarks/kernel_times.py [--backend cudnn] [--shape 480p-64] [--calls 5]
+    PYTHONPATH=. python3 benchmarks/kernel_times.py [--backend cudnn] [--shape 480p-64] [--calls 5] [--backward]
+
+--backward times forward + backward calls (a random dout), so the backward's kernels show too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main():
     ap.add_argument("--backend", default="cudnn")
     ap.add_argument("--shape", default="480p-64", choices=tuple(SHAPES))
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--backward", action="store_true", help="forward + backward calls")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     _, _, _, _, tile, topk = shape
@@ -35,9 +38,13 @@ def main():
         x.requires_grad_(True)  # training: the forward keeps what the backward needs
     counts = torch.as_tensor(meta.variable_block_sizes, device="cuda")
 
+    dout = torch.randn_like(q)
+
     def call():
-        return vsa_torch.video_sparse_attn(q, k, v, counts, counts, topk=topk, block_size=tile,
-                                           compress_attn_weight=gate, backend=args.backend)
+        out = vsa_torch.video_sparse_attn(q, k, v, counts, counts, topk=topk, block_size=tile,
+                                          compress_attn_weight=gate, backend=args.backend)
+        if args.backward:
+            torch.autograd.grad(out, (q, k, v, gate), dout)
 
     for _ in range(3):
         call()
@@ -46,8 +53,9 @@ def main():
         for _ in range(args.calls):
             call()
         torch.cuda.synchronize()
-    print(f"{args.shape} backend={args.backend}: {args.calls} forward calls (divide the totals by {args.calls})")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    what = "forward + backward" if args.backward else "forward"
+    print(f"{args.shape} backend={args.backend}: {args.calls} {what} calls (divide the totals by {args.calls})")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=70))
 
 
 if __name__ == "__main__":
