@@ -121,7 +121,7 @@ def pool_after(p, b):
 
 def coarse_forward(p, b):
     S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
-                     b["out_coarse"], b["lse_coarse"], partials=b.get("coarse_partials"))
+                     b["out_coarse"], b["lse_coarse"])
 
 
 def backward_stage(p, b):

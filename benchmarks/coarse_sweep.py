@@ -81,12 +81,10 @@ def main():
         b = {"scores": torch.empty(1, H, n, n, **f32), "out": torch.empty(1, H, n, D, **f32),
              "lse": torch.empty(1, H, n, **f32), "dq": torch.empty(1, H, n, D, **f32),
              "dk": torch.empty(1, H, n, D, **f32), "dv": torch.empty(1, H, n, D, **f32),
-             "P": torch.empty(1, H, n, n, **f32), "dS": torch.empty(1, H, n, n, **f32),
-             "partials": torch.empty(p.coarse_splits, 1, H, n, D + 2, **f32) if p.coarse_splits > 1 else None}
+             "P": torch.empty(1, H, n, n, **f32), "dS": torch.empty(1, H, n, n, **f32)}
 
         def fwd():
-            S.coarse_forward(eager_launcher, p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"],
-                             partials=b["partials"])
+            S.coarse_forward(eager_launcher, p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
 
         def bwd():
             S.coarse_backward(eager_launcher, p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"],

@@ -43,7 +43,7 @@ def our_selection(q, k, E: int, topk: int):
          for n, (shape, kind) in p.forward_buffers().items()}
     S.block_mean_pool_qkv(eager_launcher, p, q, k, k, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
     S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
-                     b["lse_coarse"], partials=b.get("coarse_partials"))
+                     b["lse_coarse"])
     S.topk_select(eager_launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
     return b["sel_mask"].bool()
 

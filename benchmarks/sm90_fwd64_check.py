@@ -316,7 +316,7 @@ def smooth_problem():
     b = {name: torch.empty(shp, dtype=dtypes[dt], device="cuda") for name, (shp, dt) in p.forward_buffers().items()}
     stages.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, b["q_pool"], b["k_pool"], b["v_pool"])
     stages.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], counts, b["scores"],
-                          b["out_coarse"], b["lse_coarse"], partials=b.get("coarse_partials"))
+                          b["out_coarse"], b["lse_coarse"])
     stages.topk_select(eager_launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
     torch.cuda.synchronize()
     return q, k, v, b["sel_idx"].contiguous(), b["sel_num"].contiguous(), counts

@@ -292,7 +292,7 @@ def kernel_selection(case: Case, inputs: dict, device: str, padding: str = "zero
          for name, (shape, kind) in p.forward_buffers().items()}
     S.block_mean_pool_qkv(eager_launcher, p, q, k, v, q_counts, kv_counts, b["q_pool"], b["k_pool"], b["v_pool"])
     S.coarse_forward(eager_launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], kv_counts, b["scores"], b["out_coarse"],
-                     b["lse_coarse"], partials=b.get("coarse_partials"))
+                     b["lse_coarse"])
     S.topk_select(eager_launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"])
     return b["sel_mask"].bool().cpu().numpy()
 

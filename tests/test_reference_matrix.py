@@ -62,30 +62,3 @@ def test_matches_float64_reference(frontend, backend, case):
         pytest.skip(f"large logits (scale {case.scale}) on {backend}: see its large-logits test")
     inputs = make_inputs(case, seed=seed_of(case))
     assert_close(case, RUNNERS[frontend](case, inputs, backend=backend), reference(case, inputs))
-
-
-# enough KV blocks that the coarse forward splits them (`AttnProblem.coarse_splits` > 1): its
-# partial results and their combine, through both frontends, against the float64 reference
-SPLIT_CASES = [
-    pytest.param(Case(n_q_blocks=3, n_kv_blocks=130, batch=1, heads=1, topk=3), "triton", id="triton-E64"),
-    pytest.param(Case(block=64, head_dim=128, n_q_blocks=130, n_kv_blocks=200, batch=1, heads=2, topk=5), "sm90",
-                 id="sm90-E64", marks=pytest.mark.gpu),
-    pytest.param(Case(block=64, head_dim=128, n_q_blocks=130, n_kv_blocks=200, batch=1, heads=2, topk=5,
-                      layout="bshd"), "triton", id="triton-E64-bshd", marks=pytest.mark.gpu),
-]
-
-
-@pytest.mark.parametrize("case, backend", SPLIT_CASES)
-@pytest.mark.parametrize("frontend", list(RUNNERS))
-def test_split_coarse_forward_matches_float64_reference(frontend, case, backend):
-    if frontend == "torch" and torch is None:
-        pytest.skip("torch is not installed (a vsa[jax] install)")
-    if frontend == "jax" and backend != "triton":
-        require_jax_gpu()
-    skip_unavailable(backend, _unavailable(case, backend, frontend))
-    p = AttnProblem(batch=case.batch, heads=case.heads, q_len=case.n_q_blocks * case.E,
-                    kv_len=case.n_kv_blocks * case.E, head_dim=case.head_dim, block_elems=case.E, dtype=case.dtype,
-                    topk=case.topk)
-    assert p.coarse_splits > 1, "the case no longer splits the coarse forward"
-    inputs = make_inputs(case, seed=seed_of(case))
-    assert_close(case, RUNNERS[frontend](case, inputs, backend=backend), reference(case, inputs))

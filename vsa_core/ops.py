@@ -61,8 +61,7 @@ def forward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = N
             S.block_mean_pool_qkv(launcher, p, b["q"], b["k"], b["v"], b["q_counts"], b["kv_counts"], b["q_pool"],
                                   b["k_pool"], b["v_pool"])
             S.coarse_forward(launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["scores"],
-                             b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"),
-                             partials=b.get("coarse_partials"))
+                             b["out_coarse"], b["lse_coarse"], q_seq=b.get("q_seq"), kv_seq=b.get("kv_seq"))
             S.topk_select(launcher, p, b["scores"], b["sel_idx"], b["sel_num"], b["sel_mask"], q_seq=b.get("q_seq"),
                           cu_seqlens_q=b.get("cu_seqlens_q"), cu_seqlens_k=b.get("cu_seqlens_k"),
                           seq_prefix=b.get("seq_prefix"), scores_rounded_to=p.dtype)

@@ -154,14 +154,6 @@ class AttnProblem:
             return self.n_kv_blocks if self.has_prefix else self.topk
         return self.list_capacity if self.list_capacity is not None else self.n_kv_blocks
 
-    @property
-    def coarse_splits(self) -> int:
-        """KV splits of the coarse forward (`stage_kernels.coarse_attn_fwd_kernel` with SPLIT):
-        enough programs of 64-row query bands to fill a GPU (~512), each split at least 64
-        KV blocks wide. 1: one program per band walks the whole row (no partials buffer)."""
-        bands = self.batch * self.heads * -(-self.n_q_blocks // 64)
-        return max(1, min(-(-512 // bands), self.n_kv_blocks // 64))
-
     def token_shape(self, seq_len: int) -> Tuple[int, ...]:
         if self.layout == "bhsd":
             return (self.batch, self.heads, seq_len, self.head_dim)
@@ -194,8 +186,6 @@ class AttnProblem:
                 "sel_num": ((B, H, nq), "int32"),
                 "sel_mask": ((B, H, nq, nk), "int8"),
             })
-            if self.coarse_splits > 1:
-                bufs["coarse_partials"] = ((self.coarse_splits, B, H, nq, D + 2), "float32")
             if self.training:
                 bufs["out_fine"] = (self.token_shape(self.q_len), self.fine_residual)
         else:

@@ -98,7 +98,7 @@ AXES = {"q": "tokens", "k": "tokens", "v": "tokens", "gate": "tokens", "out": "t
 # buffers of the forward's table that it does not return: the top-k scores workspace
 # ([B, H, nQ, nKV] fp32, the largest) and the packed blocks' sequence ids, which the
 # backward recomputes (two tiny launches) rather than keeps
-FORWARD_WORKSPACES = ("scores", "coarse_partials", "q_seq", "kv_seq")
+FORWARD_WORKSPACES = ("scores", "q_seq", "kv_seq")
 
 
 @functools.lru_cache(maxsize=1024)

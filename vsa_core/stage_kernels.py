@@ -235,11 +235,11 @@ def _coarse_dot(a, b, acc, A_PARTS: tl.constexpr, B_PARTS: tl.constexpr, UPCAST:
 
 @triton.jit
 def coarse_attn_fwd_kernel(
-    QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C, Q_SEQ, KV_SEQ, PARTIALS,
-    n_q, n_kv, sm_scale, split_cols,
+    QC, KC, VC, KV_COUNTS, SCORES, OUT_C, LSE_C, Q_SEQ, KV_SEQ,
+    n_q, n_kv, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INPUT_PARTS: tl.constexpr, VARLEN: tl.constexpr = False,
-    RANK_DTYPE: tl.constexpr = "float32", SPLIT: tl.constexpr = False,
+    RANK_DTYPE: tl.constexpr = "float32",
 ):
     """Softmax attention of pooled queries over pooled keys with empty KV blocks masked.
 
@@ -254,22 +254,9 @@ def coarse_attn_fwd_kernel(
     VARLEN (packed sequences): a KV block of another sequence than the query block's
     (Q_SEQ / KV_SEQ: sequence id per block) is masked like an empty block. INPUT_PARTS: bf16
     parts of a pooled value (1 for bf16 inputs, 2 for fp16; `_coarse_dot`).
-
-    SPLIT: program (i, bh, s) walks the KV columns [s * split_cols, (s + 1) * split_cols) only
-    and leaves its unnormalised partial result in PARTIALS [splits, B * H, n_q, HEAD_DIM + 2]
-    (the accumulator, then the running max in log2 units and the sum of exponentials) for
-    `coarse_combine_kernel`: a row band is too little work to fill the GPU with one program
-    walking all of a row's KV blocks in sequence.
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    if SPLIT:
-        split = tl.program_id(2)
-        col_start = split * split_cols
-        col_end = tl.minimum(n_kv, col_start + split_cols)
-    else:
-        col_start = 0
-        col_end = n_kv
     d = tl.arange(0, HEAD_DIM)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
@@ -279,9 +266,9 @@ def coarse_attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(col_start, col_end, BLOCK_N):
+    for start in range(0, n_kv, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < col_end
+        col_ok = cols < n_kv
         valid = tl.load(KV_COUNTS + cols, mask=col_ok, other=0) > 0
         k = tl.load(KC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(VC + (bh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :], mask=col_ok[:, None], other=0.0)
@@ -303,55 +290,11 @@ def coarse_attn_fwd_kernel(
         # cancels against dP when the coarse softmax is sharp, and this stage is cheap.
         acc = _coarse_dot(p, v, acc * alpha[:, None], 3, INPUT_PARTS, UPCAST, DOT_PRECISION)
         m_i = m_new
-    if SPLIT:
-        part = PARTIALS + ((split * tl.num_programs(1) + bh) * n_q + rows) * (HEAD_DIM + 2)
-        tl.store(part[:, None] + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part + HEAD_DIM, m_i, mask=row_ok)
-        tl.store(part + HEAD_DIM + 1, l_i, mask=row_ok)
-    else:
-        _store_coarse(OUT_C, LSE_C, bh * n_q + rows, row_ok, d, acc, m_i, l_i)
-
-
-@triton.jit
-def _store_coarse(OUT_C, LSE_C, flat_rows, row_ok, d, acc, m_i, l_i):
-    """out = acc / l and the natural-log lse from the log2-unit max m, at rows `flat_rows` of
-    the [B * H * n_q] rows; a row that saw no KV block (l = 0) gets out 0 and lse -inf."""
     has_any = l_i > 0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(OUT_C + flat_rows[:, None] * acc.shape[1] + d[None, :], out, mask=row_ok[:, None])
-    tl.store(LSE_C + flat_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def coarse_combine_kernel(
-    PARTIALS, OUT_C, LSE_C, n_rows, n_splits,
-    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-):
-    """The coarse forward's result from the partial results of its KV splits
-    (`coarse_attn_fwd_kernel` with SPLIT): each split's accumulator and sum rescaled to the
-    largest running max, summed, divided. ROWS rows of the [B * H * n_q] flattened rows per
-    program."""
-    flat = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = flat < n_rows
-    flat = tl.where(row_ok, flat, 0).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for split in range(0, n_splits):
-        part = PARTIALS + (split * n_rows + flat) * (HEAD_DIM + 2)
-        m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(part + HEAD_DIM + 1, mask=row_ok, other=0.0)
-        acc_s = tl.load(part[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_i, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(m_s - m_safe)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_i = m_new
-    _store_coarse(OUT_C, LSE_C, flat, row_ok, d, acc, m_i, l_i)
+    tl.store(OUT_C + (bh * n_q + rows[:, None]) * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+    tl.store(LSE_C + bh * n_q + rows, lse, mask=row_ok)
 
 
 @triton.jit

@@ -108,33 +108,15 @@ def block_mean_pool_qkv(launcher, p: AttnProblem, q, k, v, q_counts, kv_counts, 
         num_warps=warps)
 
 
-# rows per program of the coarse forward's split combine
-COMBINE_ROWS = 16
-
-
 def coarse_forward(launcher, p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
-                   q_seq=None, kv_seq=None, partials=None):
+                   q_seq=None, kv_seq=None):
     """Coarse attention, and into `scores` the scores the selection ranks (rounded to the
     input dtype as FastVideo's are: `coarse_attn_fwd_kernel`). q_seq / kv_seq (packed
-    sequences): sequence id per block; other sequences' KV blocks are masked like empty ones.
-    `partials` ([splits, B, H, nQ, D + 2] fp32, the forward's "coarse_partials" when
-    p.coarse_splits > 1): the KV blocks are split that many ways, each split's programs leave
-    partial results there and a second launch combines them; without it one program per
-    query band walks every KV block."""
+    sequences): sequence id per block; other sequences' KV blocks are masked like empty ones."""
     kernels, opts = _coarse_config(launcher, p, q_pool, "fwd")
-    splits = 1 if partials is None else int(partials.shape[0])
-    # a split's columns: a multiple of 64, so of every BLOCK_N up to 64 (no step is cut short
-    # at a split's end but the last)
-    split_cols = 64 * triton.cdiv(triton.cdiv(p.n_kv_blocks, splits), 64)
-    launcher.triton(kernels.coarse_attn_fwd_kernel, (triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p), splits),
-        q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq, partials,
-        p.n_q_blocks, p.n_kv_blocks, p.softmax_scale, split_cols, VARLEN=q_seq is not None, RANK_DTYPE=p.dtype,
-        SPLIT=splits > 1, **opts)
-    if splits > 1:
-        n_rows = _bh(p) * p.n_q_blocks
-        launcher.triton(kernels.coarse_combine_kernel, (triton.cdiv(n_rows, COMBINE_ROWS),),
-            partials, out_coarse, lse_coarse, n_rows, splits,
-            HEAD_DIM=p.head_dim, ROWS=COMBINE_ROWS, num_warps=4)
+    launcher.triton(kernels.coarse_attn_fwd_kernel, (triton.cdiv(p.n_q_blocks, opts["BLOCK_M"]), _bh(p)),
+        q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse, q_seq, kv_seq,
+        p.n_q_blocks, p.n_kv_blocks, p.softmax_scale, VARLEN=q_seq is not None, RANK_DTYPE=p.dtype, **opts)
 
 
 def coarse_backward(launcher, p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, out_coarse, lse_coarse, dout_coarse,
