@@ -43,9 +43,9 @@ def test_capture_places_buffers_and_views_and_refuses_ambiguity():
 def test_capture_refuses_stages_with_launches_it_cannot_keep(monkeypatch):
     """A CuTe DSL launch or a backend's own workspace is run (the eager launcher's work) but
     makes the stage unreplayable, whatever the backend declares."""
-    from vsa_core import launch
+    from vsa_core.backends import sm90_backend
     ran = []
-    monkeypatch.setitem(launch._STEP_FUNCTIONS, "sm90_fwd64", lambda buffers, **statics: ran.append(statics))
+    monkeypatch.setitem(sm90_backend.CUTE_STEPS, "sm90_fwd64", lambda buffers, **statics: ran.append(statics))
     cap = CapturingLauncher({"a": fake(0x10000, 64)})
     cap.cute("sm90_fwd64", {"a": fake(0x10000, 64)}, head_dim=64)
     assert ran == [{"head_dim": 64}]

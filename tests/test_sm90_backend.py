@@ -51,6 +51,15 @@ def test_missing_cutlass_names_what_to_install(monkeypatch):
     assert "No module named 'cutlass'" in reason and sm90_backend.INSTALL_HINT in reason
 
 
+def test_its_cute_steps_are_found_through_the_registry():
+    """The eager launcher runs a CuTe DSL step by the function its backend module declares."""
+    from vsa_core.backends import cute_step
+    assert cute_step("sm90_fwd64") is sm90_backend.launch_forward64
+    assert cute_step("sm90_bwd64") is sm90_backend.launch_backward64
+    with pytest.raises(ValueError, match=r"unknown CuTe DSL launch step 'sm90_fwd32' \(known: \['sm90_bwd64', 'sm90_fwd64'\]\)"):
+        cute_step("sm90_fwd32")
+
+
 # ---- on the GPU ------------------------------------------------------------------------------
 SM90_CASES = [
     Case(head_dim=128),                                                             # partial + empty tiles

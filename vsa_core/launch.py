@@ -3,10 +3,12 @@
 The stage functions (`vsa_core.stages`) and each backend's `sparse_forward` /
 `sparse_backward` take the launcher as their first argument and launch with
 `launcher.triton(kernel, grid, *args, **meta)`; a backend's own CuTe DSL launches go through
-`launcher.cute(step, buffers, **statics)`, and the scratch buffers a backend needs beyond the
-stage's buffer table come from `launcher.workspace(name, shape, dtype, like)` (each named in
-the backend's `workspaces(stage, problem)` table). `vsa_core.ops` passes the launcher down
-from its `launcher` argument. `eager_launcher` launches at once under the current
+`launcher.cute(step, buffers, **statics)` (each step declared in its backend module's
+`CUTE_STEPS`, found through the backend registry: `vsa_core.backends.cute_step`), and the
+scratch buffers a backend needs beyond the stage's buffer table come from
+`launcher.workspace(name, shape, dtype, like)` (each named in the backend's
+`workspaces(stage, problem)` table). `vsa_core.ops` passes the launcher down from its
+`launcher` argument. `eager_launcher` launches at once under the current
 configuration (`vsa_core.config`). Another launcher changes what a launch does without
 touching Triton or the kernels: `vsa_core.plan.RecordingLauncher` records the launches of a
 stage instead of running them, with its own configuration (default tiles, pointer loads),
@@ -15,35 +17,13 @@ and hands out its own placeholders as the workspaces.
 
 from __future__ import annotations
 
-import importlib
-
+from .backends import cute_step
 from .config import LaunchConfig, config
-
-# A CuTe DSL launch step -> "module:function" that runs it eagerly, `function(buffers, **statics)`
-# on framework buffers (torch tensors or DeviceBuffers). The function does all the work of the
-# launch (views, compilation on first use, the launch on the caller's stream), so calling it
-# again with other buffers of the same shapes is another correct launch.
-CUTE_STEPS = {
-    "sm90_fwd64": "vsa_core.backends.sm90_backend:launch_forward64",
-    "sm90_bwd64": "vsa_core.backends.sm90_backend:launch_backward64",
-}
-
-_STEP_FUNCTIONS = {}
-
-
-def cute_step(step: str):
-    """The eager function of CuTe DSL launch `step` (`CUTE_STEPS`)."""
-    fn = _STEP_FUNCTIONS.get(step)
-    if fn is None:
-        if step not in CUTE_STEPS:
-            raise ValueError(f"unknown CuTe DSL launch step {step!r} (known: {sorted(CUTE_STEPS)})")
-        module, name = CUTE_STEPS[step].split(":")
-        fn = _STEP_FUNCTIONS[step] = getattr(importlib.import_module(module), name)
-    return fn
 
 
 class Launcher:
-    """Launches each kernel at once: `kernel[grid](*args, **meta)`, `cute_step(step)(buffers, **statics)`."""
+    """Launches each kernel at once: `kernel[grid](*args, **meta)`, the CuTe DSL step's function
+    (`vsa_core.backends.cute_step`) on `buffers`."""
 
     @property
     def config(self) -> LaunchConfig:
@@ -59,9 +39,9 @@ class Launcher:
         kernel[grid](*args, **meta)
 
     def cute(self, step: str, buffers: dict, **statics) -> None:
-        """One of a backend's own CuTe DSL launches (`CUTE_STEPS`): `buffers` maps the launch's
-        argument names to the buffers it reads or writes (workspaces included), `statics` are its
-        compile-time configuration."""
+        """One of a backend's own CuTe DSL launches (the `CUTE_STEPS` its module declares): `buffers`
+        maps the launch's argument names to the buffers it reads or writes (workspaces included),
+        `statics` are its compile-time configuration."""
         cute_step(step)(buffers, **statics)
 
     def workspace(self, name: str, shape, dtype: str, like):

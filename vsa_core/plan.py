@@ -73,7 +73,7 @@ class Launch:
 
 @dataclass(frozen=True)
 class CuteLaunch:
-    """One of a backend's own CuTe DSL launches (`vsa_core.launch.CUTE_STEPS`): `Launcher.cute(step,
+    """One of a backend's own CuTe DSL launches (its module's `CUTE_STEPS`): `Launcher.cute(step,
     buffers, **statics)` with the buffers as plan names. The argument names are the step's; the
     statics hold a dict as a sorted tuple of its items (`statics_dict` gives them back)."""
 

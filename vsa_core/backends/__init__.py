@@ -3,7 +3,9 @@
 The coarse branch and the sparse metadata always run on the Triton kernels; a
 backend provides `sparse_forward(launcher, p, FineForward)` / `sparse_backward(launcher, p,
 FineBackward)` for the fine stage, plus `unavailable_reason(problem, device)` (None when it can run):
-the `FineStageBackend` protocol of `base.py`. `backend="auto"`
+the `FineStageBackend` protocol of `base.py`. A backend with CuTe DSL launches of its own declares
+them in its module's `CUTE_STEPS` (step -> its eager function), which `Launcher.cute` finds
+here (`cute_step`). `backend="auto"`
 takes the first available backend of `auto_table.auto_order(problem, device)`: the
 fastest first, per (architecture, block size, head dim, dtype), from a measured table,
 DEFAULT_ORDER for shapes it has no entry for; the configured backend (`VSA_BACKEND`,
@@ -85,6 +87,34 @@ def unavailable_reason(name: str, problem: AttnProblem, device: DeviceInfo) -> O
     if err is not None:
         return f"its module {REGISTRY[name]} does not import ({err})"
     return BACKENDS[name].unavailable_reason(problem, device)
+
+
+_STEP_OWNERS = {}  # CuTe DSL launch step -> the backend module that declares it
+
+
+def cute_step(step: str):
+    """The eager function of CuTe DSL launch `step` (`Launcher.cute`): the entry of the
+    `CUTE_STEPS` of the registered backend module that declares it. The owner is looked up
+    once; the function is read from the module's table on every call."""
+    module = _STEP_OWNERS.get(step)
+    if module is None:
+        module = _STEP_OWNERS[step] = _step_owner(step)
+    return module.CUTE_STEPS[step]
+
+
+def _step_owner(step: str):
+    known, broken = [], []
+    for name in REGISTRY:
+        err = import_error(name)
+        if err is not None:
+            broken.append(f"{name}: {err}")
+            continue
+        steps = getattr(BACKENDS[name], "CUTE_STEPS", {})
+        if step in steps:
+            return BACKENDS[name]
+        known.extend(steps)
+    unread = f"; backend modules that do not import: {'; '.join(broken)}" if broken else ""
+    raise ValueError(f"unknown CuTe DSL launch step {step!r} (known: {sorted(known)}){unread}")
 
 
 class BackendUnavailableError(RuntimeError):

@@ -96,7 +96,9 @@ class FineStageBackend(Protocol):
     Optional: `replayable = True` when every launch of its fine stage goes through the
     launcher passed in and touches only the call's named buffers (no library call, no
     allocation of its own), so that a captured stage can be replayed (`vsa_core.replay`);
-    absent means False."""
+    absent means False. `CUTE_STEPS`: the CuTe DSL launches it runs through `launcher.cute(step,
+    buffers, **statics)`, step -> the function that runs the step eagerly on the buffers
+    (`vsa_core.backends.cute_step` finds it there)."""
 
     name: str
 

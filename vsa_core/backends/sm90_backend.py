@@ -28,7 +28,7 @@ What this module adds to the kernels:
   the CuTe DSL runtime's FFI handler, no torch.
 
 Launches and allocation: the kernels run through `launcher.cute("sm90_fwd64" / "sm90_bwd64",
-buffers, **statics)` (`vsa_core.launch`), the copies of padding="ignore" are Triton launches
+buffers, **statics)` (`vsa_core.launch`; the steps declared in `CUTE_STEPS`), the copies of padding="ignore" are Triton launches
 (`valid_rows_copy`), and the scratch buffers beyond the stage's buffer table, the copies and
 the backward's fp32 dQ accumulator ([B, H, nQ, 64 * D], zeroed by the backward launch), are
 declared in `workspaces(stage, problem)` and come from `launcher.workspace`: eagerly torch's
@@ -183,7 +183,7 @@ def sparse_forward(launcher, p: AttnProblem, a: FineForward):
 
 def launch_forward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, softmax_scale: float,
                      has_coarse: bool, has_gate: bool, store_fine: bool, ignore_padding: bool, config: dict):
-    """The "sm90_fwd64" launch on framework buffers (`vsa_core.launch.CUTE_STEPS`): `prepare_forward64`
+    """The "sm90_fwd64" launch on framework buffers (`CUTE_STEPS`): `prepare_forward64`
     on torch views, on the caller's stream. Buffers: q, k, v, out, lse, sel_idx, sel_num, kv_counts;
     with the coarse branch out_coarse (+ q_counts under ignore_padding, gate, out_fine)."""
     from ._torch_views import as_torch_buffers  # torch loads with this backend's first call
@@ -220,7 +220,7 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
 
 def launch_backward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, softmax_scale: float,
                       pool_grads: bool, ignore_padding: bool, config: dict):
-    """The "sm90_bwd64" launch on framework buffers (`vsa_core.launch.CUTE_STEPS`): dq_accum zeroed,
+    """The "sm90_bwd64" launch on framework buffers (`CUTE_STEPS`): dq_accum zeroed,
     the main kernel and the dQ postprocess (`prepare_backward64`) on torch views, on the caller's
     stream. Buffers: q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum;
     with pool_grads dq_pool, dk_pool, dv_pool, q_counts."""
@@ -236,3 +236,12 @@ def launch_backward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, 
         prepare_backward64(t["q"], t["k"], t["v"], t["dout"], b["lse"], b["delta"], t["dq"], t["dk"], t["dv"],
                            b["inv_idx"], b["inv_num"], b["kv_counts"], softmax_scale=softmax_scale,
                            dq_accum=b["dq_accum"], **pools, **config)()
+
+
+# The CuTe DSL launches of this backend (`launcher.cute(step, buffers, **statics)`; the eager
+# launcher finds them here through the registry, `vsa_core.backends.cute_step`): step -> the
+# function that runs it eagerly on framework buffers (torch tensors or DeviceBuffers). Each does
+# all the work of its launch (views, compilation on first use, the launch on the caller's
+# stream), so calling it again on other buffers of the same shapes is another correct launch:
+# a recorded plan keeps only the step, its buffers and its statics.
+CUTE_STEPS = {"sm90_fwd64": launch_forward64, "sm90_bwd64": launch_backward64}
