@@ -74,12 +74,12 @@ per forward; none of it is declared in the buffer tables, which stay backend-ind
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
 from ..stages import add_block_grad, mix_coarse, valid_rows_copy
+from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
 name = "cudnn"
@@ -93,15 +93,12 @@ ALIGN = 128                     # its sm_90 blk64 forward compiles q/k/v/out wit
 
 
 # ---- availability --------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@library_probe
 def _cudnn_import_error() -> Optional[str]:
     """None when cuDNN frontend's BSA interface imports, else the error (imported once, on demand)."""
-    try:
-        import cudnn
-        from cudnn.block_sparse_attention import _interface  # noqa: F401  (compiles nothing yet)
-        from cudnn.block_sparse_attention import api  # noqa: F401
-    except Exception as e:  # ImportError, or a cutlass-dsl / CUDA setup that fails at import
-        return f"{type(e).__name__}: {e}"
+    import cudnn
+    from cudnn.block_sparse_attention import _interface  # noqa: F401  (compiles nothing yet)
+    from cudnn.block_sparse_attention import api  # noqa: F401
     version = getattr(cudnn, "__version__", "?")
     if version != TESTED_VERSION:
         # we call its private forward (for out=): only the tested version is trusted
@@ -115,11 +112,10 @@ def library_error() -> Optional[str]:
 
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
-    if device.kind != "cuda":
-        return f"it runs on NVIDIA GPUs only, the tensors are on {device.kind}"
-    cap = device.capability or (0, 0)
-    if cap[0] != 9:
-        return (f"the cudnn backend runs cuDNN BSA's sm_90 kernels (H100/H200); this GPU is sm_{cap[0]}{cap[1]}")
+    reason = gpu_reason(device, lambda cap: cap[0] == 9,
+                        "the cudnn backend runs cuDNN BSA's sm_90 kernels (H100/H200)")
+    if reason is not None:
+        return reason
     if problem.block_elems not in BLOCK_ELEMS:
         return (f"{problem.block_elems}-token blocks: cuDNN BSA's sm_90 kernels take blocks of {BLOCK_ELEMS} tokens "
                 "(256-token blocks run on the cute or triton backend)")
@@ -127,10 +123,7 @@ def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
         return (f"cuDNN BSA's sm_90 backward needs {BACKWARD_DTYPE} and head dim {BACKWARD_HEAD_DIM} "
                 f"(got {problem.dtype}, head dim {problem.head_dim}) and this call may need a backward; "
                 "its forward runs in inference (torch.no_grad(), or no input requiring grad)")
-    err = _cudnn_import_error()
-    if err is not None:
-        return f"cuDNN frontend's block-sparse attention cannot be used ({err}); install it: {INSTALL_HINT}"
-    return None
+    return library_reason("cuDNN frontend's block-sparse attention", _cudnn_import_error(), INSTALL_HINT)
 
 
 def _cudnn():

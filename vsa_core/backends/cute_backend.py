@@ -66,7 +66,6 @@ torch's caching allocator inside the callback, not from XLA).
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Optional
 
@@ -76,6 +75,7 @@ from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
 from ..stages import add_block_grad, mix_coarse, valid_rows_copy
 from . import cute_kernels as K
+from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
 name = "cute"
@@ -98,17 +98,13 @@ _FA4_LOCK = threading.RLock()
 
 
 # ---- availability --------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@library_probe
 def _fa4_import_error() -> Optional[str]:
     """None when FA4's CuTe interface imports, else the error (imported once, on demand)."""
-    try:
-        import flash_attn.cute.interface  # noqa: F401
-        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: F401
+    import flash_attn.cute.interface  # noqa: F401
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: F401
 
-        from . import _cute_mask  # noqa: F401
-    except Exception as e:  # ImportError, or a cutlass-dsl / CUDA setup that fails at import
-        return f"{type(e).__name__}: {e}"
-    return None
+    from . import _cute_mask  # noqa: F401
 
 
 def library_error() -> Optional[str]:
@@ -117,25 +113,20 @@ def library_error() -> Optional[str]:
 
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
-    if device.kind != "cuda":
-        return f"it runs on NVIDIA GPUs only, the tensors are on {device.kind}"
-    cap = device.capability or (0, 0)
-    if cap[0] not in (9, 10):
-        return (f"FA4's block-sparse kernels run on sm_90 (H100/H200) or sm_100 (B200), "
-                f"this GPU is sm_{cap[0]}{cap[1]}")
+    reason = gpu_reason(device, lambda cap: cap[0] in (9, 10),
+                        "FA4's block-sparse kernels run on sm_90 (H100/H200) or sm_100 (B200)")
+    if reason is not None:
+        return reason
     if problem.block_elems not in BLOCK_ELEMS:
         return (f"{problem.block_elems}-token blocks stay on Triton (FA4's sparse KV tile is {KV_TILE} tokens; "
                 f"the cute backend takes blocks of {BLOCK_ELEMS} tokens)")
     if problem.head_dim not in HEAD_DIMS:
         return f"head dim {problem.head_dim} is not supported by the cute backend (only {HEAD_DIMS})"
-    if cap[0] == 10 and problem.block_elems == 128:
+    if device.capability[0] == 10 and problem.block_elems == 128:
         # sm_100 runs two 128-row query tiles per CTA (q_stage 2) once Sq > 128, and FA4 then
         # requires the sparse query block to be a multiple of 256.
         return "on sm_100 FA4 needs 256-token query blocks; 128-token blocks stay on Triton"
-    err = _fa4_import_error()
-    if err is not None:
-        return f"flash_attn.cute (FlashAttention-4) cannot be imported ({err}); install it: {INSTALL_HINT}"
-    return None
+    return library_reason("flash_attn.cute (FlashAttention-4)", _fa4_import_error(), INSTALL_HINT)
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -44,13 +44,13 @@ to run (the order of its fp32 reductions varies); out, lse, dk and dv are.
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Optional
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
 from ..stages import valid_rows_copy
+from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
 name = "sm90"
@@ -70,14 +70,10 @@ BACKWARD = dict(stages=2, dq_red=True, dk_overlap=True)
 _COMPILE_LOCK = threading.RLock()
 
 
-@functools.lru_cache(maxsize=None)
+@library_probe
 def _kernels_import_error() -> Optional[str]:
     """None when our CuTe DSL kernel modules import (nvidia-cutlass-dsl present), else the error."""
-    try:
-        from . import sm90_bwd64, sm90_fwd64  # noqa: F401
-    except Exception as e:  # ImportError, or a cutlass-dsl / CUDA setup that fails at import
-        return f"{type(e).__name__}: {e}"
-    return None
+    from . import sm90_bwd64, sm90_fwd64  # noqa: F401
 
 
 def library_error() -> Optional[str]:
@@ -86,21 +82,16 @@ def library_error() -> Optional[str]:
 
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
-    if device.kind != "cuda":
-        return f"it runs on NVIDIA GPUs only, the tensors are on {device.kind}"
-    cap = device.capability or (0, 0)
-    if tuple(cap) != (9, 0):
-        return f"its kernels are sm_90a code (H100/H200); this GPU is sm_{cap[0]}{cap[1]}"
+    reason = gpu_reason(device, lambda cap: cap == (9, 0), "its kernels are sm_90a code (H100/H200)")
+    if reason is not None:
+        return reason
     if problem.block_elems != BLOCK_ELEMS:
         return f"{problem.block_elems}-token blocks: its kernels take {BLOCK_ELEMS}-token blocks"
     if problem.head_dim not in HEAD_DIMS:
         return f"head dim {problem.head_dim}: its kernels take head dims {HEAD_DIMS}"
     if problem.dtype not in DTYPES:
         return f"{problem.dtype}: its kernels take {' or '.join(DTYPES)}"
-    err = _kernels_import_error()
-    if err is not None:
-        return f"its CuTe DSL kernels cannot be imported ({err}); install: {INSTALL_HINT}"
-    return None
+    return library_reason("its CuTe DSL kernels", _kernels_import_error(), INSTALL_HINT)
 
 
 def _bhsd(layout: str, x):
