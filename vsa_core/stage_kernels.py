@@ -645,6 +645,23 @@ def lists_to_mask_kernel(
 
 
 @triton.jit
+def _row_tile(H, stride_b, stride_h, stride_s, BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              ROWS: tl.constexpr):
+    """The ROWS token rows of this program (grid: row tiles of the sequence x B * H; ROWS
+    divides BLOCK_ELEMS, so a tile lies in one block): (b * H + h, the rows (int64), their
+    positions in their block, the block, the head-dim offsets, the [ROWS, HEAD_DIM] element
+    offsets of a buffer of these strides)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    block = (pid * ROWS) // BLOCK_ELEMS
+    ptr = (bh // H) * stride_b + (bh % H) * stride_h + rows[:, None] * stride_s + d[None, :]
+    return bh, rows, in_block, block, d, ptr
+
+
+@triton.jit
 def mix_coarse_kernel(
     OUT, LSE, GATE, OUT_C, OUT_FINE, Q_COUNTS,
     stride_b, stride_h, stride_s,
@@ -658,19 +675,11 @@ def mix_coarse_kernel(
     Padded query rows (past Q_COUNTS) as in sparse_attn_fwd_kernel: like any row, or with
     IGNORE_PADDING out 0, out_fine 0 and LSE +inf, so that the library's backward gives
     them probability 0 (no gradient from them to K and V, none to them)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    d = tl.arange(0, HEAD_DIM)
-    in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    q_block = (pid * ROWS) // BLOCK_ELEMS
+    bh, rows, in_block, q_block, d, ptr = _row_tile(H, stride_b, stride_h, stride_s, BLOCK_ELEMS, HEAD_DIM, ROWS)
     if IGNORE_PADDING:
         valid = in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
     else:  # every row of the block is computed
         valid = in_block < BLOCK_ELEMS
-    ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     fine = tl.where(valid[:, None], tl.load(OUT + ptr).to(tl.float32), 0.0)
     if STORE_FINE:
         tl.store(OUT_FINE + ptr, fine.to(OUT_FINE.dtype.element_ty))
@@ -696,19 +705,11 @@ def add_block_grad_kernel(
     summed them all), in place: the mean pooling's gradient. With IGNORE_PADDING the
     padded rows (past COUNTS) are written exactly 0 instead, whatever the library left
     there: they are inputs of nothing."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    d = tl.arange(0, HEAD_DIM)
-    in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    block = (pid * ROWS) // BLOCK_ELEMS
+    bh, _, in_block, block, d, ptr = _row_tile(H, stride_b, stride_h, stride_s, BLOCK_ELEMS, HEAD_DIM, ROWS)
     n_valid = _clamped_count(COUNTS, block, BLOCK_ELEMS)
     count = n_valid.to(tl.float32)
     g = tl.load(POOL + (bh * n_blocks + block) * HEAD_DIM + d)
     g = tl.where(count > 0, g / tl.maximum(count, 1.0), 0.0)
-    ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
     x = tl.load(X + ptr).to(tl.float32) + g[None, :]
     if IGNORE_PADDING:
         x = tl.where((in_block < n_valid)[:, None], x, 0.0)
@@ -725,15 +726,8 @@ def valid_rows_copy_kernel(
     """Y = X with the padded rows of each block (past COUNTS) written 0 (selected, so NaN
     and inf there do not pass): what a library kernel that multiplies padded rows by zero
     weights reads under padding="ignore"."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    d = tl.arange(0, HEAD_DIM)
-    in_block = (pid * ROWS) % BLOCK_ELEMS + tl.arange(0, ROWS)
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    ok = in_block < _clamped_count(COUNTS, (pid * ROWS) // BLOCK_ELEMS, BLOCK_ELEMS)
-    ptr = b * stride_b + h * stride_h + rows[:, None] * stride_s + d[None, :]
+    _, _, in_block, block, _, ptr = _row_tile(H, stride_b, stride_h, stride_s, BLOCK_ELEMS, HEAD_DIM, ROWS)
+    ok = in_block < _clamped_count(COUNTS, block, BLOCK_ELEMS)
     tl.store(Y + ptr, _rows_or_zero(tl.load(X + ptr), ok))
 
 
