@@ -110,7 +110,8 @@ def run_select(scores: np.ndarray, topk: int, P: int, mode: str):
 @pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
 def test_selection_kernel_matches_reference(mode, ties):
     rng = np.random.default_rng([len(mode), ties])
-    for n, P, topk in ((6, 0, 2), (6, 1, 2), (6, 4, 1), (6, 6, 3), (9, 3, 20), (7, 2, 4), (37, 4, 9)):
+    for n, P, topk in ((6, 0, 2), (6, 1, 2), (6, 4, 1), (6, 6, 3), (9, 3, 20), (7, 2, 4), (37, 4, 9),
+                          (100, 3, 9), (100, 70, 9)):  # 100: a main tile of 64 and a tail
         s = random_scores(rng, n, n, ties)
         want = R.prefix_topk_mask(s, min(topk, n), P, mode)
         idx, num, mask = run_select(s, topk, P, mode)

@@ -95,6 +95,24 @@ def test_topk_of_rounded_scores_skips_their_zero_bits(kind, dtype):
         check(rounded, topk, scores_rounded_to=dtype)
 
 
+@pytest.mark.parametrize("kind", ["random", "ties", "extreme"])
+@pytest.mark.parametrize("rounded_to", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [150, 624, 1030])
+def test_wide_rows_across_the_main_and_tail_tiles(n, rounded_to, kind):
+    """Rows read as a power-of-two main tile and a tail tile (624: 512 + 128 columns, the tail
+    part padding): picks on both sides of the seam, ties across it taken in index order."""
+    rng = np.random.default_rng([n, len(rounded_to), len(kind)])
+    s = _rows(rng, 3, n, kind)
+    if rounded_to == "bfloat16":
+        s = torch.from_numpy(s).to(torch.bfloat16).float().numpy()
+    if kind == "ties":  # a value tied on both sides of the seam, some of it taken, some not
+        s[0, :] = -1.0
+        s[0, [3, 200 % n, n - 1]] = 2.0
+        s[0, [5, (n // 2) | 1, n - 2]] = 0.5
+    for topk in (1, 5, 62):
+        check(s, topk, scores_rounded_to=rounded_to)
+
+
 def test_empty_blocks_are_never_taken_and_k_is_clamped():
     rng = np.random.default_rng(3)
     s = rng.standard_normal((5, 12)).astype(np.float32)

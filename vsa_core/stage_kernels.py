@@ -405,10 +405,85 @@ def coarse_attn_bwd_grads_kernel(
 # Selection metadata
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _order_keys(SCORES, cols, n_kv, KEY_SHIFT: tl.constexpr):
+    """(scores, keys) of the columns `cols` of one score row (-inf past n_kv): each score's
+    fp32 bit pattern mapped to an unsigned key with the order of the floats (negative
+    floats: all bits flipped; others: the sign bit set), -0.0 made +0.0 first (the two
+    compare equal), shifted right by KEY_SHIFT."""
+    scores = tl.load(SCORES + cols, mask=cols < n_kv, other=float("-inf"))
+    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.uint32, bitcast=True)
+    negative = (bits >> 31) != 0
+    # the flip is an xor with a typed all-ones: `~bits` makes Triton's interpreter (3.6 - 3.8)
+    # fill a uint32 with the Python int -1, which numpy 2 refuses
+    return scores, tl.where(negative, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | 0x80000000) >> KEY_SHIFT
+
+
+@triton.jit
+def _ranked_keys(scores, key, cols, k0, n_prefix, prefix_row, PREFIX_MODE: tl.constexpr):
+    """(the keys the threshold ranks, 0 for the others; the columns forced in; how many are
+    ranked). Without a prefix every finite score is ranked and none is forced."""
+    finite = scores > float("-inf")
+    if PREFIX_MODE == 0:
+        forced = finite & (cols < 0)
+        ranked = finite
+    else:
+        forced = finite & prefix_row  # a prefix row: dense
+        if PREFIX_MODE == 1:
+            local = cols - k0
+            forced = forced | (finite & (local >= 0) & (local < n_prefix))
+        ranked = finite & (forced == 0)  # not ~forced: the interpreter's all-ones, as above
+        key = tl.where(ranked, key, 0)
+    return key, forced, tl.sum(ranked.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _count_at_least(key, candidate):
+    return tl.sum((key >= candidate).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _low_keys(key, high):
+    """The low 15 bits of the keys whose bits above them equal `high`; 0x7FFF for the keys
+    above those, 0 for the keys below."""
+    above = key >> 15
+    low = tl.where(above == high, key & 0x7FFF, 0)
+    return tl.where(above > high, 0x7FFF, low).to(tl.uint32)
+
+
+@triton.jit
+def _packed_count_at_least(words, candidate):
+    """How many of the 15-bit keys packed two to a word (each under a set guard bit) are >=
+    candidate (1 <= candidate <= 0x7FFF): the guard bit of (key | 0x8000) - candidate stays set
+    exactly when key >= candidate, and no lane borrows from the other. The low half of the
+    sum counts the low lanes, the high half the high lanes (below 2^16 words, each fits)."""
+    s = tl.sum(((words - (candidate | (candidate << 16))) >> 15) & 0x10001, axis=0)
+    return ((s & 0xFFFF) + (s >> 16)).to(tl.int32)
+
+
+@triton.jit
+def _take(key, threshold, need, ties_before):
+    """(the columns of this tile taken: keys above the threshold and, in index order, the ties
+    while fewer than `need` ties are taken before them; the ties counted so far)."""
+    ties = (key == threshold).to(tl.int32)
+    order = tl.cumsum(ties, axis=0) + ties_before
+    return (key > threshold) | ((ties > 0) & (order <= need)), ties_before + tl.sum(ties, axis=0)
+
+
+@triton.jit
+def _emit(SEL_IDX, SEL_MASK, n_kv, cols, chosen, taken_before):
+    """Writes this tile's part of the row's index list and mask; returns the entries so far."""
+    chosen = chosen.to(tl.int32)
+    slot = tl.cumsum(chosen, axis=0) - 1 + taken_before
+    tl.store(SEL_IDX + slot, cols, mask=chosen > 0)
+    tl.store(SEL_MASK + cols, chosen.to(tl.int8), mask=cols < n_kv)
+    return taken_before + tl.sum(chosen, axis=0)
+
+
+@triton.jit
 def topk_select_kernel(
     SCORES, SEL_IDX, SEL_NUM, SEL_MASK, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX,
     n_q, n_kv, topk, idx_capacity, n_prefix, n_seqs,
-    N_PAD: tl.constexpr, PREFIX_MODE: tl.constexpr = 0, VARLEN: tl.constexpr = False,
+    HALF: tl.constexpr, TAIL_HALF: tl.constexpr, PREFIX_MODE: tl.constexpr = 0, VARLEN: tl.constexpr = False,
     PER_SEQ_PREFIX: tl.constexpr = False, BLOCK_ELEMS: tl.constexpr = 64, KEY_SHIFT: tl.constexpr = 0,
 ):
     """Per score row: the `topk` highest finite scores (ties to the lower index).
@@ -416,19 +491,23 @@ def topk_select_kernel(
     Writes the ascending index list, its length and the row of the 0/1 block mask.
     Empty KV blocks carry a -inf score and are never taken; k = min(topk, finite scores).
 
-    One threshold pass instead of k rounds of max + argmin: each score's fp32 bit
-    pattern, read as a uint32, is mapped to a key with the same order as the floats
-    (negative floats: all bits flipped; others: the sign bit set), the k-th largest key T
-    is found bit by bit from the top (32 counting passes: keep a bit if at least k keys
+    One threshold pass instead of k rounds of max + argmin: each score is mapped to an
+    unsigned key with the order of the floats (`_order_keys`), the k-th largest key T is
+    found bit by bit from the top (one counting pass per bit: keep a bit if at least k keys
     are >= the threshold with it set), and the row takes every key > T plus the
     lowest-index keys == T until it has k: the same set as k rounds of "largest score,
-    lowest index first". -0.0 is made +0.0 first, as the two compare equal. Scores
-    rounded to a narrower dtype (the coarse forward ranks bf16- or fp16-rounded values)
-    have their low KEY_SHIFT fp32 bits zero, so their keys differ in the high bits only:
-    the keys are shifted right by KEY_SHIFT (an order-preserving, one-to-one map on such
-    values) and only 32 - KEY_SHIFT passes run. The keys are
-    32-bit (64-bit integer compares and adds take two instructions each on a GPU), and a
-    row is best reduced by few warps: each counting pass is a reduction over the row.
+    lowest index first". Scores rounded to a narrower dtype (the coarse forward ranks bf16-
+    or fp16-rounded values) have their low KEY_SHIFT fp32 bits zero, so their keys differ in
+    the high bits only: the keys are shifted right by KEY_SHIFT (an order-preserving,
+    one-to-one map on such values) and only 32 - KEY_SHIFT passes run.
+
+    The passes are reductions over the row, so their cost is the row's width: the row is
+    read as a power-of-two main tile (columns [0, 2 HALF)) and a tail tile (the next
+    2 TAIL_HALF columns), not padded to one power of two (624 KV blocks: 512 + 128 columns,
+    not 1024). Once the bits above the low 15 are settled, the last 15 passes count 15-bit
+    keys packed two to a 32-bit word (`_packed_count_at_least`): half the work per pass.
+    The keys are 32-bit (64-bit integer compares and adds take two instructions each on a
+    GPU), and a row is best reduced by few warps: each counting pass is a reduction.
 
     Prefix blocks (PREFIX_MODE 1 "exempt", 2 "compete"; `vsa_core.reference.prefix_topk_mask`):
     the first P blocks of the sequence (n_prefix; packed sequences: of each query's own
@@ -439,58 +518,73 @@ def topk_select_kernel(
     P is clamped to [0, max(nQ, nKV)] (no overflow; a larger P selects the same).
     """
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, N_PAD)
-    in_range = cols < n_kv
-    scores = tl.load(SCORES + row * n_kv + cols, mask=in_range, other=float("-inf"))
-    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.uint32, bitcast=True)
-    negative = (bits >> 31) != 0
-    # unsigned, ordered like the floats. The flip is an xor with a typed all-ones: `~bits` makes
-    # Triton's interpreter (3.6 - 3.8) fill a uint32 with the Python int -1, which numpy 2 refuses
-    key = tl.where(negative, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | 0x80000000) >> KEY_SHIFT
-    if PREFIX_MODE == 0:
-        n_finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
-        k_eff = tl.minimum(topk, n_finite)
-    else:
+    SCORES += row * n_kv
+    # the row's columns in four tiles, in index order: the main tile's halves, the tail's halves
+    c0 = tl.arange(0, HALF)
+    c1 = c0 + HALF
+    c2 = tl.arange(0, TAIL_HALF) + 2 * HALF
+    c3 = c2 + TAIL_HALF
+    s0, key0 = _order_keys(SCORES, c0, n_kv, KEY_SHIFT)
+    s1, key1 = _order_keys(SCORES, c1, n_kv, KEY_SHIFT)
+    s2, key2 = _order_keys(SCORES, c2, n_kv, KEY_SHIFT)
+    s3, key3 = _order_keys(SCORES, c3, n_kv, KEY_SHIFT)
+    k0 = 0
+    prefix_row = False
+    if PREFIX_MODE != 0:
         q_block = (row % n_q).to(tl.int32)
+        q0 = 0
         if VARLEN:
             seq = tl.minimum(tl.maximum(tl.load(Q_SEQ + q_block), 0), n_seqs - 1)
             q0 = tl.load(CU_Q + seq) // BLOCK_ELEMS
             k0 = tl.load(CU_K + seq) // BLOCK_ELEMS
             if PER_SEQ_PREFIX:
                 n_prefix = tl.load(SEQ_PREFIX + seq)
-        else:
-            q0 = 0
-            k0 = 0
         n_prefix = tl.minimum(tl.maximum(n_prefix, 0), tl.maximum(n_q, n_kv))
-        finite = scores > float("-inf")
-        local = cols - k0
-        forced = finite & (q_block - q0 < n_prefix)  # a prefix row: dense
-        if PREFIX_MODE == 1:
-            forced = forced | (finite & (local >= 0) & (local < n_prefix))
-        else:
+        prefix_row = q_block - q0 < n_prefix
+        if PREFIX_MODE == 2:
             topk = topk + n_prefix
-        ranked = finite & (forced == 0)  # not ~forced: the interpreter's all-ones, as above
-        key = tl.where(ranked, key, 0)
-        k_eff = tl.minimum(topk, tl.sum(ranked.to(tl.int32), axis=0))
+    key0, forced0, n0 = _ranked_keys(s0, key0, c0, k0, n_prefix, prefix_row, PREFIX_MODE)
+    key1, forced1, n1 = _ranked_keys(s1, key1, c1, k0, n_prefix, prefix_row, PREFIX_MODE)
+    key2, forced2, n2 = _ranked_keys(s2, key2, c2, k0, n_prefix, prefix_row, PREFIX_MODE)
+    key3, forced3, n3 = _ranked_keys(s3, key3, c3, k0, n_prefix, prefix_row, PREFIX_MODE)
+    k_eff = tl.minimum(topk, n0 + n1 + n2 + n3)
+
+    # the bits above the low 15, one pass each over the keys as they are
     threshold = tl.full([], 0, tl.uint32)  # the smallest key; raised one bit at a time
     step = tl.full([], 0x80000000 >> KEY_SHIFT, tl.uint32)
-    for _ in range(0, 32 - KEY_SHIFT):
+    for _ in range(0, 32 - KEY_SHIFT - 15):
         candidate = threshold | step
-        threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= k_eff, candidate, threshold)
+        at_least = (_count_at_least(key0, candidate) + _count_at_least(key1, candidate)
+                    + _count_at_least(key2, candidate) + _count_at_least(key3, candidate))
+        threshold = tl.where(at_least >= k_eff, candidate, threshold)
         step = step >> 1
-    above = key > threshold  # fewer than k_eff of them
-    ties = (key == threshold).to(tl.int32)
-    need = k_eff - tl.sum(above.to(tl.int32), axis=0)
-    chosen = above | ((ties > 0) & (tl.cumsum(ties, axis=0) <= need))
-    count = k_eff
-    if PREFIX_MODE != 0:
-        chosen = chosen | forced
-        count = k_eff + tl.sum(forced.to(tl.int32), axis=0)
-    chosen = chosen.to(tl.int32)
-    slot = tl.cumsum(chosen, axis=0) - 1
-    tl.store(SEL_IDX + row * idx_capacity + slot, cols, mask=chosen > 0)
+    # the low 15 bits over packed keys: above the settled high bits counts as 0x7FFF, below as 0
+    high = threshold >> 15
+    guards = tl.full([], 0x80008000, tl.uint32)
+    main = (_low_keys(key1, high) << 16) | _low_keys(key0, high) | guards
+    tail = (_low_keys(key3, high) << 16) | _low_keys(key2, high) | guards
+    low = tl.full([], 0, tl.uint32)
+    step = tl.full([], 0x4000, tl.uint32)
+    for _ in range(0, 15):
+        candidate = low | step
+        at_least = _packed_count_at_least(main, candidate) + _packed_count_at_least(tail, candidate)
+        low = tl.where(at_least >= k_eff, candidate, low)
+        step = step >> 1
+    threshold = (high << 15) | low
+
+    need = k_eff - tl.sum((key0 > threshold).to(tl.int32), axis=0) - tl.sum((key1 > threshold).to(tl.int32), axis=0) \
+        - tl.sum((key2 > threshold).to(tl.int32), axis=0) - tl.sum((key3 > threshold).to(tl.int32), axis=0)
+    chosen0, ties = _take(key0, threshold, need, 0)
+    chosen1, ties = _take(key1, threshold, need, ties)
+    chosen2, ties = _take(key2, threshold, need, ties)
+    chosen3, ties = _take(key3, threshold, need, ties)
+    SEL_IDX += row * idx_capacity
+    SEL_MASK += row * n_kv
+    count = _emit(SEL_IDX, SEL_MASK, n_kv, c0, chosen0 | forced0, 0)
+    count = _emit(SEL_IDX, SEL_MASK, n_kv, c1, chosen1 | forced1, count)
+    count = _emit(SEL_IDX, SEL_MASK, n_kv, c2, chosen2 | forced2, count)
+    count = _emit(SEL_IDX, SEL_MASK, n_kv, c3, chosen3 | forced3, count)
     tl.store(SEL_NUM + row, count)
-    tl.store(SEL_MASK + row * n_kv + cols, chosen.to(tl.int8), mask=in_range)
 
 
 @triton.jit

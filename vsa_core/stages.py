@@ -144,6 +144,17 @@ def select_warps(n_pad: int) -> int:
     return min(8, max(1, n_pad // 1024))
 
 
+def topk_tiles(n_kv: int) -> tuple[int, int]:
+    """(HALF, TAIL_HALF) of `topk_select_kernel`: a row of n_kv scores read as a main tile of
+    2 HALF columns, the largest power of two <= n_kv, and a tail tile of 2 TAIL_HALF, the
+    smallest power of two >= the rest (16 columns at least each; tile widths are powers of
+    two in Triton). The packed counting passes need fewer than 2^16 words per row."""
+    if n_kv >= 1 << 17:
+        raise ValueError(f"the top-k selection takes fewer than 131072 KV blocks per row, got {n_kv}")
+    main = max(16, 1 << (max(n_kv, 1).bit_length() - 1))
+    return main // 2, _pow2(n_kv - main) // 2
+
+
 _PREFIX_MODES = {"exempt": 1, "compete": 2}
 
 
@@ -159,7 +170,7 @@ def topk_select(launcher, p: AttnProblem, scores, sel_idx, sel_num, sel_mask, nu
     p.seq_prefix the per-sequence counts. `scores_rounded_to`: the dtype every score is a
     value of (`coarse_forward` writes them rounded to p.dtype): the ranking then skips the
     bits such values leave zero; "float32" ranks any fp32 scores."""
-    n_pad = _pow2(p.n_kv_blocks)
+    half, tail_half = topk_tiles(p.n_kv_blocks)
     varlen = p.has_prefix and p.varlen
     if varlen and (q_seq is None or cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("a packed prefix selection needs q_seq, cu_seqlens_q and cu_seqlens_k")
@@ -169,9 +180,9 @@ def topk_select(launcher, p: AttnProblem, scores, sel_idx, sel_num, sel_mask, nu
         scores, sel_idx, sel_num, sel_mask, q_seq if varlen else None, cu_seqlens_q if varlen else None,
         cu_seqlens_k if varlen else None, seq_prefix if p.seq_prefix else None,
         p.n_q_blocks, p.n_kv_blocks, p.topk, p.select_capacity, p.prefix_blocks, max(p.n_seqs, 1),
-        N_PAD=n_pad, PREFIX_MODE=_PREFIX_MODES[p.prefix_mode] if p.has_prefix else 0, VARLEN=varlen,
+        HALF=half, TAIL_HALF=tail_half, PREFIX_MODE=_PREFIX_MODES[p.prefix_mode] if p.has_prefix else 0, VARLEN=varlen,
         PER_SEQ_PREFIX=p.seq_prefix, BLOCK_ELEMS=p.block_elems, KEY_SHIFT=_ROUNDED_ZERO_BITS[scores_rounded_to],
-        num_warps=num_warps or select_warps(n_pad))
+        num_warps=num_warps or select_warps(2 * (half + tail_half)))
 
 
 def rows_to_lists(launcher, p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=None, kv_seq=None):
