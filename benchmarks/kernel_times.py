@@ -4,7 +4,7 @@ Unlike benchmarks/stage_breakdown.py, whose CUDA events around each launch funct
 the GPU waiting for the host between two launches (small stages issued one after another read
 their host time), these are the kernels' own times.
 
-    PYTHONPATH=. python3 benchmarks/kernel_times.py [--backend cudnn] [--shape 480p-64] [--calls 5] [--backward]
+    PYTHONPATH=. python3 benchmarks/kernel_times.py [--backend cudnn] [--shape 480p-64] [--calls 5] [--backward] [--ops]
 
 --backward times forward + backward calls (a random dout), so the backward's kernels show too.
 """
@@ -30,6 +30,8 @@ def main():
     ap.add_argument("--shape", default="480p-64", choices=tuple(SHAPES))
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--backward", action="store_true", help="forward + backward calls")
+    ap.add_argument("--ops", action="store_true",
+                    help="also list the host-side torch ops that launched work (fills, copies) with their shapes")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     _, _, _, _, tile, topk = shape
@@ -49,13 +51,17 @@ def main():
     for _ in range(3):
         call()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.ops
+    with torch.profiler.profile(activities=activities, record_shapes=args.ops) as prof:
         for _ in range(args.calls):
             call()
         torch.cuda.synchronize()
     what = "forward + backward" if args.backward else "forward"
     print(f"{args.shape} backend={args.backend}: {args.calls} {what} calls (divide the totals by {args.calls})")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=70))
+    if args.ops:  # which torch calls the fills and copies come from: their input shapes
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=80))
 
 
 if __name__ == "__main__":

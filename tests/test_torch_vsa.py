@@ -39,3 +39,23 @@ def test_inference_output_equals_training_forward():
     grads = [a.clone().requires_grad_() for a in args]
     out_training = vsa_torch.video_sparse_attn(*grads, *counts, case.topk, case.block, gate)
     assert torch.equal(out_inference, out_training.detach())
+
+
+def test_backward_fills_no_gradients_of_the_other_results():
+    """The forward's results besides out (lse, out_fine, the lists...) are not differentiable:
+    autograd must not fill a zero gradient for each of them on every backward (one of them is
+    as large as out). Counted as the zero-filling torch ops a backward runs; the gradients are
+    still those of the float64 reference (test_reference_matrix.py)."""
+    case = Case()
+    inputs = make_inputs(case, seed=5)
+    dtype = getattr(torch, case.dtype)
+    q, k, v, gate = (torch.from_numpy(inputs[n]).to(DEVICE, dtype).requires_grad_() for n in ("q", "k", "v", "gate"))
+    counts = (torch.from_numpy(inputs["kv_counts"]).to(DEVICE), torch.from_numpy(inputs["q_counts"]).to(DEVICE))
+    # triton: a backend that zeroes no buffer of its own (sm90 zeroes its dQ accumulator)
+    out = vsa_torch.video_sparse_attn(q, k, v, *counts, case.topk, case.block, gate, backend="triton")
+    dout = torch.randn_like(out)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(dout)
+    fills = [e.key for e in prof.key_averages() if e.key in ("aten::zeros", "aten::zero_", "aten::zeros_like")]
+    assert not fills, f"the backward filled zero tensors: {fills}"
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v, gate))

@@ -192,18 +192,24 @@ def _names(statics: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, .
 
 def _keep_for_backward(ctx, tensors, statics: str, softmax_scale: float, output) -> None:
     """Saves the inputs the backward reads and the forward's results (of which only out is
-    differentiable)."""
+    differentiable). The other results get no gradient: without set_materialize_grads(False)
+    autograd would fill a zero tensor for each of them (out_fine is as large as out) on every
+    backward, for the backward to ignore."""
     inputs, kept, _ = _names(statics)
     named = dict(zip(inputs, tensors))
     ctx.save_for_backward(*(named[n] for n in kept), *output)
     ctx.call, ctx.n_kept = (statics, softmax_scale), len(kept)
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
-def _input_gradients(ctx, dout: Tensor, backward) -> list:
+def _input_gradients(ctx, dout: Optional[Tensor], backward) -> list:
     """Each forward input's gradient (None for the integer arrays), computed by `backward`:
-    the custom op, or outside torch.compile its implementation."""
+    the custom op, or outside torch.compile its implementation. No gradient of out (None:
+    out did not reach the loss) gives none for the inputs."""
     inputs, _, grad_names = _names(ctx.call[0])
+    if dout is None:
+        return [None] * len(inputs)
     saved = ctx.saved_tensors
     computed = dict(zip(grad_names, backward(dout, list(saved[:ctx.n_kept]), list(saved[ctx.n_kept:]), *ctx.call)))
     return [computed.get(n) for n in inputs]
