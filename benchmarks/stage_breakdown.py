@@ -98,23 +98,24 @@ def self_times(recs, out):
         self_times(children, out)
 
 
-def inputs(shape, smooth: bool, seed=0):
+def inputs(shape, smooth: bool, seed=0, device="cuda", noise=0.3, fields=4):
+    """meta and `fields` tiled bf16 BHSD tensors (q, k, v, gate; drawn in that order, so fewer
+    fields are the same q, k). smooth: `noise` * randn + 3.0 * a low-frequency field."""
     B, H, video, D, tile, topk = shape
     meta = vsa_torch.build_vsa_metadata(video_shape=video, tile_size=tile)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     S = int(np.prod(video))
 
     def field():
-        x = torch.randn(B, H, S, D, device="cuda", generator=g)
+        x = torch.randn(B, H, S, D, device=device, generator=g)
         if smooth:  # a low-frequency field over (t, h, w) plus noise: neighbouring tokens correlate
             t, h, w = video
-            low = torch.randn(B * H, D, max(1, t // 4), max(1, h // 8), max(1, w // 8), device="cuda", generator=g)
+            low = torch.randn(B * H, D, max(1, t // 4), max(1, h // 8), max(1, w // 8), device=device, generator=g)
             low = torch.nn.functional.interpolate(low, size=(t, h, w), mode="trilinear", align_corners=False)
-            x = 0.3 * x + 3.0 * low.reshape(B, H, D, S).transpose(-1, -2)
+            x = noise * x + 3.0 * low.reshape(B, H, D, S).transpose(-1, -2)
         return vsa_torch.to_tiled(x.to(torch.bfloat16), meta)
 
-    q, k, v, gate = field(), field(), field(), field()
-    return meta, q, k, v, gate
+    return (meta, *(field() for _ in range(fields)))
 
 
 def breakdown(shape, backend, iters):
