@@ -33,6 +33,33 @@ def _long_tiles_first(first_blocks, TILES_PER_BLOCK: tl.constexpr):
     return tile, bh.to(tl.int64)
 
 
+@triton.jit
+def _query_list(SEL_IDX, SEL_NUM, list_row, idx_capacity, TILES_PER_BLOCK: tl.constexpr):
+    """(the query block's KV list, its length in BLOCK_N tiles, the `last` entry before any)."""
+    n_tiles = _list_length(SEL_NUM, list_row, idx_capacity) * TILES_PER_BLOCK
+    return SEL_IDX + list_row * idx_capacity, n_tiles, tl.full([], -1, tl.int32)
+
+
+@triton.jit
+def _kv_tile(K, V, KV_COUNTS, sel, t, last, b, h, n_kv_blocks, stride_kb, stride_kh, stride_ks,
+             BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """The t-th BLOCK_N-row tile of a query block's KV list: (its K rows, its V rows, which of
+    its keys are valid tokens, the last entry taken). A skipped entry still loads a tile (in
+    bounds) and masks all of it: no branch."""
+    keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
+    sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
+    n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
+    key_ok = sub + tl.arange(0, BLOCK_N) < n_valid
+    row0 = kv_block * BLOCK_ELEMS + sub
+    if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
+        k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+    else:
+        k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+        v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+    return k, v, key_ok, last
+
+
 @triton.jit(do_not_specialize=["store_fine"])  # one binary for store_fine 0 and 1
 def sparse_attn_fwd_kernel(
     Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, Q_COUNTS, GATE, OUT_C, OUT_FINE,
@@ -70,25 +97,14 @@ def sparse_attn_fwd_kernel(
     if HAS_COARSE:  # VSA: the query block's padded rows (past its count) are outputs of nothing
         q_in_block = (pid_m % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_valid = q_in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
-    sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
-    n_tiles = _list_length(SEL_NUM, bh * n_q_blocks + q_block, idx_capacity) * (BLOCK_ELEMS // BLOCK_N)
-    last = tl.full([], -1, tl.int32)
+    sel, n_tiles, last = _query_list(SEL_IDX, SEL_NUM, bh * n_q_blocks + q_block, idx_capacity,
+                                     BLOCK_ELEMS // BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
-        # a skipped entry still loads a tile (in bounds) and masks all of it: no branch
-        keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
-        sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
-        n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
-        key_ok = sub + tl.arange(0, BLOCK_N) < n_valid
-        row0 = kv_block * BLOCK_ELEMS + sub
-        if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
-            k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-            v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-            v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+        k, v, key_ok, last = _kv_tile(K, V, KV_COUNTS, sel, t, last, b, h, n_kv_blocks, stride_kb, stride_kh,
+                                      stride_ks, BLOCK_ELEMS, HEAD_DIM, BLOCK_N, USE_TMA)
         if IGNORE_PADDING:  # P is 0 on the padded keys, but 0 * inf is NaN: V is read as 0 there
             v = _rows_or_zero(v, key_ok)
         s = tl.where(key_ok[None, :], _dot(q, tl.trans(k), UPCAST) * qk_scale_log2, float("-inf"))
@@ -151,23 +167,12 @@ def sparse_attn_bwd_dq_kernel(
     lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + bh * q_len + rows)
-    sel = SEL_IDX + (bh * n_q_blocks + q_block) * idx_capacity
-    n_tiles = _list_length(SEL_NUM, bh * n_q_blocks + q_block, idx_capacity) * (BLOCK_ELEMS // BLOCK_N)
-    last = tl.full([], -1, tl.int32)
+    sel, n_tiles, last = _query_list(SEL_IDX, SEL_NUM, bh * n_q_blocks + q_block, idx_capacity,
+                                     BLOCK_ELEMS // BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, n_tiles):
-        # a skipped entry still loads a tile (in bounds) and masks all of it: no branch
-        keep, kv_block, last = _list_entry(sel, t, last, n_kv_blocks, BLOCK_ELEMS // BLOCK_N)
-        sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
-        n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
-        key_ok = sub + tl.arange(0, BLOCK_N) < n_valid
-        row0 = kv_block * BLOCK_ELEMS + sub
-        if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
-            k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-            v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-            v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+        k, v, key_ok, last = _kv_tile(K, V, KV_COUNTS, sel, t, last, b, h, n_kv_blocks, stride_kb, stride_kh,
+                                      stride_ks, BLOCK_ELEMS, HEAD_DIM, BLOCK_N, USE_TMA)
         if IGNORE_PADDING:  # dS is 0 on the padded keys, but dS @ K would multiply inf there
             k = _rows_or_zero(k, key_ok)
         s = tl.where(key_ok[None, :], _dot(q, tl.trans(k), UPCAST) * qk_scale_log2, float("-inf"))
