@@ -34,7 +34,7 @@ TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 POOL, COARSE_FWD, TOPK, SPARSE_FWD = ("block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", "topk_select_kernel",
                                       "sparse_attn_fwd_kernel")
-BACKWARD_KERNELS = ["compact_mask_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
+BACKWARD_KERNELS = ["columns_to_lists_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
                     "coarse_attn_bwd_grads_kernel", "sparse_attn_bwd_dq_kernel", "sparse_attn_bwd_dkdv_kernel"]
 
 PROBLEMS = [
@@ -86,7 +86,9 @@ def test_backward_plan_contents(p):
     assert coarse_ds.buffers[-2:] == ("p_coarse", "ds_coarse")
     assert coarse_grads.buffers == ("q_pool", "k_pool", "dout_coarse", "p_coarse", "ds_coarse", "dq_pool", "dk_pool",
                                     "dv_pool")
-    assert lists.buffers == ("sel_mask", "inv_idx", "inv_num") and lists.grid == (p.n_kv_blocks, p.batch * p.heads, 1)
+    cols = lists.arg("COLS").value
+    assert lists.buffers == ("sel_mask", "inv_idx", "inv_num") and lists.grid == (-(-p.n_kv_blocks // cols),
+                                                                                  p.batch * p.heads, 1)
     assert dq.buffers[:7] == ("q", "k", "v", "dout", "lse", "delta", "dq")
     assert dkdv.buffers[6:8] == ("dk", "dv")
     assert dkdv.grid == (p.kv_len // dkdv.arg("BLOCK_N").value, p.batch * p.heads, 1)

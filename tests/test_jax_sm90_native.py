@@ -40,7 +40,7 @@ HAS_CUTE_JAX = all(importlib.util.find_spec(m) is not None for m in ("jax", "cut
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 FORWARD_TRITON = ["block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", "topk_select_kernel"]
-BACKWARD_TRITON = ["compact_mask_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
+BACKWARD_TRITON = ["columns_to_lists_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
                    "coarse_attn_bwd_grads_kernel"]
 
 

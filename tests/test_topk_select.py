@@ -174,3 +174,90 @@ def _ulps_up(base: np.ndarray, j: int, dtype: str) -> np.ndarray:
     bits = base.astype(np.float32).view(np.uint32).copy()
     bits[..., :j] += np.uint32(1 << 16)  # the next bf16 magnitude (sign bit untouched)
     return bits.view(np.float32).astype(np.float64)
+
+
+# ---- the backward's KV-owned lists from the selection mask (columns_to_lists) ------------------
+def _columns_mask(rng, B, H, nq, nk, density):
+    mask = (rng.random((B, H, nq, nk)) < density).astype(np.int8)
+    mask[0, 0, :, 0] = 0  # a column no query block takes
+    mask[0, 0, :, nk - 1] = 1  # a column every query block takes
+    mask[-1, -1, :, nk // 2] = 0
+    mask[-1, -1, :, 1] = 1
+    return mask
+
+
+def _column_lists(mask, kernel):
+    """(IDX, NUM) the backward's list stage writes for the mask, by `kernel` ("tiles": the
+    stage's columns_to_lists; "lines": compact_mask_kernel a column at a time, as before),
+    on buffers filled with -7 so that whatever a kernel leaves unwritten shows."""
+    B, H, nq, nk = mask.shape
+    p = AttnProblem(batch=B, heads=H, q_len=64 * nq, kv_len=64 * nk, head_dim=64, block_elems=64,
+                    dtype="bfloat16", topk=1)
+    m = torch.from_numpy(mask).to(DEV)
+    idx = torch.full((B, H, nk, nq), -7, dtype=torch.int32, device=DEV)
+    num = torch.full((B, H, nk), -7, dtype=torch.int32, device=DEV)
+    if kernel == "tiles":
+        stages.columns_to_lists(eager_launcher, p, m, idx, num)
+    else:
+        eager_launcher.triton(stages.kernels_for(m).compact_mask_kernel, (nk, B * H), m, idx, num, None, None, nk,
+                              nq, nq * nk, 1, nk, nq, N_PAD=stages._pow2(nq), num_warps=4)
+    return idx.cpu().numpy(), num.cpu().numpy()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool"])  # the selection mask; a caller's block map
+@pytest.mark.parametrize("density", [0.1, 0.9])
+@pytest.mark.parametrize("B, H, nq, nk", [(1, 2, 37, 45), (2, 1, 130, 19), (1, 2, 5, 70)],
+                         ids=["37x45", "130x19", "5x70"])
+def test_columns_to_lists_match_flatnonzero(B, H, nq, nk, density, dtype):
+    """Each KV block's list is the ascending query blocks of its mask column, its count their
+    number, slots past the count unwritten: across column tiles (nKV not a multiple of the
+    tile, a last partial tile), across row chunks (nQ 130 > 128) and with columns no or every
+    query block takes; bit for bit what compact_mask_kernel wrote a column at a time."""
+    mask = _columns_mask(np.random.default_rng([nq, nk, int(10 * density)]), B, H, nq, nk, density)
+    mask = mask.astype(dtype)
+    idx, num = _column_lists(mask, "tiles")
+    for b, h, j in np.ndindex(B, H, nk):
+        want = np.flatnonzero(mask[b, h, :, j])
+        assert num[b, h, j] == len(want), (b, h, j)
+        np.testing.assert_array_equal(idx[b, h, j, :len(want)], want, err_msg=f"column {(b, h, j)}")
+        assert (idx[b, h, j, len(want):] == -7).all(), f"column {(b, h, j)}: slots past the count written"
+    assert num[0, 0, 0] == 0 and num[0, 0, nk - 1] == nq
+    old_idx, old_num = _column_lists(mask, "lines")
+    np.testing.assert_array_equal(num, old_num)
+    np.testing.assert_array_equal(idx, old_idx)
+
+
+_COLUMNS_COMPILE_SCRIPT = """
+import os, sys
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from coarse_smem import ptxas_usage
+from vsa_core import plan as P
+from vsa_core.problem import AttnProblem
+for nq, nk in ((4, 5), (624, 624), (4000, 700)):
+    p = AttnProblem(batch=1, heads=12, q_len=64 * nq, kv_len=64 * nk, head_dim=64, block_elems=64, dtype="bfloat16",
+                    topk=min(32, nk))
+    plan = P.record_plan("backward", p, P.backward_inputs(p))
+    launch = next(l for l in plan.launches if l.kernel_name == "columns_to_lists_kernel")
+    c = P.compile_launch(launch, plan, 90)
+    assert c.cubin[:4] == b"\\x7fELF"
+    regs, spills = ptxas_usage(c.ptx, 90)
+    assert spills == 0, (nq, nk, regs, spills)
+    print(nq, nk, launch.grid, "registers", regs, "spilled", spills)
+print("OK")
+"""
+
+
+def test_columns_to_lists_kernel_compiles_for_sm90():
+    """The tile kernel compiles to an sm_90 cubin without spills for a few blocks, nKV a
+    multiple of 16 (16-byte row loads) and nQ in the thousands (many row steps). CPU, in a
+    subprocess without the interpreter."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", f"REPO = {repo!r}\n" + _COLUMNS_COMPILE_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]

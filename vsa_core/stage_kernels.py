@@ -595,9 +595,10 @@ def compact_mask_kernel(
 ):
     """Turns each line of a 0/1 mask into an ascending index list and its length.
 
-    Lines are rows (block map -> query-owned lists) or columns (-> KV-owned lists),
-    chosen by the strides. SAME_SEQ (packed sequences) drops the elements whose
-    sequence id (ELEM_SEQ) differs from the line's (LINE_SEQ).
+    Lines are chosen by the strides; `rows_to_lists` runs it on rows (block map ->
+    query-owned lists), contiguous in memory. Columns (-> KV-owned lists) have their own
+    kernel, `columns_to_lists_kernel`. SAME_SEQ (packed sequences) drops the elements
+    whose sequence id (ELEM_SEQ) differs from the line's (LINE_SEQ).
     """
     line = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -613,6 +614,37 @@ def compact_mask_kernel(
     out_row = bh * n_lines + line
     tl.store(IDX + out_row * idx_capacity + slot, pos, mask=taken > 0)
     tl.store(NUM + out_row, tl.sum(taken, axis=0))
+
+
+@triton.jit
+def columns_to_lists_kernel(
+    MASK, IDX, NUM, n_q, n_kv, idx_capacity,
+    COLS: tl.constexpr, ROWS: tl.constexpr,
+):
+    """compact_mask_kernel's lists of the mask's columns (KV-owned lists: IDX[bh, column]
+    the query blocks that take the column, ascending, NUM[bh, column] their number; slots
+    past the count are not written), COLS adjacent columns per program.
+
+    One column alone is nQ single bytes nKV apart, a load each, latency-bound; a row of
+    the tile is COLS adjacent bytes, one coalesced load. The query axis is walked ROWS
+    rows at a time with each column's count so far carried along, so the registers a
+    program holds do not grow with nQ.
+    """
+    col = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    bh = tl.program_id(1).to(tl.int64)
+    col_ok = col < n_kv
+    MASK += bh * n_q * n_kv
+    lists = IDX + (bh * n_kv + col) * idx_capacity
+    count = tl.zeros([COLS], tl.int32)
+    for start in range(0, n_q, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        bits = tl.load(MASK + rows[:, None] * n_kv + col[None, :],
+                       mask=(rows < n_q)[:, None] & col_ok[None, :], other=0)
+        taken = (bits != 0).to(tl.int32)
+        slot = count[None, :] + tl.cumsum(taken, axis=0) - 1
+        tl.store(lists[None, :] + slot, tl.broadcast_to(rows[:, None], (ROWS, COLS)), mask=taken > 0)
+        count += tl.sum(taken, axis=0)
+    tl.store(NUM + bh * n_kv + col, count, mask=col_ok)
 
 
 @triton.jit

@@ -194,12 +194,20 @@ def rows_to_lists(launcher, p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=
         SAME_SEQ=q_seq is not None, num_warps=4)
 
 
+# KV-owned lists: (columns, query rows) of a program's mask tile per step. A row of 32 one-byte
+# columns is one 32-byte sector. The steps down the query axis are serial (each waits on its own
+# loads), so they are few: 128 rows, 32 values a thread at 4 warps (no spills on sm_90:
+# tests/test_topk_select.py compiles it)
+COLUMNS_TILE = (32, 128)
+
+
 def columns_to_lists(launcher, p: AttnProblem, block_mask, inv_idx, inv_num):
-    """KV-owned (inverse) lists from a [B, H, nQ, nKV] mask (one line per KV block)."""
+    """KV-owned (inverse) lists from a [B, H, nQ, nKV] mask (one list per KV block), a
+    tile of adjacent columns per program (`columns_to_lists_kernel`)."""
     nq, nk = p.n_q_blocks, p.n_kv_blocks
-    launcher.triton(kernels_for(block_mask).compact_mask_kernel, (nk, _bh(p)),
-        block_mask, inv_idx, inv_num, None, None, nk, nq, nq * nk, 1, nk, inv_idx.shape[-1], N_PAD=_pow2(nq),
-        num_warps=4)
+    cols, rows = COLUMNS_TILE
+    launcher.triton(kernels_for(block_mask).columns_to_lists_kernel, (triton.cdiv(nk, cols), _bh(p)),
+        block_mask, inv_idx, inv_num, nq, nk, inv_idx.shape[-1], COLS=cols, ROWS=min(rows, _pow2(nq)), num_warps=4)
 
 
 def block_seq_ids(launcher, p: AttnProblem, cu_seqlens, seq, n_blocks: int):
