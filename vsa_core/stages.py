@@ -194,11 +194,11 @@ def rows_to_lists(launcher, p: AttnProblem, block_mask, sel_idx, sel_num, q_seq=
         SAME_SEQ=q_seq is not None, num_warps=4)
 
 
-# KV-owned lists: (columns, query rows) of a program's mask tile per step. A row of 32 one-byte
-# columns is one 32-byte sector. The steps down the query axis are serial (each waits on its own
-# loads), so they are few: 128 rows, 32 values a thread at 4 warps (no spills on sm_90:
-# tests/test_topk_select.py compiles it)
-COLUMNS_TILE = (32, 128)
+# KV-owned lists: (columns, query rows) of a program's mask tile per step. The steps down the query
+# axis are serial (each waits on its own loads), so they are few: 128 rows. 16 columns a program
+# gives twice the programs of 32 at half the registers (benchmarks/columns_bench.py times the
+# tiles; no spills on sm_90: tests/test_topk_select.py compiles it)
+COLUMNS_TILE = (16, 128)
 
 
 def columns_to_lists(launcher, p: AttnProblem, block_mask, inv_idx, inv_num):
