@@ -50,14 +50,23 @@ def _kv_tile(K, V, KV_COUNTS, sel, t, last, b, h, n_kv_blocks, stride_kb, stride
     sub = (t % (BLOCK_ELEMS // BLOCK_N)) * BLOCK_N
     n_valid = tl.where(keep, tl.load(KV_COUNTS + kv_block), 0)
     key_ok = sub + tl.arange(0, BLOCK_N) < n_valid
-    row0 = kv_block * BLOCK_ELEMS + sub
-    if USE_TMA:  # K, V are tensor descriptors over (B, H, S, D): tiles come by TMA
-        k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-    else:
-        k = _load_rows(K, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-        v = _load_rows(V, b, h, row0, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+    k, v = _row_tiles(K, V, b, h, kv_block * BLOCK_ELEMS + sub, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM,
+                      USE_TMA)
     return k, v, key_ok, last
+
+
+@triton.jit
+def _row_tiles(X, Y, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """The [ROWS, HEAD_DIM] tiles of X and Y at token row0 of head (b, h): by TMA when they are
+    tensor descriptors over (B, H, S, D) (USE_TMA), else by pointer loads."""
+    if USE_TMA:
+        x = X.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(ROWS, HEAD_DIM)
+        y = Y.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(ROWS, HEAD_DIM)
+    else:
+        x = _load_rows(X, b, h, row0, stride_b, stride_h, stride_s, ROWS, HEAD_DIM)
+        y = _load_rows(Y, b, h, row0, stride_b, stride_h, stride_s, ROWS, HEAD_DIM)
+    return x, y
 
 
 @triton.jit(do_not_specialize=["store_fine"])  # one binary for store_fine 0 and 1
@@ -232,12 +241,7 @@ def sparse_attn_bwd_dkdv_kernel(
         q_block = tl.load(inv + t // (BLOCK_ELEMS // BLOCK_M))
         row0 = q_block * BLOCK_ELEMS + (t % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
-        if USE_TMA:  # Q, DOUT are tensor descriptors over (B, H, S, D): tiles come by TMA
-            q = Q.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_M, HEAD_DIM)
-            do = DOUT.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_M, HEAD_DIM)
-        else:
-            q = _load_rows(Q, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
-            do = _load_rows(DOUT, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
+        q, do = _row_tiles(Q, DOUT, b, h, row0, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, USE_TMA)
         if IGNORE_PADDING:
             if HAS_COARSE:  # VSA: the query block's padded rows (lse +inf, so P = 0) are read as 0
                 q_ok = (t % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M) < _clamped_count(
