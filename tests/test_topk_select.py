@@ -261,3 +261,16 @@ def test_columns_to_lists_kernel_compiles_for_sm90():
     proc = subprocess.run([sys.executable, "-c", f"REPO = {repo!r}\n" + _COLUMNS_COMPILE_SCRIPT], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_row_tiles_cover_the_row_and_refuse_what_the_packed_counts_cannot_hold():
+    """A main power-of-two tile and a tail tile that together hold every column, never wider
+    than one padded tile; 2^17 KV blocks and more are refused with the argument named (a
+    packed count lane holds fewer than 2^16 words)."""
+    for n in (1, 7, 16, 17, 37, 600, 624, 1000, 1024, 1025, 5000, (1 << 17) - 1):
+        half, tail = stages.topk_tiles(n)
+        assert 2 * (half + tail) >= n and half & (half - 1) == 0 and tail & (tail - 1) == 0
+        assert 2 * (half + tail) <= 2 * max(16, 1 << (n - 1).bit_length()), n
+    assert stages.topk_tiles(624) == (256, 64)
+    with pytest.raises(ValueError, match="kv_len / block_size"):
+        stages.topk_tiles(1 << 17)

@@ -638,7 +638,7 @@ def columns_to_lists_kernel(
     count = tl.zeros([COLS], tl.int32)
     for start in range(0, n_q, ROWS):
         rows = start + tl.arange(0, ROWS)
-        bits = tl.load(MASK + rows[:, None] * n_kv + col[None, :],
+        bits = tl.load(MASK + rows[:, None].to(tl.int64) * n_kv + col[None, :],  # nQ * nKV may pass 2^31
                        mask=(rows < n_q)[:, None] & col_ok[None, :], other=0)
         taken = (bits != 0).to(tl.int32)
         slot = count[None, :] + tl.cumsum(taken, axis=0) - 1

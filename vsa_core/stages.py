@@ -150,7 +150,7 @@ def topk_tiles(n_kv: int) -> tuple[int, int]:
     smallest power of two >= the rest (16 columns at least each; tile widths are powers of
     two in Triton). The packed counting passes need fewer than 2^16 words per row."""
     if n_kv >= 1 << 17:
-        raise ValueError(f"the top-k selection takes fewer than 131072 KV blocks per row, got {n_kv}")
+        raise ValueError(f"kv_len / block_size: the top-k selection takes fewer than 131072 KV blocks, got {n_kv}")
     main = max(16, 1 << (max(n_kv, 1).bit_length() - 1))
     return main // 2, _pow2(n_kv - main) // 2
 
