@@ -2,7 +2,7 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench | stages (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages | profile (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -137,6 +137,16 @@ case $step in
     t 260 python3 benchmarks/bench.py --quick --shapes 480p-64,480p-64-prefix8 --frontends eager \
       --backends triton,cudnn --peers cudnn,fa4 --out "$out/bench"
     [[ -f benchmarks/sm90_fwd64_check.py ]] && t 150 python3 benchmarks/sm90_fwd64_check.py
+    ;;
+  profile)  # issue 21/22 data: ncu of the 64-token backward (ours against cuDNN's: details and the
+             # per-instruction SASS samples as text), the coarse stage's configs, the torch eager host cost
+    t 240 ncu --clock-control none --profile-from-start off --set full --import-source yes -f -o "$out/bwd64" \
+      python3 benchmarks/sm90_bwd64_profile.py ours cudnn
+    t 60 ncu -i "$out/bwd64.ncu-rep" --page details --print-units base
+    t 60 sh -c "ncu -i '$out/bwd64.ncu-rep' --page source --csv --print-source sass > '$out/bwd64_sass.csv'"
+    rm -f "$out/bwd64.ncu-rep"
+    t 120 python3 benchmarks/coarse_sweep.py --shapes 480p-64
+    t 120 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

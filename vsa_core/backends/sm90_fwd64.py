@@ -132,7 +132,7 @@ class BlockSparseFwd64Sm90:
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
-                 shared_kv: bool = False):
+                 shared_kv: bool = False, carry_entries: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
@@ -157,6 +157,11 @@ class BlockSparseFwd64Sm90:
         # one K ring and one V ring for the CTA's consumers, filled in the order of the union of their
         # lists (`shared_kv_lists`): a KV block two or three consumers select comes from L2 once
         self.shared_kv = shared_kv
+        # the next tile's list entry kept in a register from the step before, so that no load whose
+        # address is itself being loaded (the block count of sel[j]) sits in front of QK_j's issue:
+        # issue is in order, and such a load waits a full round trip (cuDNN's blk64 forward reads
+        # its lists this way); with k_stages=1 / v_stages=2 the refills' blocks come from registers too
+        self.carry_entries = carry_entries and not shared_kv
         self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
@@ -453,7 +458,10 @@ class BlockSparseFwd64Sm90:
             # otherwise sit behind): `entry` / `count` are tile j's, for its mask.
             entry = sel[0]
             count = mKVCounts[self._clamp(entry, n_kv)]
+            entry_next = sel[cutlass.min(1, n - 1)]  # carry_entries: tile j + 1's entry during step j
             k_next = self._block(sel, cutlass.min(KS, n - 1), n_kv)
+            if cutlass.const_expr(self.carry_entries and KS == 1):
+                k_next = self._clamp(entry_next, n_kv)
             bars["q_full"].wait(ci, 0)
             if cutlass.const_expr(self.q_in_regs):
                 cute.autovec_copy(tSsQ, rQ)
@@ -477,9 +485,18 @@ class BlockSparseFwd64Sm90:
             last = self._softmax_tile(S, cS_rc, entry, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
             rP_as_S.store(accS.load().to(self.dtype))
             for j in cutlass.range(1, n, unroll=1):
-                entry = sel[j]
-                count = mKVCounts[self._clamp(entry, n_kv)]
-                k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
+                if cutlass.const_expr(self.carry_entries):
+                    entry = entry_next
+                    count = mKVCounts[self._clamp(entry, n_kv)]
+                    entry_next = sel[cutlass.min(j + 1, n - 1)]
+                    if cutlass.const_expr(KS == 1):
+                        k_next = self._clamp(entry_next, n_kv)
+                    else:
+                        k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
+                else:
+                    entry = sel[j]
+                    count = mKVCounts[self._clamp(entry, n_kv)]
+                    k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
                 # PV_{j-2} retired at the end of the last step: its V slot takes tile j - 2 + VS. Done
                 # here, not right after that wait: a branch behind the wait lets the compilers sink the
                 # softmax below it (seen in the SASS), and the softmax no longer overlaps PV_{j-1}.
@@ -489,6 +506,8 @@ class BlockSparseFwd64Sm90:
                     else:
                         if warp == 0 and j - 2 + VS < n:
                             v_next = self._block(sel, j - 2 + VS, n_kv)
+                            if cutlass.const_expr(self.carry_entries and VS == 2):
+                                v_next = self._clamp(entry, n_kv)  # tile j's
                             self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, v_next, (j - 2) % VS)
                 if cutlass.const_expr(self.pingpong):
                     if j < turns:
@@ -868,7 +887,8 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
 def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
                       q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
-                      q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False):
+                      q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
+                      carry_entries: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the forward on torch's current stream at the time of this call (the tensors' CuTe
     views are built once here: timing the callable leaves the per-call host conversion out).
@@ -953,7 +973,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv)
+           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, carry_entries)
     vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
     cargs = [cute_tensor(t, 16 if i in vector_args else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -962,7 +982,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
         kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
-                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv)
+                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
+                                      carry_entries=carry_entries)
         fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
 

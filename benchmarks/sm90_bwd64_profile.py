@@ -1,0 +1,71 @@
+"""One launch of our sm_90 64-token backward and of cuDNN BSA's backward at 480p-64 inside a
+profiler range, for Nsight Compute:
+
+    ncu --clock-control none --profile-from-start off --set full --import-source yes \
+        -o $OUT/bwd64 python3 benchmarks/sm90_bwd64_profile.py [ours] [cudnn]
+
+Everything is compiled and run twice before the range opens, so the range holds exactly one call of
+each: ours is the dq_accum fill, the main kernel and the dQ postprocess (the default configuration,
+`prepare_backward64`'s); cuDNN's is its backward's kernels. Inputs as sm90_fwd64_check.timing_problem
+(B1 H12 S39936 D128 top-62, random ascending lists, bf16), dO random; out and lse from our forward,
+delta from the Triton preprocess, the KV-owned lists from the same selection.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+import torch  # noqa: E402
+
+import sm90_bwd64_check as bcheck  # noqa: E402
+import sm90_fwd64_check as fcheck  # noqa: E402
+
+E = 64
+
+
+def main(names) -> None:
+    from vsa_core.backends import sm90_bwd64, sm90_fwd64
+    B, H, S, D, topk = 1, 12, 39936, 128, 62
+    n = S // E
+    q, k, v, idx, num, counts = fcheck.timing_problem(B, H, S, D, topk)
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    do = torch.randn(B, H, S, D, generator=gen, device=q.device).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(D)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    sm90_fwd64.prepare_forward64(q, k, v, out, lse, idx, num, counts, softmax_scale=scale)()
+    delta = sm90_bwd64.backward_delta(out, do)
+    mask = torch.zeros(B, H, n, n, dtype=torch.bool, device=q.device).scatter_(-1, idx.long(), True)
+    _, _, inv_idx, inv_num = bcheck.lists_from_mask(mask)
+    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    calls = []
+    for name in names:
+        if name == "cudnn":
+            from cudnn.block_sparse_attention import api as cudnn_api
+            calls.append((name, lambda: cudnn_api.block_sparse_attention_backward(
+                do, q, k, v, out, lse, idx, None, counts, num, softmax_scale=scale, dq_tensor=dq, dk_tensor=dk,
+                dv_tensor=dv, sparse_block_size=E, layout="bhsd")))
+        else:
+            calls.append((name, sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
+                                                              counts, softmax_scale=scale)))
+    for _, fn in calls:  # compile, build graphs, warm
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, fn in calls:
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled:", ", ".join(names), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["ours", "cudnn"])
