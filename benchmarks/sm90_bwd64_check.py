@@ -66,6 +66,11 @@ VARIANTS = {
     "redov": (dict(stages=2, dq_red=True, dk_overlap=True),
               "the default: red + dQ issued before dK, dK left in flight under the next S/dP (no wait_group(0) per step): "
               "the reds overlap dK and the tensor pipe goes dK_j -> S_j+1 without a gap; ~+3-8% over red"),
+    "split3": (dict(stages=3, split=True),
+               "sm90_bwd64_split: a producer warpgroup and two cooperating warpgroups (S^T, P^T, dV | dP^T, dS, dQ, dK) "
+               "a pair apart, 1 CTA/SM: each one's elementwise work under the other's wgmmas; cuDNN's split "
+               "(5005 us main kernel against our 5318)"),
+    "split2": (dict(stages=2, split=True), "split3 with a 2-slot Q/dO ring"),
 }
 ACTIVE = ["redov", "s2", "red"]  # the default first (its row + preprocess is timed too)
 

@@ -35,6 +35,10 @@ VARIANTS = {
     "redov-fp16": dict(stages=2, dtype=cutlass.Float16),
     "redov-pool": dict(stages=2, pool_grads=True),  # the sm90 backend's VSA backward
     "redov-pool-ignore": dict(stages=2, pool_grads=True, ignore_padding=True),
+    "split-s2": dict(split=True, stages=2),  # two cooperating warpgroups + a producer (sm90_bwd64_split)
+    "split-s3": dict(split=True, stages=3),
+    "split-s3-pool": dict(split=True, stages=3, pool_grads=True),
+    "split-s3-d64": dict(split=True, stages=3, head_dim=64),
     "post": dict(postprocess=True),
     "post-d64": dict(postprocess=True, head_dim=64),
     "post-pool-ignore": dict(postprocess=True, pool_grads=True, ignore_padding=True),
@@ -72,7 +76,11 @@ def compile_variant(name, kw):
         kernel = MOD.DqPostprocess(dtype, D, **flags)
         args = [a["dq_acc"], a["dq"], a["dq_pool"], a["q_counts"]]
     else:
-        kernel = MOD.BlockSparseBwd64Sm90(**kw, **flags)
+        if kw.pop("split", False):
+            from vsa_core.backends.sm90_bwd64_split import BlockSparseBwd64Sm90Split
+            kernel = BlockSparseBwd64Sm90Split(**kw, **flags)
+        else:
+            kernel = MOD.BlockSparseBwd64Sm90(**kw, **flags)
         args = [a[n] for n in ("q", "k", "v", "do", "lse", "delta", "dq_acc", "dk", "dv", "inv_idx", "inv_num",
                                "kv_counts", "k_pool", "v_pool")]
     return compile_report(kernel, args)

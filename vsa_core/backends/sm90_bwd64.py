@@ -220,20 +220,13 @@ class BlockSparseBwd64Sm90:
         self.ctas_per_sm = ctas_per_sm or max(1, min(2, (227 * 1024) // self.smem_bytes))
 
     # ---- host side (traced once per compile) ----------------------------------------------------
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mDelta: cute.Tensor, mDQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-                 mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
-                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, softmax_scale: cutlass.Float32, stream):
-        """q, k, v, dout, dk, dv: [B, H, S, D]; lse, delta [B, H, Sq] fp32; dq_accum [B, H, nQ, 64 * D]
-        fp32 (zeroed by the caller); inv_idx [B, H, nKV, cap], inv_num [B, H, nKV], kv_counts [nKV] int32;
-        dk_pool, dv_pool [B, H, nKV, D] fp32 with pool_grads (placeholders otherwise, never read)."""
+    def _operands(self, mQ, mK, mV, mdO, mdK, mdV) -> dict:
+        """The shared-memory layouts, the TMA atoms and the tiled MMAs of the backward (called while
+        `__call__` is traced; the split variant's too)."""
         D = self.head_dim
         S = self.stages
         dt = self.dtype
         gQ4, gK4, gV4, gdO4 = (_tok_major(t, D) for t in (mQ, mK, mV, mdO))
-        gdK4, gdV4 = _tok_major(mdK, D, 8), _tok_major(mdV, D, 8)
-
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
         # K in slot 0, V in slot 1; stage s: Q in slot 2s, dO in 2s + 1 (adjacent: the dQ staging)
@@ -243,6 +236,40 @@ class BlockSparseBwd64Sm90:
             hopper_helpers.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dt, BLOCK), dt)
         sdS_layout = cute.tile_to_shape(ds_atom, (BLOCK, BLOCK), order=(1, 0))  # (q, kv), q contiguous
         self.tile_bytes = cute.size_in_bytes(dt, cute.slice_(sQdO_layout, (None, None, 0)))
+
+        o = dict(sKV_layout=sKV_layout, sQdO_layout=sQdO_layout, sdS_layout=sdS_layout,
+                 gdK4=_tok_major(mdK, D, 8), gdV4=_tok_major(mdV, D, 8))
+        o["mma_s"], o["mma_kv"], o["mma_dq"] = self._mmas()
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        one_tile = cute.slice_(sQdO_layout, (None, None, 0))
+        for name, g in (("q", gQ4), ("do", gdO4), ("k", gK4), ("v", gV4)):
+            o["tma_" + name], o["t" + ("dO" if name == "do" else name.upper())] = \
+                cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, g, one_tile, (BLOCK, D))
+        return o
+
+    def _mmas(self):
+        """(S / dP: m64n64 SS; dK / dV: register A, MN-major B; dQ), fresh TiledMma objects: their
+        ACCUMULATE field is state, so each warpgroup that sets it needs its own."""
+        dt, D = self.dtype, self.head_dim
+        RMEM = cute.nvgpu.warpgroup.OperandSource.RMEM
+        return (hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
+                                                      tiler_mn=(BLOCK, BLOCK)),
+                hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_MN, cutlass.Float32, (1, 1, 1),
+                                                      tiler_mn=(BLOCK, D), a_source=RMEM),
+                _dq_mma(dt, D))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mDQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
+                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, softmax_scale: cutlass.Float32, stream):
+        """q, k, v, dout, dk, dv: [B, H, S, D]; lse, delta [B, H, Sq] fp32; dq_accum [B, H, nQ, 64 * D]
+        fp32 (zeroed by the caller); inv_idx [B, H, nKV, cap], inv_num [B, H, nKV], kv_counts [nKV] int32;
+        dk_pool, dv_pool [B, H, nKV, D] fp32 with pool_grads (placeholders otherwise, never read)."""
+        S = self.stages
+        dt = self.dtype
+        o = self._operands(mQ, mK, mV, mdO, mdK, mdV)
+        sKV_layout, sQdO_layout, sdS_layout = o["sKV_layout"], o["sQdO_layout"], o["sdS_layout"]
 
         @cute.struct
         class Storage:
@@ -256,21 +283,9 @@ class BlockSparseBwd64Sm90:
 
         self.storage = Storage
         self.smem_bytes = Storage.size_in_bytes()
-
-        RMEM = cute.nvgpu.warpgroup.OperandSource.RMEM
-        mma_s = hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
-                                                      tiler_mn=(BLOCK, BLOCK))
-        mma_kv = hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_MN, cutlass.Float32, (1, 1, 1),
-                                                       tiler_mn=(BLOCK, D), a_source=RMEM)
-        mma_dq = _dq_mma(dt, D)
-
-        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        one_tile = cute.slice_(sQdO_layout, (None, None, 0))
-        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gQ4, one_tile, (BLOCK, D))
-        tma_do, tdO = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gdO4, one_tile, (BLOCK, D))
-        tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gK4, one_tile, (BLOCK, D))
-        tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gV4, one_tile, (BLOCK, D))
-
+        tQ, tdO, tK, tV = o["tQ"], o["tdO"], o["tK"], o["tV"]
+        tma_q, tma_do, tma_k, tma_v = o["tma_q"], o["tma_do"], o["tma_k"], o["tma_v"]
+        gdK4, gdV4, mma_s, mma_kv, mma_dq = o["gdK4"], o["gdV4"], o["mma_s"], o["mma_kv"], o["mma_dq"]
         grid = (mInvIdx.shape[2], mQ.shape[1], mQ.shape[0])
         self.kernel(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, mDQacc, gdK4, gdV4,
                     mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool, mma_s, mma_kv, mma_dq, sKV_layout, sQdO_layout,
@@ -621,7 +636,7 @@ def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_
 def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, *,
                        softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = True,
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
-                       q_counts=None, ignore_padding: bool = False):
+                       q_counts=None, ignore_padding: bool = False, split: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -632,7 +647,9 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     int32. dq_accum: an fp32 workspace [B, H, nQ, 64 * D] (allocated here when not given).
     VSA: dq_pool [B, H, nQ, D], dk_pool / dv_pool [B, H, nKV, D] fp32 and q_counts [nQ] int32 (all or
     none): the mean pooling's gradients, dx_pool[block] / count added to every row of the block (to
-    its valid rows only with ignore_padding), in the dQ postprocess and the dK / dV epilogue."""
+    its valid rows only with ignore_padding), in the dQ postprocess and the dK / dV epilogue.
+    split: the GEMMs over two cooperating warpgroups and a producer (`sm90_bwd64_split`; dq_red and
+    dk_overlap are its own, `stages` its Q / dO ring)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -690,12 +707,16 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
     ignore_padding = bool(ignore_padding and pool_grads)
-    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding)
+    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding, split)
     fns = _COMPILED.get(key)
     if fns is None:
         flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding)
-        fns = (cute.compile(BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap,
-                                                 **flags), *main_c, scale, fake_stream),
+        if split:
+            from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
+            main = BlockSparseBwd64Sm90Split(cutlass_dtype(q), D, stages, **flags)
+        else:
+            main = BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap, **flags)
+        fns = (cute.compile(main, *main_c, scale, fake_stream),
                cute.compile(DqPostprocess(cutlass_dtype(q), D, **flags), *post_c, scale, fake_stream))
         _COMPILED[key] = fns
     main_fn, post_fn = fns

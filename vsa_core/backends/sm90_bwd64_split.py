@@ -1,0 +1,338 @@
+"""The 64-token backward on sm_90 with its GEMMs split over two cooperating warpgroups (CuTe DSL):
+a variant of `sm90_bwd64.BlockSparseBwd64Sm90` (same contract, same arguments, same dQ workspace and
+postprocess), chosen by `prepare_backward64(..., split=True)`.
+
+Why: the one-warpgroup kernel runs two CTAs per SM (251 registers a thread), each a serial chain
+S -> P -> dV -> dS -> dQ -> dK per query block, so a warpgroup's elementwise work (exp2, dS) leaves the
+tensor pipe to the other CTA only. Here one CTA (384 threads, one per SM) owns the KV block, and the
+five GEMMs of a (query block, KV block) pair go to two warpgroups that run a pair apart:
+  warpgroup 1: S^T = K Q^T, P^T = exp2(S^T c - lse2) (rows past the KV count 0), P^T in fp32 to shared
+    memory for warpgroup 2, dV += P^T dO (register A);
+  warpgroup 2: dP^T = V dO^T, dS^T = P^T (dP^T - delta) (P^T read back from shared memory in the
+    accumulator's own thread order: both warpgroups' m64n64 accumulators give thread t the same
+    elements), dQ = dS K (dS through shared memory, as in the one-warpgroup kernel), dK += dS^T Q,
+    dQ added into the workspace by red.global.add.v4.f32 from its registers.
+  warpgroup 0, warp 0: every TMA load (K and V once; per list entry Q, dO, lse, delta into a ring of
+    `stages` slots behind "empty" mbarriers that both compute warpgroups' warps arrive on, 8 per fill).
+P^T travels in fp32, so dS (and with it dK, dQ) is the one-warpgroup kernel's arithmetic exactly:
+dk and dv stay bitwise equal to the Triton backward's.
+
+Ordering. Slot j % stages holds query block j. Warpgroup 1 at step j: waits for the slot, issues S_j,
+waits for dV_{j-1} (then releases slot j - 1: S_{j-1} and dV_{j-1} were its reads of it) and for S_j,
+forms P_j, waits on named barrier P_FREE (warpgroup 2 has read P_{j-1}; not at j = 0), writes P_j,
+arrives on P_READY, issues dV_j. Warpgroup 2 at step j: waits for the slot, issues dP_j, waits for
+dK_{j-1} (then releases slot j - 1: its reads were dP_{j-1}, dK_{j-1}; dQ_{j-1} retired before its
+reductions) and for dP_j, waits on P_READY, forms dS_j, arrives on P_FREE (not after the last entry,
+so every arrival has its wait), stores dS_j for dQ (sdS is free: dQ_{j-1} retired), issues dQ_j and
+dK_j, waits for dQ_j and sends it. The producer fills entry j once both warpgroups released entry
+j - stages, which each does at its step j - stages + 1 <= n - 1: every wait is met without a cycle
+(warpgroup 1 runs at most one entry ahead of warpgroup 2, through P_FREE).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+
+from .sm90_bwd64 import (BLOCK, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _pooling_grad, _red_add_v4_f32,
+                         _regs_4, _staging_layout, _transposed)
+from .sm90_common import rows_cols
+
+WG = 128            # threads per warpgroup
+P_READY, P_FREE, DS_STORED = 1, 2, 3  # named barriers (0 is sync_threads)
+
+
+class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
+    """One compiled configuration of the split backward: element type, head dim, Q / dO ring depth,
+    the pooling gradients (VSA) as in the one-warpgroup kernel."""
+
+    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
+                 ignore_padding: bool = False):
+        # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
+        # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
+        assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
+        super().__init__(dtype, head_dim, stages, ctas_per_sm=1, dq_red=True, dk_overlap=True,
+                         pool_grads=pool_grads, ignore_padding=ignore_padding)
+        # setmaxnreg budgets: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers
+        self.producer_regs, self.mma_regs = 24, 240
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mDQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
+                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, softmax_scale: cutlass.Float32, stream):
+        """The arguments of `BlockSparseBwd64Sm90.__call__`."""
+        S = self.stages
+        dt = self.dtype
+        o = self._operands(mQ, mK, mV, mdO, mdK, mdV)
+        sKV_layout, sQdO_layout, sdS_layout = o["sKV_layout"], o["sQdO_layout"], o["sdS_layout"]
+        p_floats = BLOCK * BLOCK  # P^T of one pair in fp32, thread-ordered
+
+        @cute.struct
+        class Storage:
+            kv_full: cute.struct.MemRange[cutlass.Int64, 1]
+            qdo_full: cute.struct.MemRange[cutlass.Int64, S]
+            qdo_empty: cute.struct.MemRange[cutlass.Int64, S]
+            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
+            sP: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, p_floats], 128]
+            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sQdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQdO_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+
+        self.storage = Storage
+        self.smem_bytes = Storage.size_in_bytes()
+        grid = (mInvIdx.shape[2], mQ.shape[1], mQ.shape[0])
+        mma_s2, mma_kv2, _ = self._mmas()  # warpgroup 2's own (warpgroup 1 takes o's)
+        self.kernel(o["tQ"], o["tdO"], o["tK"], o["tV"], o["tma_q"], o["tma_do"], o["tma_k"], o["tma_v"], mLSE,
+                    mDelta, mDQacc, o["gdK4"], o["gdV4"], mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool,
+                    o["mma_s"], o["mma_kv"], mma_s2, mma_kv2, o["mma_dq"], sKV_layout, sQdO_layout, sdS_layout,
+                    softmax_scale * LOG2_E, softmax_scale).launch(
+            grid=grid, block=(3 * WG, 1, 1), smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
+            preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, tQ: cute.Tensor, tdO: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mDQacc: cute.Tensor, gdK4: cute.Tensor, gdV4: cute.Tensor,
+               mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
+               mdKPool: cute.Tensor, mdVPool: cute.Tensor,
+               mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_s2: cute.TiledMma, mma_kv2: cute.TiledMma,
+               mma_dq: cute.TiledMma, sKV_layout: cute.ComposedLayout, sQdO_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, c: cutlass.Float32, scale: cutlass.Float32):
+        S = self.stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        t = tidx % WG
+        kvb, h, b = cute.arch.block_idx()
+        n_q = mDQacc.shape[2]
+        cap = mInvIdx.shape[3]
+
+        st = SmemAllocator().allocate(self.storage)
+        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
+        release = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(pipeline.Agent.Thread, 8))
+        kv_full = pipeline.MbarrierArray(st.kv_full.data_ptr(), num_stages=1, agent=tma_load)
+        qdo_full = pipeline.MbarrierArray(st.qdo_full.data_ptr(), num_stages=S, agent=tma_load)
+        qdo_empty = pipeline.MbarrierArray(st.qdo_empty.data_ptr(), num_stages=S, agent=release)
+        if warp == 0:
+            with cute.arch.elect_one():
+                for atom in (tma_q, tma_do, tma_k, tma_v):
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+        sKV = st.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sQdO = st.sQdO.get_tensor(sQdO_layout.outer, swizzle=sQdO_layout.inner)
+        sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = st.sLSE.get_tensor(cute.make_layout((BLOCK, S)))
+        sDelta = st.sDelta.get_tensor(cute.make_layout((BLOCK, S)))
+        v = BLOCK * BLOCK // WG  # accumulator registers of an m64n64 tile per thread
+        # thread t's register i at i * 128 + t: a warp's 32 threads store / load 32 consecutive words
+        sP = st.sP.get_tensor(cute.make_layout((v, WG), stride=(WG, 1)))
+
+        n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
+        count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
+        sel = mInvIdx[b, h, kvb, None]
+        cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp == 0:
+                if n > 0:
+                    self._produce(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE,
+                                  sDelta, kv_full, qdo_full, qdo_empty, sel, n, n_q, kvb, h, b)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            if wg == 1:
+                self._s_and_dv(t, n, count, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
+                               mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c)
+            else:
+                self._dp_dq_dk(t, n, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
+                               mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale)
+
+    # ---- warpgroup 0, warp 0: the loads -----------------------------------------------------------
+    @cute.jit
+    def _produce(self, tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE, sDelta,
+                 kv_full, qdo_full, qdo_empty, sel, n, n_q, kvb, h, b):
+        S = self.stages
+        D = self.head_dim
+        one = cute.make_layout(1)
+        gK = cute.local_tile(tK[None, None, h, b], (BLOCK, D), (kvb, 0))
+        gV = cute.local_tile(tV[None, None, h, b], (BLOCK, D), (kvb, 0))
+        gQ = cute.local_tile(tQ[None, None, h, b], (BLOCK, D), (None, 0))
+        gdO = cute.local_tile(tdO[None, None, h, b], (BLOCK, D), (None, 0))
+        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sKV, 0, 2),
+                                                    cute.group_modes(gK, 0, 2))
+        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sKV, 0, 2),
+                                                    cute.group_modes(gV, 0, 2))
+        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQdO, 0, 2),
+                                                    cute.group_modes(gQ, 0, 2))
+        tdOs, tdOg = cute.nvgpu.cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sQdO, 0, 2),
+                                                      cute.group_modes(gdO, 0, 2))
+        loads = dict(tma_q=tma_q, tma_do=tma_do, tQs=tQs, tQg=tQg, tdOs=tdOs, tdOg=tdOg, sLSE=sLSE, sDelta=sDelta,
+                     mLSE=mLSE, mDelta=mDelta, bar=qdo_full, b=b, h=h)
+        kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
+        cute.copy(tma_k, tKg, tKs[None, 0], tma_bar_ptr=kv_full.get_barrier(0))
+        cute.copy(tma_v, tVg, tVs[None, 1], tma_bar_ptr=kv_full.get_barrier(0))
+        qb = self._clamp(sel[0], n_q)
+        for j in cutlass.range(n, unroll=1):
+            qb_after = self._clamp(sel[cutlass.min(j + 1, n - 1)], n_q)  # read before the wait
+            if j >= S:
+                qdo_empty.wait(j % S, (j // S + 1) % 2)
+            self._load_q_tile(loads, qb, j % S)
+            qb = qb_after
+
+    @cute.jit
+    def _release(self, bar, slot):
+        """This warp's arrival on an "empty" mbarrier: its wgmmas reading the slot have retired."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(bar.get_barrier(slot))
+
+    # ---- warpgroup 1: S^T, P^T, dV ----------------------------------------------------------------
+    @cute.jit
+    def _s_and_dv(self, t, n, count, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
+                  mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c):
+        S = self.stages
+        D = self.head_dim
+        dt = self.dtype
+        thr_s = mma_s.get_slice(t)
+        thr_kv = mma_kv.get_slice(t)
+        tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))          # [.., 0] K
+        tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s] Q
+        tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # [.., 2s + 1] dO^T
+        accS = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accdV = cute.make_rmem_tensor(thr_kv.partition_shape_C((BLOCK, D)), cutlass.Float32)
+        rP = cute.make_rmem_tensor(thr_kv.partition_shape_A((BLOCK, BLOCK)), dt)
+        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)
+        flatS = cute.make_tensor(accS.iterator, cute.make_layout(cute.size(accS)))
+        P = rows_cols(accS)
+        cS_rc = rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK, BLOCK))))
+        n_rows = cute.size(P, mode=[0])
+        n_cols = cute.size(P, mode=[1])
+        stat = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)
+        accdV.fill(0.0)
+        mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        if n > 0:
+            kv_full.wait(0, 0)
+            last = cutlass.Int32(-1)
+            for j in cutlass.range(n, unroll=1):
+                s = j % S
+                entry = sel[j]
+                valid = cutlass.Int32(0)
+                if (entry > last) & (entry < n_q):
+                    last = entry
+                    valid = count
+                qdo_full.wait(s, (j // S) % 2)
+                cute.nvgpu.warpgroup.fence()
+                self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
+                cute.nvgpu.warpgroup.commit_group()
+                for ci in cutlass.range_constexpr(n_cols):
+                    lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
+                    if lse2 == -cutlass.Float32.inf:  # a row that saw nothing: P = 0
+                        lse2 = cutlass.Float32.inf
+                    stat[ci] = lse2
+                cute.nvgpu.warpgroup.wait_group(1)  # dV_{j-1} retired: this warpgroup is done with slot j - 1
+                if j >= 1:
+                    self._release(qdo_empty, (j - 1) % S)
+                cute.nvgpu.warpgroup.wait_group(0)
+                for ri in cutlass.range_constexpr(n_rows):
+                    row_ok = cS_rc[ri, 0][0] < valid
+                    for ci in cutlass.range_constexpr(n_cols):
+                        p = cute.math.exp2(cute.math.fma(P[ri, ci], c, -stat[ci]), fastmath=True)
+                        P[ri, ci] = p if row_ok else cutlass.Float32(0.0)
+                if j >= 1:
+                    cute.arch.barrier(barrier_id=P_FREE, number_of_threads=2 * WG)  # P_{j-1} was read
+                for i in cutlass.range_constexpr(cute.size(flatS)):
+                    sP[i, t] = flatS[i]
+                cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=2 * WG)
+                rP_as_S.store(accS.load().to(dt))
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
+                cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+        gdV = cute.local_tile(gdV4[None, None, h, b], (BLOCK, D), (kvb, 0))
+        rOut = cute.make_rmem_tensor_like(accdV, dt)
+        if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
+            cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
+            _pooling_grad(mdVPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdV), cKV_rc,
+                          cutlass.Float32(1.0))
+        rOut.store(accdV.load().to(dt))
+        cute.autovec_copy(rOut, thr_kv.partition_C(gdV))
+
+    # ---- warpgroup 2: dP^T, dS^T, dQ, dK ----------------------------------------------------------
+    @cute.jit
+    def _dp_dq_dk(self, t, n, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
+                  mma_s, mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale):
+        S = self.stages
+        D = self.head_dim
+        dt = self.dtype
+        thr_s = mma_s.get_slice(t)
+        thr_kv = mma_kv.get_slice(t)
+        thr_dq = mma_dq.get_slice(t)
+        tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))          # [.., 1] V
+        tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s + 1] dO
+        tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # [.., 2s] Q^T
+        tDQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tDQrK_t = mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sKV)))   # [.., 0] K^T
+        tSsdS = thr_s.partition_C(_transposed(sdS))                    # dS^T as the accumulator holds it
+        accdP = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accdK = cute.make_rmem_tensor(thr_kv.partition_shape_C((BLOCK, D)), cutlass.Float32)
+        accdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK, D)), cutlass.Float32)
+        rdS = cute.make_rmem_tensor(thr_kv.partition_shape_A((BLOCK, BLOCK)), dt)
+        rdS_as_S = cute.make_tensor(rdS.iterator, accdP.layout)
+        rPf = cute.make_rmem_tensor_like(accdP)  # P^T as warpgroup 1 formed it, in the same register order
+        flatP = cute.make_tensor(rPf.iterator, cute.make_layout(cute.size(rPf)))
+        Pf = rows_cols(rPf)
+        cS_rc = rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK, BLOCK))))
+        n_cols = cute.size(rows_cols(accdP), mode=[1])
+        stat = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)
+        accdK.fill(0.0)
+        mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        dS = rows_cols(accdP)
+        if n > 0:
+            kv_full.wait(0, 0)
+            for j in cutlass.range(n, unroll=1):
+                s = j % S
+                qb = self._clamp(sel[j], n_q)
+                qdo_full.wait(s, (j // S) % 2)
+                cute.nvgpu.warpgroup.fence()
+                self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
+                cute.nvgpu.warpgroup.commit_group()
+                for ci in cutlass.range_constexpr(n_cols):
+                    stat[ci] = sDelta[cS_rc[0, ci][1], s]
+                cute.nvgpu.warpgroup.wait_group(1)  # dK_{j-1} retired: this warpgroup is done with slot j - 1
+                if j >= 1:
+                    self._release(qdo_empty, (j - 1) % S)
+                cute.nvgpu.warpgroup.wait_group(0)
+                cute.arch.barrier(barrier_id=P_READY, number_of_threads=2 * WG)  # P_j is in shared memory
+                for i in cutlass.range_constexpr(cute.size(flatP)):
+                    flatP[i] = sP[i, t]
+                for ri in cutlass.range_constexpr(cute.size(dS, mode=[0])):
+                    for ci in cutlass.range_constexpr(n_cols):
+                        dS[ri, ci] = Pf[ri, ci] * (dS[ri, ci] - stat[ci])
+                if j + 1 < n:
+                    cute.arch.barrier_arrive(barrier_id=P_FREE, number_of_threads=2 * WG)
+                rdS_as_S.store(accdP.load().to(dt))
+                cute.autovec_copy(rdS_as_S, tSsdS)  # dQ_{j-1}, its last reader, retired at step j - 1
+                cute.arch.fence_view_async_shared()  # dS in shared memory, visible to the wgmma
+                cute.arch.barrier(barrier_id=DS_STORED, number_of_threads=WG)
+                cute.nvgpu.warpgroup.fence()
+                self._gemm_k(mma_dq, accdQ, tDQrdS, None, tDQrK_t, 0)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)  # dQ_j; dK_j runs on under the next dP
+                gAcc = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
+                rq = _regs_4(accdQ)
+                for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
+                    _red_add_v4_f32(gAcc[None, k4, t].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
+            cute.nvgpu.warpgroup.wait_group(0)  # the last dK
+        gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
+        rOut = cute.make_rmem_tensor_like(accdK, dt)
+        if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
+            cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
+            _pooling_grad(mdKPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdK), cKV_rc,
+                          scale)
+            rOut.store(accdK.load().to(dt))
+        else:
+            rOut.store((accdK.load() * scale).to(dt))
+        cute.autovec_copy(rOut, thr_kv.partition_C(gdK))
