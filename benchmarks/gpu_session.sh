@@ -2,7 +2,7 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench | stages | profile (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages | kernels | profile (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -137,6 +137,12 @@ case $step in
     t 260 python3 benchmarks/bench.py --quick --shapes 480p-64,480p-64-prefix8 --frontends eager \
       --backends triton,cudnn --peers cudnn,fa4 --out "$out/bench"
     [[ -f benchmarks/sm90_fwd64_check.py ]] && t 150 python3 benchmarks/sm90_fwd64_check.py
+    ;;
+  kernels)  # issue 21's kernel variants against the defaults (each checked against float64, then timed)
+             # and the torch eager host cost
+    t 200 python3 benchmarks/sm90_fwd64_check.py --only=ws3L,ws3LE,k1v2L,k1v2LE --quick
+    t 240 python3 benchmarks/sm90_bwd64_check.py --variants=redov,split3
+    t 100 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
     ;;
   profile)  # issue 21/22 data: ncu of the 64-token backward (ours against cuDNN's: details and the
              # per-instruction SASS samples as text), the coarse stage's configs, the torch eager host cost
