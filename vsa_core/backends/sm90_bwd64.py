@@ -247,13 +247,14 @@ class BlockSparseBwd64Sm90:
                 cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, g, one_tile, (BLOCK, D))
         return o
 
-    def _mmas(self):
-        """(S / dP: m64n64 SS; dK / dV: register A, MN-major B; dQ), fresh TiledMma objects: their
-        ACCUMULATE field is state, so each warpgroup that sets it needs its own."""
+    def _mmas(self, s_from_registers: bool = False):
+        """(S / dP: m64n64, SS or with A from registers; dK / dV: register A, MN-major B; dQ), fresh
+        TiledMma objects: their ACCUMULATE field is state, so each warpgroup that sets it needs its own."""
         dt, D = self.dtype, self.head_dim
         RMEM = cute.nvgpu.warpgroup.OperandSource.RMEM
+        s_source = RMEM if s_from_registers else cute.nvgpu.warpgroup.OperandSource.SMEM
         return (hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
-                                                      tiler_mn=(BLOCK, BLOCK)),
+                                                      tiler_mn=(BLOCK, BLOCK), a_source=s_source),
                 hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_MN, cutlass.Float32, (1, 1, 1),
                                                       tiler_mn=(BLOCK, D), a_source=RMEM),
                 _dq_mma(dt, D))
