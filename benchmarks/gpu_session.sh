@@ -147,7 +147,7 @@ case $step in
   profile)  # issue 21/22 data: ncu of the 64-token backward (ours against cuDNN's: details and the
              # per-instruction SASS samples as text), the coarse stage's configs, the torch eager host cost
     t 240 ncu --clock-control none --profile-from-start off --set full --import-source yes -f -o "$out/bwd64" \
-      python3 benchmarks/sm90_bwd64_profile.py ours cudnn
+      python3 benchmarks/sm90_bwd64_profile.py ${PROFILE_BWD:-ours split cudnn}
     t 60 ncu -i "$out/bwd64.ncu-rep" --page details --print-units base
     t 60 sh -c "ncu -i '$out/bwd64.ncu-rep' --page source --csv --print-source sass > '$out/bwd64_sass.csv'"
     rm -f "$out/bwd64.ncu-rep"

@@ -2,11 +2,11 @@
 profiler range, for Nsight Compute:
 
     ncu --clock-control none --profile-from-start off --set full --import-source yes \
-        -o $OUT/bwd64 python3 benchmarks/sm90_bwd64_profile.py [ours] [cudnn]
+        -o $OUT/bwd64 python3 benchmarks/sm90_bwd64_profile.py [ours] [split] [cudnn]
 
 Everything is compiled and run twice before the range opens, so the range holds exactly one call of
-each: ours is the dq_accum fill, the main kernel and the dQ postprocess (the default configuration,
-`prepare_backward64`'s); cuDNN's is its backward's kernels. Inputs as sm90_fwd64_check.timing_problem
+each: ours (the default configuration) and split (`sm90_bwd64_split`) are the dq_accum fill, the
+main kernel and the dQ postprocess; cuDNN's is its backward's kernels. Inputs as sm90_fwd64_check.timing_problem
 (B1 H12 S39936 D128 top-62, random ascending lists, bf16), dO random; out and lse from our forward,
 delta from the Triton preprocess, the KV-owned lists from the same selection.
 """
@@ -50,9 +50,10 @@ def main(names) -> None:
             calls.append((name, lambda: cudnn_api.block_sparse_attention_backward(
                 do, q, k, v, out, lse, idx, None, counts, num, softmax_scale=scale, dq_tensor=dq, dk_tensor=dk,
                 dv_tensor=dv, sparse_block_size=E, layout="bhsd")))
-        else:
+        else:  # "ours": the default configuration; "split": sm90_bwd64_split (3 slots)
+            options = dict(split=True, stages=3) if name == "split" else {}
             calls.append((name, sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
-                                                              counts, softmax_scale=scale)))
+                                                              counts, softmax_scale=scale, **options)))
     for _, fn in calls:  # compile, build graphs, warm
         fn()
         fn()
