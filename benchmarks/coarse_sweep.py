@@ -24,7 +24,7 @@ sys.path[:0] = [os.path.dirname(HERE)]
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from vsa_core import stages as S  # noqa: E402
+from vsa_core import stages as ST  # noqa: E402
 from vsa_core.launch import eager_launcher  # noqa: E402
 from vsa_core.problem import AttnProblem  # noqa: E402
 
@@ -66,7 +66,7 @@ def main():
         global do_bench
         do_bench = lambda fn, **kw: (fn(), 0.0)[1]  # noqa: E731 - the interpreter: run once, no timing
     results = {}
-    defaults = {st: S.COARSE_CONFIGS[128][st] for st in ("ds", "grads", "fwd")}
+    defaults = {st: ST.COARSE_CONFIGS[128][st] for st in ("ds", "grads", "fwd")}
     for shape in args.shapes.split(","):
         H, S, E = SHAPES[shape]
         n = S // E
@@ -84,17 +84,17 @@ def main():
              "P": torch.empty(1, H, n, n, **f32), "dS": torch.empty(1, H, n, n, **f32)}
 
         def fwd():
-            S.coarse_forward(eager_launcher, p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
+            ST.coarse_forward(eager_launcher, p, qc, kc, vc, counts, b["scores"], b["out"], b["lse"])
 
         def bwd():
-            S.coarse_backward(eager_launcher, p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"],
+            ST.coarse_backward(eager_launcher, p, qc, kc, vc, counts, b["out"], b["lse"], dout, b["dq"], b["dk"],
                               b["dv"], b["P"], b["dS"])
 
         ref = exact(qc[0], kc[0], vc[0], counts.bool(), dout[0])
         rows = {}
         for stage, cands in CANDIDATES.items():
             for cand in cands:
-                S.COARSE_CONFIGS[128] = dict(defaults, **{stage: cand})
+                ST.COARSE_CONFIGS[128] = dict(defaults, **{stage: cand})
                 name = f"{stage} {cand}"
                 try:
                     for t in b.values():
@@ -109,23 +109,23 @@ def main():
                 except Exception as e:  # noqa: BLE001 - one failing config must not hide the rest
                     rows[name] = {"ms": float("nan"), "err": float("nan"), "ok": False, "error": repr(e)[:200]}
                 print(f"{shape} {name}: {rows[name]}", flush=True)
-        S.COARSE_CONFIGS[128] = dict(defaults)
+        ST.COARSE_CONFIGS[128] = dict(defaults)
         # pooling of q, k, v (bf16 token tensors of the shape)
         q, k, v = (torch.randn(1, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
         pools = [torch.empty(1, H, n, D, device=dev, dtype=torch.bfloat16) for _ in range(3)]
         ref_pool = q.view(1, H, n, E, D).float().mean(3)
-        saved = S.POOL_CONFIG
+        saved = ST.POOL_CONFIG
         for cand in POOL_CANDIDATES:
-            S.POOL_CONFIG = cand
-            S.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools)
+            ST.POOL_CONFIG = cand
+            ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools)
             keep = counts.bool()[None, None, :, None]
             err = rel(pools[0].float() * keep, ref_pool * keep)
-            ms = do_bench(lambda: S.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools),
+            ms = do_bench(lambda: ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *pools),
                           warmup=10, rep=50, return_mode="median")
             gbs = 3 * q.numel() * 2 / ms / 1e6 if ms else 0.0
             rows[f"pool {cand}"] = {"ms": ms, "err": err, "ok": err < 1e-2, "GB/s": gbs}
             print(f"{shape} pool {cand}: {rows[f'pool {cand}']}", flush=True)
-        S.POOL_CONFIG = saved
+        ST.POOL_CONFIG = saved
         results[shape] = rows
         del q, k, v, pools, b
         torch.cuda.empty_cache()
