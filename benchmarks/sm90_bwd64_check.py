@@ -66,6 +66,9 @@ VARIANTS = {
     "redov": (dict(stages=2, dq_red=True, dk_overlap=True),
               "the default: red + dQ issued before dK, dK left in flight under the next S/dP (no wait_group(0) per step): "
               "the reds overlap dK and the tensor pipe goes dK_j -> S_j+1 without a gap; ~+3-8% over red"),
+    "redovL": (dict(stages=2, dq_red=True, dk_overlap=True, list_in_smem=True),
+               "redov with the list's first 256 entries in shared memory (list_in_smem): ncu's top stall in redov "
+               "is the refill's TMA waiting on the global load of its list entry"),
     "split3": (dict(stages=3, split=True),
                "sm90_bwd64_split: a producer warpgroup and two cooperating warpgroups (S^T, P^T, dV | dP^T, dS, dQ, dK) "
                "a pair apart, 1 CTA/SM: each one's elementwise work under the other's wgmmas; cuDNN's split "

@@ -32,6 +32,8 @@ VARIANTS = {
     "red-fp16": dict(stages=2, dq_red=True, dk_overlap=False, dtype=cutlass.Float16),
     "redov": dict(stages=2),  # the default: dq_red + dk_overlap
     "redov-d64": dict(stages=2, head_dim=64),
+    "redov-list": dict(stages=2, list_in_smem=True),
+    "redov-list-pool": dict(stages=2, list_in_smem=True, pool_grads=True),
     "redov-fp16": dict(stages=2, dtype=cutlass.Float16),
     "redov-pool": dict(stages=2, pool_grads=True),  # the sm90 backend's VSA backward
     "redov-pool-ignore": dict(stages=2, pool_grads=True, ignore_padding=True),

@@ -98,6 +98,7 @@ from .sm90_common import cute_tensor, cutlass_dtype, rows_cols
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 THREADS = 128       # one warpgroup
+LIST_WINDOW = 256   # list_in_smem: the first entries of a KV block's list kept in shared memory
 MAJOR_K = cute.nvgpu.warpgroup.OperandMajorMode.K
 MAJOR_MN = cute.nvgpu.warpgroup.OperandMajorMode.MN
 
@@ -201,7 +202,7 @@ class BlockSparseBwd64Sm90:
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 2,
                  ctas_per_sm: Optional[int] = None, dq_red: bool = True, dk_overlap: bool = True,
-                 pool_grads: bool = False, ignore_padding: bool = False):
+                 pool_grads: bool = False, ignore_padding: bool = False, list_in_smem: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert head_dim in (64, 128), "head dim 64 or 128"
         assert stages >= 2, "the dQ staging reuses a Q / dO slot: 2 slots at least"
@@ -213,6 +214,10 @@ class BlockSparseBwd64Sm90:
         self.dk_overlap = dk_overlap  # dQ issued before dK; dK retires under the next S / dP
         self.pool_grads = pool_grads  # VSA: dk_pool / dv_pool spread over the block's rows in the epilogue
         self.ignore_padding = ignore_padding  # ... to its valid rows only (padding="ignore")
+        # the list's first LIST_WINDOW entries copied to shared memory once per CTA: a step's entry
+        # and its refill's come by LDS instead of a global load (whose round trip the refill's TMA
+        # and the entry's clamp wait for, in order, at every step; entries past the window: global)
+        self.list_in_smem = list_in_smem
         tile_bytes = BLOCK * head_dim * 2
         # K, V; Q + dO per stage; dS; lse + delta per stage; barriers
         self.smem_bytes = tile_bytes * (2 + 2 * stages) + BLOCK * BLOCK * 2 + 2 * 4 * BLOCK * stages + 1024
@@ -272,6 +277,8 @@ class BlockSparseBwd64Sm90:
         o = self._operands(mQ, mK, mV, mdO, mdK, mdV)
         sKV_layout, sQdO_layout, sdS_layout = o["sKV_layout"], o["sQdO_layout"], o["sdS_layout"]
 
+        list_len = LIST_WINDOW * int(self.list_in_smem) + 4 * int(not self.list_in_smem)  # (no `if`: traced)
+
         @cute.struct
         class Storage:
             kv_full: cute.struct.MemRange[cutlass.Int64, 1]
@@ -281,6 +288,7 @@ class BlockSparseBwd64Sm90:
             sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sQdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+            sList: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, list_len], 16]
 
         self.storage = Storage
         self.smem_bytes = Storage.size_in_bytes()
@@ -380,6 +388,13 @@ class BlockSparseBwd64Sm90:
         n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
         count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
         sel = mInvIdx[b, h, kvb, None]
+        sList = sel  # list_in_smem: the window (placeholder otherwise, never read)
+        if cutlass.const_expr(self.list_in_smem):
+            sList = st.sList.get_tensor(cute.make_layout(LIST_WINDOW))
+            for i in cutlass.range_constexpr(LIST_WINDOW // THREADS):
+                if i * THREADS + tidx < n:
+                    sList[i * THREADS + tidx] = sel[i * THREADS + tidx]
+            cute.arch.sync_threads()
         if n > 0:
             if warp == 0:
                 kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
@@ -387,12 +402,12 @@ class BlockSparseBwd64Sm90:
                 cute.copy(tma_v, tVg, tKs[None, 1], tma_bar_ptr=kv_full.get_barrier(0))
                 for s in cutlass.range_constexpr(S):
                     if s < n:
-                        self._load_q_tile(loads, self._clamp(sel[s], n_q), s)
+                        self._load_q_tile(loads, self._clamp(self._entry(sel, sList, s), n_q), s)
             kv_full.wait(0, 0)
             last = cutlass.Int32(-1)
             for j in cutlass.range(n, unroll=1):
                 s = j % S
-                entry = sel[j]
+                entry = self._entry(sel, sList, j)
                 qb = self._clamp(entry, n_q)
                 valid = cutlass.Int32(0)
                 if (entry > last) & (entry < n_q):
@@ -410,7 +425,7 @@ class BlockSparseBwd64Sm90:
                     if warp == 0:
                         if j >= 1 and j - 1 + S < n:
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
-                            self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
+                            self._load_q_tile(loads, self._clamp(self._entry(sel, sList, j - 1 + S), n_q), (j - 1) % S)
                 elif cutlass.const_expr(not self.dk_overlap):
                     # every warp's GEMMs of step j - 1 retired (their wait_group(0)): the slot of step
                     # j - 1 takes block j - 1 + S, and sdS may be overwritten (WAR on dQ_{j-1}'s reads)
@@ -418,7 +433,7 @@ class BlockSparseBwd64Sm90:
                         cute.arch.barrier(barrier_id=2, number_of_threads=THREADS)
                         if warp == 0:
                             if j - 1 + S < n:
-                                self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
+                                self._load_q_tile(loads, self._clamp(self._entry(sel, sList, j - 1 + S), n_q), (j - 1) % S)
                 for ci in cutlass.range_constexpr(n_cols):
                     lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
                     if lse2 == -cutlass.Float32.inf:  # a row that saw nothing: P = 0
@@ -433,7 +448,7 @@ class BlockSparseBwd64Sm90:
                         cute.arch.barrier(barrier_id=2, number_of_threads=THREADS)
                         if warp == 0:
                             if j - 1 + S < n:
-                                self._load_q_tile(loads, self._clamp(sel[j - 1 + S], n_q), (j - 1) % S)
+                                self._load_q_tile(loads, self._clamp(self._entry(sel, sList, j - 1 + S), n_q), (j - 1) % S)
                 # P^T; KV rows past the count (all of them for a skipped entry) are exactly 0
                 for ri in cutlass.range_constexpr(n_rows):
                     row_ok = cS_rc[ri, 0][0] < valid
@@ -518,6 +533,19 @@ class BlockSparseBwd64Sm90:
     def _clamp(self, entry, n_blocks):
         """An entry clamped into [0, n_blocks): always safe to address (a skipped entry is masked)."""
         return cutlass.min(cutlass.max(entry, 0), n_blocks - 1)
+
+    @cute.jit
+    def _entry(self, sel, sList, j):
+        """List entry j (j < the clamped count): from the shared-memory window with list_in_smem."""
+        entry = cutlass.Int32(0)
+        if cutlass.const_expr(self.list_in_smem):
+            if j < LIST_WINDOW:
+                entry = sList[j]
+            else:
+                entry = sel[j]
+        else:
+            entry = sel[j]
+        return entry
 
     @cute.jit
     def _gemm_k(self, mma, acc, rA, a_slot, rB, b_slot):
@@ -637,7 +665,8 @@ def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_
 def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, *,
                        softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = True,
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
-                       q_counts=None, ignore_padding: bool = False, split: bool = False):
+                       q_counts=None, ignore_padding: bool = False, split: bool = False,
+                       list_in_smem: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -708,7 +737,7 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
     ignore_padding = bool(ignore_padding and pool_grads)
-    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding, split)
+    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding, split, list_in_smem)
     fns = _COMPILED.get(key)
     if fns is None:
         flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding)
@@ -716,7 +745,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
             from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
             main = BlockSparseBwd64Sm90Split(cutlass_dtype(q), D, stages, **flags)
         else:
-            main = BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap, **flags)
+            main = BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap,
+                                        list_in_smem=list_in_smem, **flags)
         fns = (cute.compile(main, *main_c, scale, fake_stream),
                cute.compile(DqPostprocess(cutlass_dtype(q), D, **flags), *post_c, scale, fake_stream))
         _COMPILED[key] = fns
