@@ -322,19 +322,9 @@ class BlockSparseBwd64Sm90:
         cap = mInvIdx.shape[3]
 
         st = SmemAllocator().allocate(self.storage)
-        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
-        kv_full = pipeline.MbarrierArray(st.kv_full.data_ptr(), num_stages=1, agent=tma_load)
-        qdo_full = pipeline.MbarrierArray(st.qdo_full.data_ptr(), num_stages=S, agent=tma_load)
-        if warp == 0:
-            with cute.arch.elect_one():
-                for atom in (tma_q, tma_do, tma_k, tma_v):
-                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        kv_full, qdo_full = self._load_barriers(st, warp, (tma_q, tma_do, tma_k, tma_v))
 
-        sKV = st.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sQdO = st.sQdO.get_tensor(sQdO_layout.outer, swizzle=sQdO_layout.inner)
-        sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sLSE = st.sLSE.get_tensor(cute.make_layout((BLOCK, S)))
-        sDelta = st.sDelta.get_tensor(cute.make_layout((BLOCK, S)))
+        sKV, sQdO, sdS, sLSE, sDelta = self._shared_tensors(st, sKV_layout, sQdO_layout, sdS_layout)
         # the dQ staging of stage s: its Q + dO slots as 64 * D fp32
         stage_f32 = cute.recast_ptr(st.sQdO.data_ptr(), dtype=cutlass.Float32)
         sStage = cute.make_tensor(stage_f32, cute.append(_staging_layout(D), cute.make_layout(S, stride=BLOCK * D)))
@@ -533,6 +523,30 @@ class BlockSparseBwd64Sm90:
     def _clamp(self, entry, n_blocks):
         """An entry clamped into [0, n_blocks): always safe to address (a skipped entry is masked)."""
         return cutlass.min(cutlass.max(entry, 0), n_blocks - 1)
+
+    def _load_barriers(self, st, warp, atoms):
+        """The K / V and the Q / dO ring's transaction mbarriers; warp 0 prefetches the TMA descriptors
+        (called while the kernel is traced)."""
+        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
+        kv_full = pipeline.MbarrierArray(st.kv_full.data_ptr(), num_stages=1, agent=tma_load)
+        qdo_full = pipeline.MbarrierArray(st.qdo_full.data_ptr(), num_stages=self.stages, agent=tma_load)
+        self._prefetch(warp, atoms)
+        return kv_full, qdo_full
+
+    @cute.jit
+    def _prefetch(self, warp, atoms):
+        if warp == 0:
+            with cute.arch.elect_one():
+                for atom in atoms:
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+    def _shared_tensors(self, st, sKV_layout, sQdO_layout, sdS_layout):
+        """(K / V, the Q / dO ring, dS, lse, delta) in shared memory (called while the kernel is traced)."""
+        S = self.stages
+        return (st.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner),
+                st.sQdO.get_tensor(sQdO_layout.outer, swizzle=sQdO_layout.inner),
+                st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+                st.sLSE.get_tensor(cute.make_layout((BLOCK, S))), st.sDelta.get_tensor(cute.make_layout((BLOCK, S))))
 
     @cute.jit
     def _entry(self, sel, sList, j):

@@ -118,21 +118,11 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         cap = mInvIdx.shape[3]
 
         st = SmemAllocator().allocate(self.storage)
-        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
+        kv_full, qdo_full = self._load_barriers(st, warp, (tma_q, tma_do, tma_k, tma_v))
         release = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(pipeline.Agent.Thread, 8))
-        kv_full = pipeline.MbarrierArray(st.kv_full.data_ptr(), num_stages=1, agent=tma_load)
-        qdo_full = pipeline.MbarrierArray(st.qdo_full.data_ptr(), num_stages=S, agent=tma_load)
         qdo_empty = pipeline.MbarrierArray(st.qdo_empty.data_ptr(), num_stages=S, agent=release)
-        if warp == 0:
-            with cute.arch.elect_one():
-                for atom in (tma_q, tma_do, tma_k, tma_v):
-                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
-        sKV = st.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sQdO = st.sQdO.get_tensor(sQdO_layout.outer, swizzle=sQdO_layout.inner)
-        sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sLSE = st.sLSE.get_tensor(cute.make_layout((BLOCK, S)))
-        sDelta = st.sDelta.get_tensor(cute.make_layout((BLOCK, S)))
+        sKV, sQdO, sdS, sLSE, sDelta = self._shared_tensors(st, sKV_layout, sQdO_layout, sdS_layout)
         v = BLOCK * BLOCK // WG  # accumulator registers of an m64n64 tile per thread
         # thread t's register i at i * 128 + t: a warp's 32 threads store / load 32 consecutive words
         sP = st.sP.get_tensor(cute.make_layout((v, WG), stride=(WG, 1)))
