@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import sm90_bwd64_check as bcheck  # noqa: E402
 import sm90_fwd64_check as fcheck  # noqa: E402
+import sm90_fwd64_profile as fprof  # noqa: E402
 
 E = 64
 
@@ -54,18 +55,7 @@ def main(names) -> None:
             options = dict(split=True, stages=3) if name == "split" else {}
             calls.append((name, sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
                                                               counts, softmax_scale=scale, **options)))
-    for _, fn in calls:  # compile, build graphs, warm
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    for name, fn in calls:
-        torch.cuda.nvtx.range_push(name)
-        fn()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
-    print("profiled:", ", ".join(names), flush=True)
+    fprof.profile_calls(calls)
 
 
 if __name__ == "__main__":
