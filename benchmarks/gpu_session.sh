@@ -141,7 +141,7 @@ case $step in
   kernels)  # issue 21's kernel variants against the defaults (each checked against float64, then timed)
              # and the torch eager host cost
     t 100 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
-    t 200 python3 benchmarks/sm90_fwd64_check.py --only=ws3L,ws3LE,k1v2L,k1v2LE --quick
+    t 200 python3 benchmarks/sm90_fwd64_check.py --only=ws3L,ws3LW,k1v2L,k1v2LW --quick
     t 200 python3 benchmarks/sm90_bwd64_check.py --variants=redov,redovL,split3
     ;;
   profile)  # issue 21/22 data: ncu of the 64-token backward (ours against cuDNN's: details and the

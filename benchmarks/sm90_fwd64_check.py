@@ -66,9 +66,9 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
                     lazy_rescale=True),
     "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
     "ws3L": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True),
-    # E = carry_entries: tile j + 1's list entry read during step j (no dependent load before QK_j)
-    "k1v2LE": dict(k_stages=1, v_stages=2, lazy_rescale=True, carry_entries=True),
-    "ws3LE": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, carry_entries=True),
+    # W = list_in_smem: each consumer's list entries and counts from a shared-memory window
+    "k1v2LW": dict(k_stages=1, v_stages=2, lazy_rescale=True, list_in_smem=True),
+    "ws3LW": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, list_in_smem=True),
     # S = shared_kv: one K and one V ring per CTA, filled in union order (rings sized to the shared memory)
     "ws2S": dict(k_stages=5, v_stages=7, consumers=2, warp_specialized=True, lazy_rescale=True, shared_kv=True),
     "ws3S": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True, shared_kv=True),

@@ -74,6 +74,7 @@ BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 LAZY_RESCALE_LOG2 = 8.0  # lazy_rescale: P stays <= 2^8
+LIST_WINDOW = 128   # list_in_smem: the first entries of each query block's list (and their counts) in shared memory
 
 
 class BlockSparseFwd64Sm90:
@@ -132,7 +133,7 @@ class BlockSparseFwd64Sm90:
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
-                 shared_kv: bool = False, carry_entries: bool = False):
+                 shared_kv: bool = False, list_in_smem: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
@@ -157,11 +158,14 @@ class BlockSparseFwd64Sm90:
         # one K ring and one V ring for the CTA's consumers, filled in the order of the union of their
         # lists (`shared_kv_lists`): a KV block two or three consumers select comes from L2 once
         self.shared_kv = shared_kv
-        # the next tile's list entry kept in a register from the step before, so that no load whose
-        # address is itself being loaded (the block count of sel[j]) sits in front of QK_j's issue:
-        # issue is in order, and such a load waits a full round trip (cuDNN's blk64 forward reads
-        # its lists this way); with k_stages=1 / v_stages=2 the refills' blocks come from registers too
-        self.carry_entries = carry_entries and not shared_kv
+        # each consumer's first LIST_WINDOW list entries and their block counts copied to shared memory
+        # once per CTA: a step's entry, count and refill blocks come by LDS. In the default a step
+        # first loads sel[j], then kv_counts[sel[j]] (an address being loaded) and the refills'
+        # entries, before QK_j's issue; issue is in order, so each waits a global round trip.
+        # (Carrying the next entry in a register instead lost: ptxas moves the carried value into a
+        # uniform register right after its load is issued, at the top of the step.)
+        assert not (list_in_smem and shared_kv), "list_in_smem reads the own lists (shared_kv reads unions)"
+        self.list_in_smem = list_in_smem
         self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
@@ -220,6 +224,9 @@ class BlockSparseFwd64Sm90:
         sV_layout = cute.tile_to_shape(v_atom, (D, BLOCK, NR * self.v_stages), order=(1, 0, 2))
         self.tile_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
 
+        # (entry, count) x LIST_WINDOW per consumer with list_in_smem (no `if`: the body is traced)
+        list_len = 2 * LIST_WINDOW * NC * int(self.list_in_smem) + 4 * int(not self.list_in_smem)
+
         @cute.struct
         class Storage:
             q_full: cute.struct.MemRange[cutlass.Int64, NC]
@@ -230,6 +237,7 @@ class BlockSparseFwd64Sm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sList: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, list_len], 16]
 
         self.storage = Storage
         self.smem_bytes = Storage.size_in_bytes()  # the real figure, once traced
@@ -308,7 +316,9 @@ class BlockSparseFwd64Sm90:
             lists.update(union=mUnionIdx[b, h, bx, None],
                          union_n=cutlass.min(cutlass.max(mUnionNum[b, h, bx], 0), mUnionIdx.shape[3]))
 
-        cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        if cutlass.const_expr(self.list_in_smem):
+            lists["win"] = self._fill_windows(st, lists, bx, tidx)
+        cute.arch.sync_threads()  # barrier inits (and list windows) visible before any arrive / wait
         if cutlass.const_expr(not self.ws):
             self._consumer(0, bx, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c)
@@ -408,6 +418,7 @@ class BlockSparseFwd64Sm90:
         mKVCounts = lists["kv_counts"]
         n = self._count(lists, qb)
         sel = lists["idx"][b, h, cutlass.min(qb, lists["idx"].shape[2] - 1), None]
+        win = lists["win"][None, None, ci] if cutlass.const_expr(self.list_in_smem) else sel  # (placeholder)
         ks0, vs0 = ci * KS, ci * VS  # this consumer's ring slots
         turns = cutlass.Int32(0)  # ping-pong: GEMM steps taken in turns (both consumers' common length)
         if cutlass.const_expr(self.pingpong):
@@ -447,21 +458,17 @@ class BlockSparseFwd64Sm90:
                     self._load_q(ci, qb, tma, bars, lists)
                     for j in cutlass.range_constexpr(KS):
                         if j < n:
-                            self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, self._block(sel, j, n_kv), j)
+                            self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, self._blk(sel, win, j, n_kv), j)
                     for j in cutlass.range_constexpr(VS):
                         if j < n:
-                            self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, self._block(sel, j, n_kv), j)
+                            self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, self._blk(sel, win, j, n_kv), j)
             if cutlass.const_expr(self.pingpong):
                 if ci == 1 and turns > 0:
                     self._turn_pass(ci)  # consumer 0 takes the first turn
             # List entries are read one tile ahead (loads issued before the waits they would
             # otherwise sit behind): `entry` / `count` are tile j's, for its mask.
-            entry = sel[0]
-            count = mKVCounts[self._clamp(entry, n_kv)]
-            entry_next = sel[cutlass.min(1, n - 1)]  # carry_entries: tile j + 1's entry during step j
-            k_next = self._block(sel, cutlass.min(KS, n - 1), n_kv)
-            if cutlass.const_expr(self.carry_entries and KS == 1):
-                k_next = self._clamp(entry_next, n_kv)
+            entry, count = self._entry_count(sel, win, 0, n_kv, mKVCounts)
+            k_next = self._blk(sel, win, cutlass.min(KS, n - 1), n_kv)
             bars["q_full"].wait(ci, 0)
             if cutlass.const_expr(self.q_in_regs):
                 cute.autovec_copy(tSsQ, rQ)
@@ -485,18 +492,8 @@ class BlockSparseFwd64Sm90:
             last = self._softmax_tile(S, cS_rc, entry, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
             rP_as_S.store(accS.load().to(self.dtype))
             for j in cutlass.range(1, n, unroll=1):
-                if cutlass.const_expr(self.carry_entries):
-                    entry = entry_next
-                    count = mKVCounts[self._clamp(entry, n_kv)]
-                    entry_next = sel[cutlass.min(j + 1, n - 1)]
-                    if cutlass.const_expr(KS == 1):
-                        k_next = self._clamp(entry_next, n_kv)
-                    else:
-                        k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
-                else:
-                    entry = sel[j]
-                    count = mKVCounts[self._clamp(entry, n_kv)]
-                    k_next = self._block(sel, cutlass.min(j + KS, n - 1), n_kv)
+                entry, count = self._entry_count(sel, win, j, n_kv, mKVCounts)
+                k_next = self._blk(sel, win, cutlass.min(j + KS, n - 1), n_kv)
                 # PV_{j-2} retired at the end of the last step: its V slot takes tile j - 2 + VS. Done
                 # here, not right after that wait: a branch behind the wait lets the compilers sink the
                 # softmax below it (seen in the SASS), and the softmax no longer overlaps PV_{j-1}.
@@ -505,9 +502,7 @@ class BlockSparseFwd64Sm90:
                         self._release(bars["v_empty"], vs0 + (j - 2) % VS)
                     else:
                         if warp == 0 and j - 2 + VS < n:
-                            v_next = self._block(sel, j - 2 + VS, n_kv)
-                            if cutlass.const_expr(self.carry_entries and VS == 2):
-                                v_next = self._clamp(entry, n_kv)  # tile j's
+                            v_next = self._blk(sel, win, j - 2 + VS, n_kv)
                             self._load_tile(tma["v"], tma["tVg"], tma["tVs"], v_full, v_next, (j - 2) % VS)
                 if cutlass.const_expr(self.pingpong):
                     if j < turns:
@@ -775,6 +770,56 @@ class BlockSparseFwd64Sm90:
         return self._clamp(sel[j], n_kv)
 
     @cute.jit
+    def _entry_count(self, sel, win, j, n_kv, mKVCounts):
+        """(list entry j, its block's count): from the consumer's shared-memory window with
+        list_in_smem (the count of a clamped entry's block, as the kernel reads it)."""
+        entry = cutlass.Int32(0)
+        count = cutlass.Int32(0)
+        if cutlass.const_expr(self.list_in_smem):
+            if j < LIST_WINDOW:
+                entry = win[j, 0]
+                count = win[j, 1]
+            else:
+                entry = sel[j]
+                count = mKVCounts[self._clamp(entry, n_kv)]
+        else:
+            entry = sel[j]
+            count = mKVCounts[self._clamp(entry, n_kv)]
+        return entry, count
+
+    @cute.jit
+    def _blk(self, sel, win, j, n_kv):
+        """The (clamped) block of list entry j, from the window with list_in_smem."""
+        blk = cutlass.Int32(0)
+        if cutlass.const_expr(self.list_in_smem):
+            if j < LIST_WINDOW:
+                blk = self._clamp(win[j, 0], n_kv)
+            else:
+                blk = self._block(sel, j, n_kv)
+        else:
+            blk = self._block(sel, j, n_kv)
+        return blk
+
+    @cute.jit
+    def _fill_windows(self, st, lists, bx, tidx):
+        """list_in_smem: each consumer's first LIST_WINDOW entries and their blocks' counts into shared
+        memory, by all the CTA's threads (the caller's sync_threads makes them visible)."""
+        NC = self.consumers
+        n_kv = lists["kv_counts"].shape[0]
+        win = st.sList.get_tensor(cute.make_layout((LIST_WINDOW, 2, NC)))
+        for ci in cutlass.range_constexpr(NC):
+            qb = bx * NC + ci
+            n = cutlass.min(self._count(lists, qb), LIST_WINDOW)
+            sel = lists["idx"][lists["b"], lists["h"], cutlass.min(qb, lists["idx"].shape[2] - 1), None]
+            for i in cutlass.range_constexpr((LIST_WINDOW + self.threads - 1) // self.threads):
+                k = i * self.threads + tidx
+                if k < n:
+                    entry = sel[k]
+                    win[k, 0, ci] = entry
+                    win[k, 1, ci] = lists["kv_counts"][self._clamp(entry, n_kv)]
+        return win
+
+    @cute.jit
     def _load_tile(self, atom, tXg, tXs, bar, blk, slot):
         """TMA of KV block `blk`'s tile into `slot`, completing on that slot's mbarrier."""
         bar.arrive_and_expect_tx(slot, self.tile_bytes)
@@ -888,7 +933,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                       q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
-                      carry_entries: bool = False):
+                      list_in_smem: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the forward on torch's current stream at the time of this call (the tensors' CuTe
     views are built once here: timing the callable leaves the per-call host conversion out).
@@ -973,7 +1018,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, carry_entries)
+           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, list_in_smem)
     vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
     cargs = [cute_tensor(t, 16 if i in vector_args else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -983,7 +1028,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
                                       q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
-                                      carry_entries=carry_entries)
+                                      list_in_smem=list_in_smem)
         fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
 
