@@ -19,14 +19,19 @@ dk and dv stay bitwise equal to the Triton backward's.
 
 Ordering. Slot j % stages holds query block j. Warpgroup 1 at step j: waits for the slot, issues S_j,
 waits for dV_{j-1} (then releases slot j - 1: S_{j-1} and dV_{j-1} were its reads of it) and for S_j,
-forms P_j, waits on named barrier P_FREE (warpgroup 2 has read P_{j-1}; not at j = 0), writes P_j,
-arrives on P_READY, issues dV_j. Warpgroup 2 at step j: waits for the slot, issues dP_j, waits for
-dK_{j-1} (then releases slot j - 1: its reads were dP_{j-1}, dK_{j-1}; dQ_{j-1} retired before its
-reductions) and for dP_j, waits on P_READY, forms dS_j, arrives on P_FREE (not after the last entry,
-so every arrival has its wait), stores dS_j for dQ (sdS is free: dQ_{j-1} retired), issues dQ_j and
-dK_j, waits for dQ_j and sends it. The producer fills entry j once both warpgroups released entry
+forms P_j, waits on named barrier P_FREE[j % 2] (warpgroup 2 has read P_{j-2} from P buffer j % 2;
+not at j < 2), writes P_j there, arrives on P_READY[j % 2], issues dV_j. Warpgroup 2 at step j: waits
+for the slot, issues dP_j, waits for dK_{j-1} (then releases slot j - 1: its reads were dP_{j-1},
+dK_{j-1}; dQ_{j-1} retired before its reductions) and for dP_j, waits on P_READY[j % 2], forms dS_j,
+arrives on P_FREE[j % 2] (only where step j + 2 exists, so every arrival has its wait), stores dS_j for
+dQ (sdS is free: dQ_{j-1} retired), issues dQ_j and dK_j, waits for dQ_j and sends it.
+Two P buffers, and a barrier pair per buffer: with one, ptxas moved most of the exp2s below the
+P_FREE wait (they feed the stores behind it), so warpgroup 1's softmax waited for warpgroup 2's dS
+of the step before. A named barrier counts threads, so each buffer needs its own pair: one side
+cannot arrive twice on a pair before the other side's wait (its next arrival there needs the other
+side's next arrival on the other barrier of the pair). The producer fills entry j once both warpgroups released entry
 j - stages, which each does at its step j - stages + 1 <= n - 1: every wait is met without a cycle
-(warpgroup 1 runs at most one entry ahead of warpgroup 2, through P_FREE).
+(warpgroup 1 runs at most two entries ahead of warpgroup 2, through P_FREE).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from .sm90_bwd64 import (BLOCK, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _po
 from .sm90_common import rows_cols
 
 WG = 128            # threads per warpgroup
-P_READY, P_FREE, DS_STORED = 1, 2, 3  # named barriers (0 is sync_threads)
+P_READY, P_FREE, DS_STORED = (1, 2), (4, 5), 3  # named barriers (0 is sync_threads); P_*: per P buffer
 
 
 class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
@@ -72,7 +77,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         dt = self.dtype
         o = self._operands(mQ, mK, mV, mdO, mdK, mdV)
         sKV_layout, sQdO_layout, sdS_layout = o["sKV_layout"], o["sQdO_layout"], o["sdS_layout"]
-        p_floats = BLOCK * BLOCK  # P^T of one pair in fp32, thread-ordered
+        p_floats = 2 * BLOCK * BLOCK  # P^T of a pair in fp32, thread-ordered: two buffers
 
         @cute.struct
         class Storage:
@@ -125,7 +130,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         sKV, sQdO, sdS, sLSE, sDelta = self._shared_tensors(st, sKV_layout, sQdO_layout, sdS_layout)
         v = BLOCK * BLOCK // WG  # accumulator registers of an m64n64 tile per thread
         # thread t's register i at i * 128 + t: a warp's 32 threads store / load 32 consecutive words
-        sP = st.sP.get_tensor(cute.make_layout((v, WG), stride=(WG, 1)))
+        sP = st.sP.get_tensor(cute.make_layout((v, WG, 2), stride=(WG, 1, v * WG)))
 
         n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
         count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
@@ -243,11 +248,13 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                     for ci in cutlass.range_constexpr(n_cols):
                         p = cute.math.exp2(cute.math.fma(P[ri, ci], c, -stat[ci]), fastmath=True)
                         P[ri, ci] = p if row_ok else cutlass.Float32(0.0)
-                if j >= 1:
-                    cute.arch.barrier(barrier_id=P_FREE, number_of_threads=2 * WG)  # P_{j-1} was read
+                pb = j % 2
+                if j >= 2:  # P_{j-2} was read from buffer pb
+                    cute.arch.barrier(barrier_id=P_FREE[0] + pb * (P_FREE[1] - P_FREE[0]), number_of_threads=2 * WG)
                 for i in cutlass.range_constexpr(cute.size(flatS)):
-                    sP[i, t] = flatS[i]
-                cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=2 * WG)
+                    sP[i, t, pb] = flatS[i]
+                cute.arch.barrier_arrive(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
+                                         number_of_threads=2 * WG)
                 rP_as_S.store(accS.load().to(dt))
                 cute.nvgpu.warpgroup.fence()
                 cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
@@ -314,14 +321,17 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 if j >= 1:
                     self._release(qdo_empty, (j - 1) % S)
                 cute.nvgpu.warpgroup.wait_group(0)
-                cute.arch.barrier(barrier_id=P_READY, number_of_threads=2 * WG)  # P_j is in shared memory
+                pb = j % 2
+                cute.arch.barrier(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
+                                  number_of_threads=2 * WG)  # P_j is in buffer pb
                 for i in cutlass.range_constexpr(cute.size(flatP)):
-                    flatP[i] = sP[i, t]
+                    flatP[i] = sP[i, t, pb]
                 for ri in cutlass.range_constexpr(cute.size(dS, mode=[0])):
                     for ci in cutlass.range_constexpr(n_cols):
                         dS[ri, ci] = Pf[ri, ci] * (dS[ri, ci] - stat[ci])
-                if j + 1 < n:
-                    cute.arch.barrier_arrive(barrier_id=P_FREE, number_of_threads=2 * WG)
+                if j + 2 < n:
+                    cute.arch.barrier_arrive(barrier_id=P_FREE[0] + pb * (P_FREE[1] - P_FREE[0]),
+                                             number_of_threads=2 * WG)
                 rdS_as_S.store(accdP.load().to(dt))
                 cute.autovec_copy(rdS_as_S, tSsdS)  # dQ_{j-1}, its last reader, retired at step j - 1
                 cute.arch.fence_view_async_shared()  # dS in shared memory, visible to the wgmma
