@@ -74,6 +74,7 @@ VARIANTS = {
                "a pair apart, 1 CTA/SM: each one's elementwise work under the other's wgmmas; cuDNN's split "
                "(5005 us main kernel against our 5318)"),
     "split2": (dict(stages=2, split=True), "split3 with a 2-slot Q/dO ring"),
+    "split3L": (dict(stages=3, split=True, list_in_smem=True), "split3 with the list window in shared memory"),
 }
 ACTIVE = ["redov", "s2", "red"]  # the default first (its row + preprocess is timed too)
 

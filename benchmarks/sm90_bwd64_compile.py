@@ -40,6 +40,7 @@ VARIANTS = {
     "split-s2": dict(split=True, stages=2),  # two cooperating warpgroups + a producer (sm90_bwd64_split)
     "split-s3": dict(split=True, stages=3),
     "split-s3-pool": dict(split=True, stages=3, pool_grads=True),
+    "split-s3-list": dict(split=True, stages=3, list_in_smem=True),
     "split-s3-k": dict(split=True, stages=3, k_in_regs=True),
     "split-s3-kv": dict(split=True, stages=3, k_in_regs=True, v_in_regs=True),
     "split-s3-d64": dict(split=True, stages=3, head_dim=64),

@@ -378,13 +378,7 @@ class BlockSparseBwd64Sm90:
         n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
         count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
         sel = mInvIdx[b, h, kvb, None]
-        sList = sel  # list_in_smem: the window (placeholder otherwise, never read)
-        if cutlass.const_expr(self.list_in_smem):
-            sList = st.sList.get_tensor(cute.make_layout(LIST_WINDOW))
-            for i in cutlass.range_constexpr(LIST_WINDOW // THREADS):
-                if i * THREADS + tidx < n:
-                    sList[i * THREADS + tidx] = sel[i * THREADS + tidx]
-            cute.arch.sync_threads()
+        sList = self._list_window(st, sel, n, tidx, THREADS)
         if n > 0:
             if warp == 0:
                 kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
@@ -415,7 +409,7 @@ class BlockSparseBwd64Sm90:
                     if warp == 0:
                         if j >= 1 and j - 1 + S < n:
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
-                            self._load_q_tile(loads, self._clamp(self._entry(sel, sList, j - 1 + S), n_q), (j - 1) % S)
+                            self._refill(loads, sel, sList, j - 1 + S, n_q, (j - 1) % S)
                 elif cutlass.const_expr(not self.dk_overlap):
                     # every warp's GEMMs of step j - 1 retired (their wait_group(0)): the slot of step
                     # j - 1 takes block j - 1 + S, and sdS may be overwritten (WAR on dQ_{j-1}'s reads)
@@ -423,7 +417,7 @@ class BlockSparseBwd64Sm90:
                         cute.arch.barrier(barrier_id=2, number_of_threads=THREADS)
                         if warp == 0:
                             if j - 1 + S < n:
-                                self._load_q_tile(loads, self._clamp(self._entry(sel, sList, j - 1 + S), n_q), (j - 1) % S)
+                                self._refill(loads, sel, sList, j - 1 + S, n_q, (j - 1) % S)
                 for ci in cutlass.range_constexpr(n_cols):
                     lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
                     if lse2 == -cutlass.Float32.inf:  # a row that saw nothing: P = 0
@@ -438,7 +432,7 @@ class BlockSparseBwd64Sm90:
                         cute.arch.barrier(barrier_id=2, number_of_threads=THREADS)
                         if warp == 0:
                             if j - 1 + S < n:
-                                self._load_q_tile(loads, self._clamp(self._entry(sel, sList, j - 1 + S), n_q), (j - 1) % S)
+                                self._refill(loads, sel, sList, j - 1 + S, n_q, (j - 1) % S)
                 # P^T; KV rows past the count (all of them for a skipped entry) are exactly 0
                 for ri in cutlass.range_constexpr(n_rows):
                     row_ok = cS_rc[ri, 0][0] < valid
@@ -547,6 +541,24 @@ class BlockSparseBwd64Sm90:
                 st.sQdO.get_tensor(sQdO_layout.outer, swizzle=sQdO_layout.inner),
                 st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
                 st.sLSE.get_tensor(cute.make_layout((BLOCK, S))), st.sDelta.get_tensor(cute.make_layout((BLOCK, S))))
+
+    @cute.jit
+    def _list_window(self, st, sel, n, tidx, threads: cutlass.Constexpr):
+        """list_in_smem: the list's first LIST_WINDOW entries copied to shared memory by the CTA's
+        `threads` threads (then visible to all); the list itself otherwise (a placeholder, not read)."""
+        window = sel
+        if cutlass.const_expr(self.list_in_smem):
+            window = st.sList.get_tensor(cute.make_layout(LIST_WINDOW))
+            for i in cutlass.range_constexpr((LIST_WINDOW + threads - 1) // threads):
+                if i * threads + tidx < cutlass.min(n, LIST_WINDOW):
+                    window[i * threads + tidx] = sel[i * threads + tidx]
+            cute.arch.sync_threads()
+        return window
+
+    @cute.jit
+    def _refill(self, loads, sel, sList, j, n_q, s):
+        """Stage s takes the query block of list entry j."""
+        self._load_q_tile(loads, self._clamp(self._entry(sel, sList, j), n_q), s)
 
     @cute.jit
     def _entry(self, sel, sList, j):
@@ -757,7 +769,7 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
         flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding)
         if split:
             from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
-            main = BlockSparseBwd64Sm90Split(cutlass_dtype(q), D, stages, **flags)
+            main = BlockSparseBwd64Sm90Split(cutlass_dtype(q), D, stages, list_in_smem=list_in_smem, **flags)
         else:
             main = BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap,
                                         list_in_smem=list_in_smem, **flags)

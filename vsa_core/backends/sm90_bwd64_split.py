@@ -40,8 +40,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
-from .sm90_bwd64 import (BLOCK, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _pooling_grad, _red_add_v4_f32,
-                         _regs_4, _staging_layout, _transposed)
+from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _pooling_grad,
+                         _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
 from .sm90_common import rows_cols
 
 WG = 128            # threads per warpgroup
@@ -53,12 +53,13 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     the pooling gradients (VSA) as in the one-warpgroup kernel."""
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
-                 ignore_padding: bool = False, k_in_regs: bool = False, v_in_regs: bool = False):
+                 ignore_padding: bool = False, k_in_regs: bool = False, v_in_regs: bool = False,
+                 list_in_smem: bool = False):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
         super().__init__(dtype, head_dim, stages, ctas_per_sm=1, dq_red=True, dk_overlap=True,
-                         pool_grads=pool_grads, ignore_padding=ignore_padding)
+                         pool_grads=pool_grads, ignore_padding=ignore_padding, list_in_smem=list_in_smem)
         # K (warpgroup 1) / V (warpgroup 2) copied once into registers, S^T / dP^T as register-A
         # wgmmas: only Q / dO are read from shared memory by them (32 registers a thread each at D128).
         # Not usable yet: ptxas serialises the warpgroup's wgmmas with either (its C7514 remark,
@@ -78,6 +79,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         o = self._operands(mQ, mK, mV, mdO, mdK, mdV)
         sKV_layout, sQdO_layout, sdS_layout = o["sKV_layout"], o["sQdO_layout"], o["sdS_layout"]
         p_floats = 2 * BLOCK * BLOCK  # P^T of a pair in fp32, thread-ordered: two buffers
+        list_len = LIST_WINDOW * int(self.list_in_smem) + 4 * int(not self.list_in_smem)  # (no `if`: traced)
 
         @cute.struct
         class Storage:
@@ -90,6 +92,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sQdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+            sList: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, list_len], 16]
 
         self.storage = Storage
         self.smem_bytes = Storage.size_in_bytes()
@@ -136,25 +139,26 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
         sel = mInvIdx[b, h, kvb, None]
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
+        window = self._list_window(st, sel, n, tidx, 3 * WG)
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
                 if n > 0:
                     self._produce(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE,
-                                  sDelta, kv_full, qdo_full, qdo_empty, sel, n, n_q, kvb, h, b)
+                                  sDelta, kv_full, qdo_full, qdo_empty, sel, window, n, n_q, kvb, h, b)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             if wg == 1:
-                self._s_and_dv(t, n, count, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
+                self._s_and_dv(t, n, count, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
                                mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c)
             else:
-                self._dp_dq_dk(t, n, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
+                self._dp_dq_dk(t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
                                mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale)
 
     # ---- warpgroup 0, warp 0: the loads -----------------------------------------------------------
     @cute.jit
     def _produce(self, tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE, sDelta,
-                 kv_full, qdo_full, qdo_empty, sel, n, n_q, kvb, h, b):
+                 kv_full, qdo_full, qdo_empty, sel, window, n, n_q, kvb, h, b):
         S = self.stages
         D = self.head_dim
         one = cute.make_layout(1)
@@ -175,9 +179,9 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
         cute.copy(tma_k, tKg, tKs[None, 0], tma_bar_ptr=kv_full.get_barrier(0))
         cute.copy(tma_v, tVg, tVs[None, 1], tma_bar_ptr=kv_full.get_barrier(0))
-        qb = self._clamp(sel[0], n_q)
+        qb = self._clamp(self._entry(sel, window, 0), n_q)
         for j in cutlass.range(n, unroll=1):
-            qb_after = self._clamp(sel[cutlass.min(j + 1, n - 1)], n_q)  # read before the wait
+            qb_after = self._clamp(self._entry(sel, window, cutlass.min(j + 1, n - 1)), n_q)  # before the wait
             if j >= S:
                 qdo_empty.wait(j % S, (j // S + 1) % 2)
             self._load_q_tile(loads, qb, j % S)
@@ -191,7 +195,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     # ---- warpgroup 1: S^T, P^T, dV ----------------------------------------------------------------
     @cute.jit
-    def _s_and_dv(self, t, n, count, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
+    def _s_and_dv(self, t, n, count, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
                   mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c):
         S = self.stages
         D = self.head_dim
@@ -222,7 +226,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             last = cutlass.Int32(-1)
             for j in cutlass.range(n, unroll=1):
                 s = j % S
-                entry = sel[j]
+                entry = self._entry(sel, window, j)
                 valid = cutlass.Int32(0)
                 if (entry > last) & (entry < n_q):
                     last = entry
@@ -271,7 +275,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     # ---- warpgroup 2: dP^T, dS^T, dQ, dK ----------------------------------------------------------
     @cute.jit
-    def _dp_dq_dk(self, t, n, sel, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
+    def _dp_dq_dk(self, t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
                   mma_s, mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale):
         S = self.stages
         D = self.head_dim
@@ -307,7 +311,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 cute.autovec_copy(tSsV, rV)
             for j in cutlass.range(n, unroll=1):
                 s = j % S
-                qb = self._clamp(sel[j], n_q)
+                qb = self._clamp(self._entry(sel, window, j), n_q)
                 qdo_full.wait(s, (j // S) % 2)
                 cute.nvgpu.warpgroup.fence()
                 if cutlass.const_expr(self.v_in_regs):
