@@ -142,7 +142,7 @@ case $step in
              # and the torch eager host cost
     t 100 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
     t 200 python3 benchmarks/sm90_fwd64_check.py --only=ws3L,ws3LW,k1v2L,k1v2LW --quick
-    t 240 python3 benchmarks/sm90_bwd64_check.py --variants=redov,redovL,split3,split3L
+    t 240 python3 benchmarks/sm90_bwd64_check.py --variants=redov,redovL,split3,split3L,split3LB
     ;;
   profile)  # issue 21/22 data: ncu of the 64-token backward (ours against cuDNN's: details and the
              # per-instruction SASS samples as text), the coarse stage's configs, the torch eager host cost

@@ -75,6 +75,8 @@ VARIANTS = {
                "(5005 us main kernel against our 5318)"),
     "split2": (dict(stages=2, split=True), "split3 with a 2-slot Q/dO ring"),
     "split3L": (dict(stages=3, split=True, list_in_smem=True), "split3 with the list window in shared memory"),
+    "split3LB": (dict(stages=3, split=True, list_in_smem=True, dq_bulk=True),
+                 "split3L with dQ staged in shared memory and sent by the producer's warp 1 (one bulk reduction)"),
 }
 ACTIVE = ["redov", "s2", "red"]  # the default first (its row + preprocess is timed too)
 

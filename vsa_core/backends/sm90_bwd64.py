@@ -692,7 +692,7 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                        softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = True,
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
                        q_counts=None, ignore_padding: bool = False, split: bool = False,
-                       list_in_smem: bool = False):
+                       list_in_smem: bool = False, dq_bulk: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -705,7 +705,7 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     none): the mean pooling's gradients, dx_pool[block] / count added to every row of the block (to
     its valid rows only with ignore_padding), in the dQ postprocess and the dK / dV epilogue.
     split: the GEMMs over two cooperating warpgroups and a producer (`sm90_bwd64_split`; dq_red and
-    dk_overlap are its own, `stages` its Q / dO ring)."""
+    dk_overlap are its own, `stages` its Q / dO ring; dq_bulk its dQ through a staging buffer)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -763,13 +763,14 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
     ignore_padding = bool(ignore_padding and pool_grads)
-    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding, split, list_in_smem)
+    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding, split, list_in_smem, dq_bulk)
     fns = _COMPILED.get(key)
     if fns is None:
         flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding)
         if split:
             from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
-            main = BlockSparseBwd64Sm90Split(cutlass_dtype(q), D, stages, list_in_smem=list_in_smem, **flags)
+            main = BlockSparseBwd64Sm90Split(cutlass_dtype(q), D, stages, list_in_smem=list_in_smem, dq_bulk=dq_bulk,
+                                             **flags)
         else:
             main = BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap,
                                         list_in_smem=list_in_smem, **flags)

@@ -40,12 +40,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
-from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _pooling_grad,
-                         _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
+from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _bulk_reduce_add_f32,
+                         _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
 from .sm90_common import rows_cols
 
 WG = 128            # threads per warpgroup
 P_READY, P_FREE, DS_STORED = (1, 2), (4, 5), 3  # named barriers (0 is sync_threads); P_*: per P buffer
+DQ_FULL, DQ_EMPTY = 6, 7  # dq_bulk: warpgroup 2 <-> the producer's warp 1, 128 + 32 threads
 
 
 class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
@@ -54,7 +55,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
                  ignore_padding: bool = False, k_in_regs: bool = False, v_in_regs: bool = False,
-                 list_in_smem: bool = False):
+                 list_in_smem: bool = False, dq_bulk: bool = False):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
@@ -65,6 +66,10 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         # Not usable yet: ptxas serialises the warpgroup's wgmmas with either (its C7514 remark,
         # which benchmarks/sm90_bwd64_compile.py prints)
         self.k_in_regs, self.v_in_regs = k_in_regs, v_in_regs
+        # dQ leaves through a shared-memory staging buffer: warpgroup 2 stores its registers there and
+        # the producer's warp 1 sends one 32 KiB cp.reduce.async.bulk per pair (cuDNN's blk64 split), in
+        # place of 16 red.global.add.v4 a thread on warpgroup 2 (the busier one)
+        self.dq_bulk = dq_bulk
         # setmaxnreg budgets: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers
         self.producer_regs, self.mma_regs = 24, 240
 
@@ -80,6 +85,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         sKV_layout, sQdO_layout, sdS_layout = o["sKV_layout"], o["sQdO_layout"], o["sdS_layout"]
         p_floats = 2 * BLOCK * BLOCK  # P^T of a pair in fp32, thread-ordered: two buffers
         list_len = LIST_WINDOW * int(self.list_in_smem) + 4 * int(not self.list_in_smem)  # (no `if`: traced)
+        dq_floats = BLOCK * self.head_dim * int(self.dq_bulk) + 4 * int(not self.dq_bulk)
 
         @cute.struct
         class Storage:
@@ -93,6 +99,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             sQdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
             sList: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, list_len], 16]
+            sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_floats], 128]
 
         self.storage = Storage
         self.smem_bytes = Storage.size_in_bytes()
@@ -134,6 +141,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         v = BLOCK * BLOCK // WG  # accumulator registers of an m64n64 tile per thread
         # thread t's register i at i * 128 + t: a warp's 32 threads store / load 32 consecutive words
         sP = st.sP.get_tensor(cute.make_layout((v, WG, 2), stride=(WG, 1, v * WG)))
+        sdQ = st.sdQ.get_tensor(_staging_layout(self.head_dim)) if cutlass.const_expr(self.dq_bulk) else sP
 
         n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
         count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
@@ -146,6 +154,10 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 if n > 0:
                     self._produce(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE,
                                   sDelta, kv_full, qdo_full, qdo_empty, sel, window, n, n_q, kvb, h, b)
+            if cutlass.const_expr(self.dq_bulk):
+                if warp == 1:
+                    if n > 0:
+                        self._send_dq(sdQ, mDQacc, sel, window, n, n_q, h, b)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             if wg == 1:
@@ -153,7 +165,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                                mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c)
             else:
                 self._dp_dq_dk(t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
-                               mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale)
+                               sdQ, mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale)
 
     # ---- warpgroup 0, warp 0: the loads -----------------------------------------------------------
     @cute.jit
@@ -186,6 +198,22 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 qdo_empty.wait(j % S, (j // S + 1) % 2)
             self._load_q_tile(loads, qb, j % S)
             qb = qb_after
+
+    # ---- warpgroup 0, warp 1 (dq_bulk): dQ out ------------------------------------------------------
+    @cute.jit
+    def _send_dq(self, sdQ, mDQacc, sel, window, n, n_q, h, b):
+        """Per list entry: wait for warpgroup 2's staged dQ, add it into the workspace by one bulk
+        reduction, and free the staging once the reduction has read it."""
+        for j in cutlass.range(n, unroll=1):
+            qb = self._clamp(self._entry(sel, window, j), n_q)
+            cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=WG + 32)
+            with cute.arch.elect_one():
+                _bulk_reduce_add_f32(sdQ[None, None, 0].iterator, mDQacc[b, h, qb, None].iterator,
+                                     BLOCK * self.head_dim * 4)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if j + 1 < n:
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=WG + 32)
 
     @cute.jit
     def _release(self, bar, slot):
@@ -276,7 +304,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     # ---- warpgroup 2: dP^T, dS^T, dQ, dK ----------------------------------------------------------
     @cute.jit
     def _dp_dq_dk(self, t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
-                  mma_s, mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale):
+                  sdQ, mma_s, mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale):
         S = self.stages
         D = self.head_dim
         dt = self.dtype
@@ -346,10 +374,17 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(1)  # dQ_j; dK_j runs on under the next dP
-                gAcc = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
                 rq = _regs_4(accdQ)
-                for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
-                    _red_add_v4_f32(gAcc[None, k4, t].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
+                if cutlass.const_expr(self.dq_bulk):
+                    if j >= 1:  # the reduction of step j - 1 has read the staging
+                        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=WG + 32)
+                    cute.autovec_copy(rq, sdQ[None, None, t])
+                    cute.arch.fence_view_async_shared()  # visible to the bulk reduction (async proxy)
+                    cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=WG + 32)
+                else:
+                    gAcc = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
+                    for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
+                        _red_add_v4_f32(gAcc[None, k4, t].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
             cute.nvgpu.warpgroup.wait_group(0)  # the last dK
         gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
         rOut = cute.make_rmem_tensor_like(accdK, dt)
