@@ -30,9 +30,9 @@ Two P buffers, and a barrier pair per buffer: with one, ptxas moved most of the 
 P_FREE wait (they feed the stores behind it), so warpgroup 1's softmax waited for warpgroup 2's dS
 of the step before. A named barrier counts threads, so each buffer needs its own pair: one side
 cannot arrive twice on a pair before the other side's wait (its next arrival there needs the other
-side's next arrival on the other barrier of the pair). The producer fills entry j once both warpgroups released entry
-j - stages, which each does at its step j - stages + 1 <= n - 1: every wait is met without a cycle
-(warpgroup 1 runs at most two entries ahead of warpgroup 2, through P_FREE).
+side's next arrival on the other barrier of the pair). The producer fills entry j once both
+warpgroups released entry j - stages, which each does at its step j - stages + 1 <= n - 1: every wait
+is met without a cycle (warpgroup 1 runs at most two entries ahead of warpgroup 2, through P_FREE).
 """
 
 from __future__ import annotations
