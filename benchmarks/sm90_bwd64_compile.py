@@ -43,8 +43,6 @@ VARIANTS = {
     "split-s3-list": dict(split=True, stages=3, list_in_smem=True),
     "split-s3-list-bulk": dict(split=True, stages=3, list_in_smem=True, dq_bulk=True),
     "split-s3-list-bulk-pool": dict(split=True, stages=3, list_in_smem=True, dq_bulk=True, pool_grads=True),
-    "split-s3-k": dict(split=True, stages=3, k_in_regs=True),
-    "split-s3-kv": dict(split=True, stages=3, k_in_regs=True, v_in_regs=True),
     "split-s3-d64": dict(split=True, stages=3, head_dim=64),
     "post": dict(postprocess=True),
     "post-d64": dict(postprocess=True, head_dim=64),

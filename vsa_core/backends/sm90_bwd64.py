@@ -252,14 +252,13 @@ class BlockSparseBwd64Sm90:
                 cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, g, one_tile, (BLOCK, D))
         return o
 
-    def _mmas(self, s_from_registers: bool = False):
-        """(S / dP: m64n64, SS or with A from registers; dK / dV: register A, MN-major B; dQ), fresh
-        TiledMma objects: their ACCUMULATE field is state, so each warpgroup that sets it needs its own."""
+    def _mmas(self):
+        """(S / dP: m64n64 SS; dK / dV: register A, MN-major B; dQ), fresh TiledMma objects: their
+        ACCUMULATE field is state, so each warpgroup that sets it needs its own."""
         dt, D = self.dtype, self.head_dim
         RMEM = cute.nvgpu.warpgroup.OperandSource.RMEM
-        s_source = RMEM if s_from_registers else cute.nvgpu.warpgroup.OperandSource.SMEM
         return (hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
-                                                      tiler_mn=(BLOCK, BLOCK), a_source=s_source),
+                                                      tiler_mn=(BLOCK, BLOCK)),
                 hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_MN, cutlass.Float32, (1, 1, 1),
                                                       tiler_mn=(BLOCK, D), a_source=RMEM),
                 _dq_mma(dt, D))
@@ -722,6 +721,10 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     if Sq % BLOCK or Skv % BLOCK:
         raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
     nq, nkv = Sq // BLOCK, Skv // BLOCK
+    if dq_bulk and not split:
+        raise ValueError("sm90_bwd64: dq_bulk is an option of the split kernel (give split=True)")
+    if stages < 2:
+        raise ValueError(f"sm90_bwd64 needs stages >= 2 (the Q / dO ring), got {stages}")
     if dq_accum is None:
         dq_accum = torch.empty(B, H, nq, BLOCK * D, dtype=torch.float32, device=q.device)
     expect = dict(lse=((B, H, Sq), torch.float32), delta=((B, H, Sq), torch.float32),

@@ -55,18 +55,12 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     the pooling gradients (VSA) as in the one-warpgroup kernel."""
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
-                 ignore_padding: bool = False, k_in_regs: bool = False, v_in_regs: bool = False,
-                 list_in_smem: bool = False, dq_bulk: bool = False):
+                 ignore_padding: bool = False, list_in_smem: bool = False, dq_bulk: bool = False):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
         super().__init__(dtype, head_dim, stages, ctas_per_sm=1, dq_red=True, dk_overlap=True,
                          pool_grads=pool_grads, ignore_padding=ignore_padding, list_in_smem=list_in_smem)
-        # K (warpgroup 1) / V (warpgroup 2) copied once into registers, S^T / dP^T as register-A
-        # wgmmas: only Q / dO are read from shared memory by them (32 registers a thread each at D128).
-        # Not usable yet: ptxas serialises the warpgroup's wgmmas with either (its C7514 remark,
-        # which benchmarks/sm90_bwd64_compile.py prints)
-        self.k_in_regs, self.v_in_regs = k_in_regs, v_in_regs
         # dQ leaves through a shared-memory staging buffer: warpgroup 2 stores its registers there and
         # the producer's warp 1 sends one 32 KiB cp.reduce.async.bulk per pair (cuDNN's blk64 split), in
         # place of 16 red.global.add.v4 a thread on warpgroup 2 (the busier one)
@@ -105,9 +99,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         self.storage = Storage
         self.smem_bytes = Storage.size_in_bytes()
         grid = (mInvIdx.shape[2], mQ.shape[1], mQ.shape[0])
-        mma_s2, mma_kv2, _ = self._mmas(self.v_in_regs)  # warpgroup 2's own
-        if cutlass.const_expr(self.k_in_regs):
-            o["mma_s"] = self._mmas(True)[0]
+        mma_s2, mma_kv2, _ = self._mmas()  # warpgroup 2's own
         self.kernel(o["tQ"], o["tdO"], o["tK"], o["tV"], o["tma_q"], o["tma_do"], o["tma_k"], o["tma_v"], mLSE,
                     mDelta, mDQacc, o["gdK4"], o["gdV4"], mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool,
                     o["mma_s"], o["mma_kv"], mma_s2, mma_kv2, o["mma_dq"], sKV_layout, sQdO_layout, sdS_layout,
@@ -232,8 +224,6 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         thr_s = mma_s.get_slice(t)
         thr_kv = mma_kv.get_slice(t)
         tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s] Q
-        tSsK = thr_s.partition_A(sKV[None, None, 0])
-        rK = cute.make_rmem_tensor(tSsK.shape, dt)  # k_in_regs
         tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))          # [.., 0] K
         tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # [.., 2s + 1] dO^T
         accS = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
@@ -250,8 +240,6 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         if n > 0:
             kv_full.wait(0, 0)
-            if cutlass.const_expr(self.k_in_regs):
-                cute.autovec_copy(tSsK, rK)
             last = cutlass.Int32(-1)
             for j in cutlass.range(n, unroll=1):
                 s = j % S
@@ -262,10 +250,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                     valid = count
                 qdo_full.wait(s, (j // S) % 2)
                 cute.nvgpu.warpgroup.fence()
-                if cutlass.const_expr(self.k_in_regs):
-                    self._gemm_k(mma_s, accS, rK, None, tSrQdO, 2 * s)
-                else:
-                    self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
+                self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
                 cute.nvgpu.warpgroup.commit_group()
                 for ci in cutlass.range_constexpr(n_cols):
                     lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
@@ -313,8 +298,6 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         thr_kv = mma_kv.get_slice(t)
         thr_dq = mma_dq.get_slice(t)
         tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s + 1] dO
-        tSsV = thr_s.partition_A(sKV[None, None, 1])
-        rV = cute.make_rmem_tensor(tSsV.shape, dt)  # v_in_regs
         tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))          # [.., 1] V
         tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # [.., 2s] Q^T
         tDQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
@@ -336,17 +319,12 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         dS = rows_cols(accdP)
         if n > 0:
             kv_full.wait(0, 0)
-            if cutlass.const_expr(self.v_in_regs):
-                cute.autovec_copy(tSsV, rV)
             for j in cutlass.range(n, unroll=1):
                 s = j % S
                 qb = self._clamp(self._entry(sel, window, j), n_q)
                 qdo_full.wait(s, (j // S) % 2)
                 cute.nvgpu.warpgroup.fence()
-                if cutlass.const_expr(self.v_in_regs):
-                    self._gemm_k(mma_s, accdP, rV, None, tSrQdO, 2 * s + 1)
-                else:
-                    self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
+                self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
                 cute.nvgpu.warpgroup.commit_group()
                 for ci in cutlass.range_constexpr(n_cols):
                     stat[ci] = sDelta[cS_rc[0, ci][1], s]
