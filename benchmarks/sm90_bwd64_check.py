@@ -77,6 +77,9 @@ VARIANTS = {
     "split3L": (dict(stages=3, split=True, list_in_smem=True), "split3 with the list window in shared memory"),
     "split3LB": (dict(stages=3, split=True, list_in_smem=True, dq_bulk=True),
                  "split3L with dQ staged in shared memory and sent by the producer's warp 1 (one bulk reduction)"),
+    "split3B": (dict(stages=3, split=True, dq_bulk=True),
+                "split3 with dq_bulk and without the list window (split3L lost to split3: the window costs the split)"),
+    "split2B": (dict(stages=2, split=True, dq_bulk=True), "split3B with a 2-slot Q/dO ring"),
 }
 ACTIVE = ["redov", "s2", "red"]  # the default first (its row + preprocess is timed too)
 

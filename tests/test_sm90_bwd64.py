@@ -20,6 +20,10 @@ import torch
 from vsa_core import reference as R
 
 E = 64
+# The two kernels behind `prepare_backward64`, each as the sm90 backend would configure it (the
+# backend's BACKWARD is one of them: test_backend_backward_is_tested)
+CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
+           "split": dict(stages=3, split=True, dq_bulk=True)}
 
 
 def _backward():
@@ -42,7 +46,8 @@ def _lists(mask):
                                    (1, 2, 4, 3, "bshd", None, 0.3)],
                          ids=["nq4-nkv4", "bshd-nq3-nkv7", "sq-gt-skv", "long-inv-list", "padded-q-rows",
                               "bshd-scale"])
-def test_sm90_bwd64_matches_float64_reference(shape):
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_sm90_bwd64_matches_float64_reference(shape, config):
     M = _backward()
     B, H, nq, nkv, layout, q_counts, softmax_scale = shape
     g = torch.Generator().manual_seed(zlib.crc32(repr(shape).encode()))
@@ -74,7 +79,8 @@ def test_sm90_bwd64_matches_float64_reference(shape):
     grads = {n: dev(torch.full(x.shape, math.nan, dtype=torch.bfloat16)) for n, x in (("dq", q), ("dk", k), ("dv", k))}
     inv_idx, inv_num = _lists(mask.transpose(2, 3))
     M.sparse_backward64(qd, kd, vd, out_d, dod, lse_d, grads["dq"], grads["dk"], grads["dv"], inv_idx.cuda(),
-                        inv_num.cuda(), kv_counts.to(torch.int32).cuda(), softmax_scale=softmax_scale)
+                        inv_num.cuda(), kv_counts.to(torch.int32).cuda(), softmax_scale=softmax_scale,
+                        **CONFIGS[config])
     torch.cuda.synchronize()
     for name, r in ref.items():
         got = grads[name].double().cpu().numpy()
@@ -82,3 +88,8 @@ def test_sm90_bwd64_matches_float64_reference(shape):
         den = np.linalg.norm(r)
         err = np.linalg.norm(got - r) / den if den > 0 else np.abs(got).max()
         assert err < 1e-2, f"{name}: rel-L2 {err:.2e}"
+
+
+def test_backend_backward_is_tested():
+    from vsa_core.backends import sm90_backend
+    assert sm90_backend.BACKWARD in CONFIGS.values(), "the sm90 backend's BACKWARD is not among CONFIGS"
