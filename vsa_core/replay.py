@@ -100,6 +100,12 @@ class Replay:
         addresses = {n: buffers[n].data_ptr() for n in self.buffers}
         for name, offset in self.workspace:
             addresses[name] = workspace + offset
+        self.launch(addresses, stream)
+
+    def launch(self, addresses: Mapping[str, int], stream: int) -> None:
+        """Launches every step on buffers given by address (name -> int; the workspace's
+        names included): for a frontend that knows addresses without an object per buffer
+        (buffers placed in one allocation of its own)."""
         for step in self.steps:
             step.launch(addresses, stream)
 

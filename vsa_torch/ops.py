@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from vsa_core.problem import AttnProblem
 from vsa_core.replay import CapturingLauncher, Replay
 from vsa_core.runtime import BufferAdapter, DeviceInfo
 from vsa_core.spec import (GRADIENTS, OpStatics, backward_arguments, backward_inputs, forward_arguments, forward_inputs,
-                           forward_results, gradients, workspaces)
+                           forward_results, gradients, op_problem, workspaces)
 
 
 def device_info(t: Tensor) -> DeviceInfo:
@@ -123,6 +124,142 @@ def _run_stage(stage: str, s: OpStatics, p: AttnProblem, named: dict, arrays, wo
             _REPLAYS.clear()
         _REPLAYS[key] = True
     return buffers
+
+
+# ---- the eager operator's stages (`_EagerOperator`) -------------------------------------------
+_RESIDUAL_ALIGN = 256  # each residual starts as aligned as an allocation of its own would
+
+
+def _describe(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0
+
+
+def _backward_key(forward_key: tuple, arrays) -> tuple:
+    """The eager backward's replay key (`_replay_key`'s properties): the forward's key holds
+    the statics and the inputs' shapes, strides, dtypes, alignment and device; out, lse and the
+    residuals are the forward's own allocations, whose layout the problem fixes. What is new:
+    the launch configuration now, dout's description, and which arrays are one object (dout
+    may be an input or out). `arrays`: dout, the kept inputs, out, lse."""
+    first = {}
+    aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(arrays))
+    return "backward", forward_key, config(), _describe(arrays[0]), aliases
+
+
+def _table(table: dict, dtype: torch.dtype, names) -> Tuple[Tuple[str, tuple, torch.dtype], ...]:
+    return tuple((n, tuple(shape), dtype if dt == "input" else getattr(torch, dt))
+                 for n, (shape, dt) in table.items() if n in names)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _EagerCall:
+    """What the eager operator needs of a call, fixed by its problem, backend, device,
+    grad mode and launch configuration (`_eager_call` builds it once for them): the statics,
+    the operator's problem and backend, the names of its arrays, and the buffer tables of both
+    stages as (name, shape, torch dtype). The residuals (the forward's results other than out
+    and lse: read by the backward only) share one allocation at `residual_offsets`."""
+
+    statics: str
+    softmax_scale: float
+    s: OpStatics
+    p: AttnProblem
+    backend: object
+    replayable: bool  # the backend's stages may be replayed (on CUDA tensors)
+    inputs: Tuple[str, ...]     # forward_inputs
+    kept: Tuple[str, ...]       # backward_inputs
+    gradients: Tuple[Optional[str], ...]  # each input's gradient buffer (None: it has none)
+    forward_own: tuple          # out, lse: allocations of their own (the caller gets them)
+    forward_workspaces: tuple
+    residuals: tuple            # (name, byte offset, shape, torch dtype)
+    residual_offsets: tuple     # (name, byte offset)
+    residual_bytes: int
+    backward_own: tuple         # the gradients
+    backward_workspaces: tuple
+
+    @classmethod
+    def build(cls, statics: str, softmax_scale: float, named: dict) -> "_EagerCall":
+        s = _statics(statics, softmax_scale)
+        inputs = forward_inputs(s)
+        p = op_problem(s, {n: named[n] for n in inputs})
+        dtype = getattr(torch, p.dtype)
+        forward, backward = p.forward_buffers(), p.backward_buffers()
+        results, forward_ws, backward_ws = forward_results(p), workspaces("forward", s, p), workspaces("backward", s, p)
+        residuals, size = [], 0
+        for name, shape, dt in _table(forward, dtype, results[2:]):
+            size = -(-size // _RESIDUAL_ALIGN) * _RESIDUAL_ALIGN
+            residuals.append((name, size, shape, dt))
+            size += math.prod(shape) * dt.itemsize
+        size = -(-size // _RESIDUAL_ALIGN) * _RESIDUAL_ALIGN  # whole elements of every dtype (`residual_views`)
+        backend = backend_named(s.backend)
+        return cls(statics, softmax_scale, s, p, backend, getattr(backend, "replayable", False), inputs,
+                   backward_inputs(s), tuple(GRADIENTS.get(n) for n in inputs), _table(forward, dtype, results[:2]),
+                   _table(forward, dtype, forward_ws), tuple(residuals), tuple((n, o) for n, o, _, _ in residuals),
+                   size, _table(backward, dtype, set(backward) - set(backward_ws)), _table(backward, dtype, backward_ws))
+
+    def residual_views(self, block: Tensor) -> dict:
+        """The residuals as contiguous tensors: views of `block` (off the replay path, which
+        needs only their addresses)."""
+        typed, views = {}, {}
+        for n, offset, shape, dt in self.residuals:
+            whole = typed.get(dt)
+            if whole is None:
+                whole = typed[dt] = block.view(dt)
+            views[n] = whole.as_strided(shape, _contiguous_strides(shape), offset // dt.itemsize)
+        return views
+
+
+@functools.lru_cache(maxsize=1024)
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _run_eager(stage: str, call: _EagerCall, named: dict, key, block: Optional[Tensor] = None):
+    """`_run_stage` for the eager operator: the stage's own buffers (forward: out and lse;
+    backward: the gradients) in allocations of their own, the residuals in `block` (the
+    forward allocates it, the backward reads it), the workspaces in one allocation on the
+    replay path. Returns (the own buffers by name, block)."""
+    forward = stage == "forward"
+    device = named["q"].device
+    own_table, ws_table = ((call.forward_own, call.forward_workspaces) if forward
+                           else (call.backward_own, call.backward_workspaces))
+    own = {n: torch.empty(shape, dtype=dt, device=device) for n, shape, dt in own_table}
+    if forward:
+        block = torch.empty(call.residual_bytes, dtype=torch.uint8, device=device)
+    entry = None if key is None else _REPLAYS.get(key)
+    if isinstance(entry, Replay):
+        workspace = torch.empty(entry.workspace_bytes, dtype=torch.uint8, device=device)  # freed in stream order
+        addresses = {n: t.data_ptr() for n, t in named.items()}
+        for n, t in own.items():
+            addresses[n] = t.data_ptr()
+        base = block.data_ptr()
+        for n, offset in call.residual_offsets:
+            addresses[n] = base + offset
+        base = workspace.data_ptr()
+        for n, offset in entry.workspace:
+            addresses[n] = base + offset
+        index = device.index
+        scope = contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(device)
+        with scope:
+            entry.launch(addresses, torch.cuda.current_stream(index).cuda_stream)
+        return own, block
+    ws = {n: torch.empty(shape, dtype=dt, device=device) for n, shape, dt in ws_table}
+    everything = {**named, **own, **call.residual_views(block), **ws}
+    run = core_ops.forward if forward else core_ops.backward
+    if entry is True:
+        launcher = CapturingLauncher(everything, workspaces=list(ws))
+        run(call.p, call.backend, everything, adapter=TORCH_BUFFERS, launcher=launcher)
+        replay, why = launcher.replay()
+        _REPLAYS[key] = replay if replay is not None else why
+        return own, block
+    run(call.p, call.backend, everything, adapter=TORCH_BUFFERS)
+    if key is not None and entry is None:
+        if len(_REPLAYS) >= _REPLAY_LIMIT:
+            _REPLAYS.clear()
+        _REPLAYS[key] = True
+    return own, block
 
 
 # ---- the operator: one forward and one backward for every call ---------------------------
@@ -228,23 +365,47 @@ torch.library.register_autograd("vsa::forward", _backward_of_forward, setup_cont
 
 
 class _EagerOperator(torch.autograd.Function):
-    """The operator outside torch.compile: the custom ops' very forward and backward
-    (`_forward_impl`, `_backward_impl`), without torch.library's per-call dispatch, which
-    costs several times what a plain autograd.Function does (benchmarks/host_cost.py).
-    torch.compile traces the custom ops instead (`attend`). The forward takes ctx itself
-    rather than a separate setup_context: with one, torch binds the arguments through
-    inspect.signature on every call."""
+    """The operator outside torch.compile: the custom ops' forward and backward without
+    torch.library's per-call dispatch, which costs several times what a plain
+    autograd.Function does (benchmarks/host_cost.py). torch.compile traces the custom ops
+    instead (`attend`). The forward takes ctx itself rather than a separate setup_context:
+    with one, torch binds the arguments through inspect.signature on every call.
+
+    Its first argument is the call's `_EagerCall` (built once per problem), so nothing static
+    is re-derived per call. It returns out and lse only: the other results are residuals no
+    caller sees, placed in one allocation (`_EagerCall.residuals`) that the backward gets back
+    as one saved tensor; every output of an autograd Function costs autograd work per call.
+    The backward's replay key is the forward's with dout's description (`_backward_key`):
+    everything else the backward reads is the forward's inputs or allocated by the forward
+    from the problem."""
 
     @staticmethod
-    def forward(ctx, statics: str, softmax_scale: float, *inputs: Tensor):
-        output = tuple(_forward_impl(list(inputs), statics, softmax_scale))
-        _keep_for_backward(ctx, inputs, statics, softmax_scale, output)
-        return output
+    def forward(ctx, call: "_EagerCall", *inputs: Tensor):
+        named = dict(zip(call.inputs, inputs))
+        replayable = call.replayable and inputs[0].is_cuda
+        key = _replay_key("forward", call.s, inputs) if replayable else None
+        own, block = _run_eager("forward", call, named, key)
+        out, lse = own["out"], own["lse"]
+        ctx.save_for_backward(*(named[n] for n in call.kept), out, lse, block)
+        ctx.call, ctx.key = call, key
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero tensor for lse on every backward
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable
-    def backward(ctx, dout: Tensor, *_):
-        return (None, None, *_input_gradients(ctx, dout, _backward_impl))
+    def backward(ctx, dout: Optional[Tensor], _):
+        call = ctx.call
+        if dout is None:  # out did not reach the loss: no gradient for the inputs
+            return (None,) * (1 + len(call.inputs))
+        saved = ctx.saved_tensors
+        n = len(call.kept)
+        kept, (out, lse, block) = saved[:n], saved[n:]
+        dout = dout.contiguous()
+        named = {"dout": dout, **dict(zip(call.kept, kept)), "out": out, "lse": lse}
+        key = None if ctx.key is None else _backward_key(ctx.key, (dout, *kept, out, lse))
+        grads, _ = _run_eager("backward", call, named, key, block)
+        return (None, *(None if g is None else grads[g] for g in call.gradients))
 
 
 # torch.compile traces the frontends but cannot trace backend resolution (it reads the
@@ -265,7 +426,19 @@ def _input_names(statics: str) -> Tuple[str, ...]:
 _SCALE_FIELD = [f.name for f in dataclasses.fields(AttnProblem)].index("softmax_scale")
 
 
-_STATICS: dict = {}  # (problem, backend, device, training, launch config) -> (encoded statics, softmax scale)
+_STATICS: dict = {}  # (problem, backend, device, training, launch config) -> its `_EagerCall`
+
+
+def _training(named: dict) -> bool:
+    """Whether the forward keeps what the backward needs: torch's grad mode and the inputs'
+    requires_grad decide."""
+    return torch.is_grad_enabled() and any(named.get(n) is not None and named[n].requires_grad for n in GRADIENTS)
+
+
+def _resolved(p: AttnProblem, backend: str, q: Tensor, training: bool) -> Tuple[str, float]:
+    fields = dataclasses.astuple(p)
+    fields = fields[:_SCALE_FIELD] + (None,) + fields[_SCALE_FIELD + 1:]  # resolved to 1/sqrt(D) there
+    return _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
 
 
 def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
@@ -273,29 +446,32 @@ def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
     the inputs' requires_grad decide whether the forward keeps what the backward needs), and
     its softmax scale (the statics hold a placeholder for it: see `_statics`). Eager calls
     resolve the backend once per problem and configuration."""
+    if torch.compiler.is_compiling():
+        return _resolved(p, backend, named["q"], _training(named))
+    call = _eager_call(p, backend, named)
+    return call.statics, call.softmax_scale
+
+
+def _eager_call(p: AttnProblem, backend: str, named: dict) -> "_EagerCall":
+    """The `_EagerCall` of an eager call (`statics_for`'s memo)."""
     q = named["q"]
-    training = torch.is_grad_enabled() and any(named.get(n) is not None and named[n].requires_grad
-                                               for n in GRADIENTS)
-    compiling = torch.compiler.is_compiling()
-    key = None if compiling else (p, backend, q.device, training, config())
-    known = None if key is None else _STATICS.get(key)
-    if known is not None:
-        return known
-    fields = dataclasses.astuple(p)
-    fields = fields[:_SCALE_FIELD] + (None,) + fields[_SCALE_FIELD + 1:]  # resolved to 1/sqrt(D) there
-    result = _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
-    if key is not None:
+    training = _training(named)
+    key = (p, backend, q.device, training, config())
+    call = _STATICS.get(key)
+    if call is None:
+        call = _EagerCall.build(*_resolved(p, backend, q, training), named)
         if len(_STATICS) >= _REPLAY_LIMIT:
             _STATICS.clear()
-        _STATICS[key] = result
-    return result
+        _STATICS[key] = call
+    return call
 
 
 def attend(p: AttnProblem, backend: str, named: dict) -> List[Tensor]:
     """The forward (differentiable in out) of a checked call whose inputs are named as
-    `vsa_core.spec.forward_inputs` says; returns `forward_results` (out, lse, ...)."""
-    statics, softmax_scale = statics_for(p, backend, named)
-    inputs = [named[n] for n in _input_names(statics)]
+    `vsa_core.spec.forward_inputs` says; returns out and lse first (compiled: every one of
+    `forward_results`)."""
     if torch.compiler.is_compiling():
-        return _forward(inputs, statics, softmax_scale)
-    return list(_EagerOperator.apply(statics, softmax_scale, *inputs))
+        statics, softmax_scale = statics_for(p, backend, named)
+        return _forward([named[n] for n in _input_names(statics)], statics, softmax_scale)
+    call = _eager_call(p, backend, named)
+    return list(_EagerOperator.apply(call, *(named[n] for n in call.inputs)))
