@@ -382,6 +382,10 @@ class _EagerOperator(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: "_EagerCall", *inputs: Tensor):
         named = dict(zip(call.inputs, inputs))
+        # the problem of these very arrays (a cache hit): the tables of `call` are its tables
+        p = op_problem(call.s, named)
+        if p is not call.p and p != call.p:
+            raise RuntimeError("vsa: the eager operator's arrays are not of the problem its call was built for")
         replayable = call.replayable and inputs[0].is_cuda
         key = _replay_key("forward", call.s, inputs) if replayable else None
         own, block = _run_eager("forward", call, named, key)
