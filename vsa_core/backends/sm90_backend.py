@@ -2,7 +2,7 @@
 
 Same contract as the other backends (`base.FineStageBackend`). The kernels are ours:
 `sm90_fwd64` (the forward, its warp-specialized configuration `FORWARD`) and `sm90_bwd64`
-(the KV-major backward, `BACKWARD`); their module docstrings say how they work, and
+(the KV-major backward, `BACKWARD`: its split kernel, `sm90_bwd64_split`); their module docstrings say how they work, and
 benchmarks/sm90_fwd64_check.py / sm90_bwd64_check.py check every configuration against
 float64 and time them.
 
@@ -62,8 +62,9 @@ DTYPES = ("bfloat16", "float16")
 # warp-specialized: a producer warpgroup and 3 consumer warpgroups, each on its own query block,
 # with lazy rescaling (`sm90_fwd64.BlockSparseFwd64Sm90`; "ws3L" in the check script)
 FORWARD = dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True)
-# dQ by vector reductions from registers, dK left in flight under the next step ("redov")
-BACKWARD = dict(stages=2, dq_red=True, dk_overlap=True)
+# the GEMMs split over two cooperating warpgroups and a producer, a 3-slot Q / dO ring, dQ staged
+# in shared memory and sent as one bulk reduction (`sm90_bwd64_split`; "split3B" in the check script)
+BACKWARD = dict(stages=3, split=True, dq_bulk=True)
 
 # The CuTe DSL keeps per-compile state on a process-wide singleton, so two threads compiling at
 # once (one per GPU under a JAX mesh) corrupt each other: every call holds this for its host work.
