@@ -87,11 +87,8 @@ def compile_variant(name, kw):
         kernel = MOD.DqPostprocess(dtype, D, **flags)
         args = [a["dq_acc"], a["dq"], a["dq_pool"], a["q_counts"]]
     else:
-        if kw.pop("split", False):
-            from vsa_core.backends.sm90_bwd64_split import BlockSparseBwd64Sm90Split
-            kernel = BlockSparseBwd64Sm90Split(**kw, **flags)
-        else:
-            kernel = MOD.BlockSparseBwd64Sm90(**kw, **flags)
+        kw.pop("dtype", None), kw.pop("head_dim", None)
+        kernel = MOD.backward_kernel(dtype, D, **kw, **flags)
         args = [a[n] for n in ("q", "k", "v", "do", "lse", "delta", "dq_acc", "dk", "dv", "inv_idx", "inv_num",
                                "kv_counts", "k_pool", "v_pool")]
     return compile_report(kernel, args)

@@ -94,6 +94,42 @@ def test_replay_launches_each_step_on_the_new_addresses_and_the_workspace():
     assert steps[1].descriptors[0][3].base is a  # the captured descriptor is left as it was
 
 
+def test_capture_keeps_no_buffer_of_the_captured_call():
+    """A kept launch holds a TMA descriptor's geometry, not the descriptor's base: a replay
+    outlives its call, and a buffer it kept alive would be a leak (under CUDA-graph trees, an
+    allocation the recording's pool does not account for)."""
+    import gc
+    import weakref
+
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def kernel(desc, ptr, n):
+        pass
+
+    class Compiled:  # what Triton's launch returns: indexed by the grid for its runner
+        function = object()
+
+        def __getitem__(self, grid):
+            return lambda *args, stream: None
+
+    base, other = torch.randn(64, 32), torch.randn(16)
+    cap = CapturingLauncher({"base": base, "other": other})
+    cap._keep(kernel, Compiled(), (4,), (TensorDescriptor(base, [64, 32], [32, 1], [16, 32]), other, 16), {})
+    replay, why = cap.replay()
+    assert why is None and replay.buffers == ("base", "other")
+    (step,) = replay.steps
+    assert step.pointers == ((1, "other", 0),) and step.constants[2] == 16
+    (i, name, offset, desc), = step.descriptors
+    assert (i, name, offset) == (0, "base", 0) and desc.shape == [64, 32] and desc.block_shape == [16, 32]
+    assert desc.base.dtype == base.dtype
+    alive = weakref.ref(base)
+    del cap, base
+    gc.collect()
+    assert alive() is None, "the replay keeps the captured call's buffer alive"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches (CPU)")
 def test_capture_of_interpreted_launches_is_refused_with_a_reason():
     from vsa_core import ops as core_ops

@@ -177,7 +177,9 @@ class CapturingLauncher(Launcher):
                 place = self._place(value.base)
                 if place is None:
                     return self._refuse(f"{name}'s {arg_name} describes memory outside the call's buffers")
-                descriptors.append((i, *place, value))
+                # its geometry only: a replay kept for later calls must not keep this call's
+                # buffer alive (a CUDA-graph recording's pool counts every live allocation)
+                descriptors.append((i, *place, _rebased(value, _Address(0, value.base.dtype))))
                 constants[i] = None
             elif hasattr(value, "data_ptr"):
                 place = self._place(value)

@@ -74,7 +74,7 @@ class _Adapter:
                    t.get("out_fine", lse), sel_idx, sel_num, scale, stream)
         else:
             flags = dict(pool_grads=s["pool_grads"], ignore_padding=s["ignore_padding"])
-            main = sm90_bwd64.BlockSparseBwd64Sm90(dtype, s["head_dim"], **s["config"], **flags)
+            main = sm90_bwd64.backward_kernel(dtype, s["head_dim"], **s["config"], **flags)
             post = sm90_bwd64.DqPostprocess(dtype, s["head_dim"], **flags)
             lse = t["lse"]
             main(t["q"], t["k"], t["v"], t["dout"], lse, t["delta"], t["dq_accum"], t["dk"], t["dv"], t["inv_idx"],

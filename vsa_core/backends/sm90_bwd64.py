@@ -678,6 +678,21 @@ def backward_delta(out, dout, delta=None):
     return delta
 
 
+def backward_kernel(dtype, head_dim: int, *, stages: int = 2, dq_red: bool = True, dk_overlap: bool = True,
+                    split: bool = False, list_in_smem: bool = False, dq_bulk: bool = False, pool_grads: bool = False,
+                    ignore_padding: bool = False):
+    """The main kernel of one configuration (`prepare_backward64`'s options; `split` picks
+    `sm90_bwd64_split`, whose dq_red and dk_overlap are its own): the one place a configuration
+    becomes a kernel object, for the eager launcher and the JAX native call alike."""
+    flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding, list_in_smem=list_in_smem)
+    if split:
+        from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
+        return BlockSparseBwd64Sm90Split(dtype, head_dim, stages, dq_bulk=dq_bulk, **flags)
+    if dq_bulk:
+        raise ValueError("sm90_bwd64: dq_bulk is an option of the split kernel (give split=True)")
+    return BlockSparseBwd64Sm90(dtype, head_dim, stages, dq_red=dq_red, dk_overlap=dk_overlap, **flags)
+
+
 def sparse_backward64(q, k, v, out, dout, lse, dq, dk, dv, inv_idx, inv_num, kv_counts, **options):
     """Runs the backward once on torch CUDA tensors, on torch's current stream; `delta` (optional) is
     computed from out and dout when not given (`prepare_backward64` has the arguments)."""
@@ -769,16 +784,11 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding, split, list_in_smem, dq_bulk)
     fns = _COMPILED.get(key)
     if fns is None:
-        flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding)
-        if split:
-            from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
-            main = BlockSparseBwd64Sm90Split(cutlass_dtype(q), D, stages, list_in_smem=list_in_smem, dq_bulk=dq_bulk,
-                                             **flags)
-        else:
-            main = BlockSparseBwd64Sm90(cutlass_dtype(q), D, stages, dq_red=dq_red, dk_overlap=dk_overlap,
-                                        list_in_smem=list_in_smem, **flags)
-        fns = (cute.compile(main, *main_c, scale, fake_stream),
-               cute.compile(DqPostprocess(cutlass_dtype(q), D, **flags), *post_c, scale, fake_stream))
+        main = backward_kernel(cutlass_dtype(q), D, stages=stages, dq_red=dq_red, dk_overlap=dk_overlap, split=split,
+                               list_in_smem=list_in_smem, dq_bulk=dq_bulk, pool_grads=pool_grads,
+                               ignore_padding=ignore_padding)
+        post = DqPostprocess(cutlass_dtype(q), D, pool_grads=pool_grads, ignore_padding=ignore_padding)
+        fns = (cute.compile(main, *main_c, scale, fake_stream), cute.compile(post, *post_c, scale, fake_stream))
         _COMPILED[key] = fns
     main_fn, post_fn = fns
 
