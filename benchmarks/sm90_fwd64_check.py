@@ -66,6 +66,8 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
                     lazy_rescale=True),
     "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
     "ws3L": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True),
+    # P = persistent: one CTA per SM, each consumer walking its share of the query blocks
+    "ws3LP": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, persistent=True),
     # W = list_in_smem: each consumer's list entries and counts from a shared-memory window
     "k1v2LW": dict(k_stages=1, v_stages=2, lazy_rescale=True, list_in_smem=True),
     "ws3LW": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, list_in_smem=True),

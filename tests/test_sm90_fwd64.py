@@ -24,6 +24,10 @@ VARIANTS = {
     "ws2-pingpong-lazy": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True,
                               lazy_rescale=True),
     "ws3": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
+    # persistent on 2 CTAs: each consumer walks many (query block, head, batch) items, empty lists
+    # among them, so ring slots and mbarrier phases run on across items of different lengths
+    "ws3-persistent": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
+                           persistent=2),
     # shared KV rings (the union of the CTA's lists, loaded once): nq 3, 4, 5 run partial last groups
     "ws2-shared": dict(k_stages=5, v_stages=7, consumers=2, warp_specialized=True, lazy_rescale=True, shared_kv=True),
     "ws3-shared": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True, shared_kv=True),

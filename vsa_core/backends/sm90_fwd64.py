@@ -92,6 +92,14 @@ class BlockSparseFwd64Sm90:
       GEMMs, so one's softmax runs under the other's wgmmas; the turns run for the first
       min(n0, n1) tiles (both know both counts), then each runs free, so unequal lists cannot
       deadlock.
+    - `persistent_ctas=N` (with warp_specialized, own rings): a grid of at most N CTAs (one per
+      SM); consumer c of CTA x and its producer warp walk the items (query block, head, batch),
+      query block fastest, numbered c + consumers * (x + k * gridDim.x). Both count the tiles and
+      the non-empty items before each item, so a ring slot and its mbarrier phase follow from the
+      running tile number (t0 + j) exactly as from j in one item. A consumer releases its Q slot
+      ("q_empty") and the V slots it still holds once its item's last wgmma has retired; the
+      producer loads the next Q behind that release, so the next item's Q / K / V loads run under
+      this item's epilogue, and no CTA waits for its slowest consumer before the next starts.
     - `shared_kv=True` (with warp_specialized): K/V reuse between the CTA's query blocks
       (neighbours in tile order, same batch and head, whose lists overlap in real video). The CTA
       has ONE K ring (k_stages slots) and ONE V ring (v_stages slots), filled in the order of the
@@ -133,7 +141,7 @@ class BlockSparseFwd64Sm90:
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
-                 shared_kv: bool = False, list_in_smem: bool = False):
+                 shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
@@ -166,6 +174,13 @@ class BlockSparseFwd64Sm90:
         # uniform register right after its load is issued, at the top of the step.)
         assert not (list_in_smem and shared_kv), "list_in_smem reads the own lists (shared_kv reads unions)"
         self.list_in_smem = list_in_smem
+        # persistent_ctas > 0: that many CTAs (one per SM), each consumer walking a static
+        # round-robin share of the (query block, head, batch) items with its producer warp, so the
+        # next item's Q / K / V loads overlap this item's drain and epilogue and no CTA turns over
+        self.persistent = persistent_ctas > 0
+        self.persistent_ctas = persistent_ctas
+        assert not self.persistent or (warp_specialized and not (pingpong or shared_kv or list_in_smem)), \
+            "persistent: the warp-specialized kernel with each consumer on its own rings"
         self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
@@ -234,6 +249,7 @@ class BlockSparseFwd64Sm90:
             v_full: cute.struct.MemRange[cutlass.Int64, NR * self.v_stages]
             k_empty: cute.struct.MemRange[cutlass.Int64, NR * self.k_stages]
             v_empty: cute.struct.MemRange[cutlass.Int64, NR * self.v_stages]
+            q_empty: cute.struct.MemRange[cutlass.Int64, NC]  # persistent only
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -260,6 +276,9 @@ class BlockSparseFwd64Sm90:
 
         n_q_blocks = mSelIdx.shape[2]
         grid = ((n_q_blocks + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
+        if cutlass.const_expr(self.persistent):
+            groups = (n_q_blocks * mQ.shape[1] * mQ.shape[0] + NC - 1) // NC
+            grid = (cutlass.min(groups, self.persistent_ctas), 1, 1)
         self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
                     mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
                     softmax_scale * LOG2_E, mUnionIdx, mUnionNum).launch(
@@ -295,6 +314,8 @@ class BlockSparseFwd64Sm90:
                        pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * (NC if self.shared_kv else 1)))
             bars["k_empty"] = pipeline.MbarrierArray(st.k_empty.data_ptr(), num_stages=NR * KS, agent=release)
             bars["v_empty"] = pipeline.MbarrierArray(st.v_empty.data_ptr(), num_stages=NR * VS, agent=release)
+            if cutlass.const_expr(self.persistent):
+                bars["q_empty"] = pipeline.MbarrierArray(st.q_empty.data_ptr(), num_stages=NC, agent=release)
         if warp == 0:
             with cute.arch.elect_one():
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
@@ -304,13 +325,8 @@ class BlockSparseFwd64Sm90:
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # global tiles: K tiles (64, D, nKV); V tiles (D, 64, nKV)
-        gK = cute.local_tile(tK[None, None, h, b], (BLOCK, self.head_dim), (None, 0))
-        gV = cute.local_tile(tV[None, None, h, b], (self.head_dim, BLOCK), (0, None))
-        one = cute.make_layout(1)
-        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tKs=tKs, tKg=tKg, tVs=tVs, tVg=tVg)
+        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tK=tK, tV=tV, sK=sK, sV=sV)
+        tma.update(self._kv_views(tma, h, b))
         lists = dict(idx=mSelIdx, num=mSelNum, kv_counts=mKVCounts, h=h, b=b)
         if cutlass.const_expr(self.shared_kv):
             lists.update(union=mUnionIdx[b, h, bx, None],
@@ -322,6 +338,16 @@ class BlockSparseFwd64Sm90:
         if cutlass.const_expr(not self.ws):
             self._consumer(0, bx, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c)
+        elif cutlass.const_expr(self.persistent):
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp < NC:
+                    self._persistent_walk(warp, True, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv,
+                                          gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self._persistent_walk(wg - 1, False, tidx % 128, warp % 4, tma, bars, lists, sQ, sK, sV, mma_qk,
+                                      mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
         elif cutlass.const_expr(self.shared_kv):
             if wg == 0:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -349,6 +375,55 @@ class BlockSparseFwd64Sm90:
                                mma_qk, mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
 
     @cute.jit
+    def _kv_views(self, tma, h, b):
+        """The TMA partitions of head h, batch b's K tiles (64, D, nKV) and V tiles (D, 64, nKV)."""
+        gK = cute.local_tile(tma["tK"][None, None, h, b], (BLOCK, self.head_dim), (None, 0))
+        gV = cute.local_tile(tma["tV"][None, None, h, b], (self.head_dim, BLOCK), (0, None))
+        one = cute.make_layout(1)
+        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma["k"], 0, one, cute.group_modes(tma["sK"], 0, 2),
+                                                    cute.group_modes(gK, 0, 2))
+        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma["v"], 0, one, cute.group_modes(tma["sV"], 0, 2),
+                                                    cute.group_modes(gV, 0, 2))
+        return dict(tKs=tKs, tKg=tKg, tVs=tVs, tVg=tVg)
+
+    @cute.jit
+    def _persistent_walk(self, ci, producer, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
+                         mQCounts, mGate, mOutC, mOutFine, c):
+        """persistent: consumer ci (or its producer warp) walks items ci + NC * (blockIdx.x + k * gridDim.x)
+        of the (query block, head, batch) items, query block fastest. Both sides count the tiles and
+        the non-empty items before each item, so ring slots and mbarrier phases run on across items."""
+        NC = self.consumers
+        n_q = lists["idx"].shape[2]
+        heads = lists["idx"].shape[1]
+        total = n_q * heads * lists["idx"].shape[0]
+        bx, _, _ = cute.arch.block_idx()
+        gx, _, _ = cute.arch.grid_dim()
+        first = bx * NC + ci
+        stride = gx * NC
+        items = cutlass.Int32(0)
+        if first < total:
+            items = (total - first + stride - 1) // stride
+        tiles = cutlass.Int32(0)  # tiles of this consumer's earlier items
+        filled = cutlass.Int32(0)  # its earlier non-empty items (fills of its Q slot)
+        for k in cutlass.range(items, unroll=1):
+            item = first + k * stride
+            qb = item % n_q
+            h = (item // n_q) % heads
+            b = item // (n_q * heads)
+            here = dict(lists, h=h, b=b)
+            n = self._count(here, qb)
+            if cutlass.const_expr(producer):
+                views = dict(tma)
+                views.update(self._kv_views(tma, h, b))
+                self._producer(ci, qb, views, bars, here, tiles, filled)
+            else:
+                self._consumer(ci, qb, tidx, warp, tma, bars, here, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
+                               mQCounts, mGate, mOutC, mOutFine, c, tiles, filled)
+            tiles = tiles + n
+            if n > 0:
+                filled = filled + 1
+
+    @cute.jit
     def _count(self, lists, qb):
         """Query block qb's list length clamped to [0, capacity]; 0 for a block past the end."""
         n = cutlass.Int32(0)
@@ -357,14 +432,19 @@ class BlockSparseFwd64Sm90:
         return n
 
     @cute.jit
-    def _producer(self, ci, qb, tma, bars, lists):
+    def _producer(self, ci, qb, tma, bars, lists, t0=0, filled=0):
         """Warp ci of the producer warpgroup: every TMA load of consumer ci, in the order it uses
-        them (Q, K_0, then K_j before V_{j-1}); a refill waits for the slot's release."""
+        them (Q, K_0, then K_j before V_{j-1}); a refill waits for the slot's release. persistent:
+        `t0` tiles and `filled` Q loads of this consumer's earlier items came before (ring
+        positions run on), and Q waits for the consumer to release the last item's."""
         KS, VS = self.k_stages, self.v_stages
         n_kv = lists["kv_counts"].shape[0]
         n = self._count(lists, qb)
         if n > 0:
             sel = lists["idx"][lists["b"], lists["h"], qb, None]
+            if cutlass.const_expr(self.persistent):
+                if filled > 0:
+                    bars["q_empty"].wait(ci, (filled - 1) % 2)
             self._load_q(ci, qb, tma, bars, lists)
             # tile j's block is read one iteration ahead (before the empty waits); V_{j-1} reuses K_{j-1}'s
             k_blk = self._block(sel, 0, n_kv)
@@ -372,11 +452,12 @@ class BlockSparseFwd64Sm90:
             for j in cutlass.range(n + 1, unroll=1):
                 k_after = self._block(sel, cutlass.min(j + 1, n - 1), n_kv)
                 if j < n:
-                    if j >= KS:
-                        bars["k_empty"].wait(ci * KS + j % KS, (j // KS + 1) % 2)
-                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + j % KS)
+                    tk = t0 + j
+                    if tk >= KS:
+                        bars["k_empty"].wait(ci * KS + tk % KS, (tk // KS + 1) % 2)
+                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + tk % KS)
                 if j >= 1:
-                    t = j - 1
+                    t = t0 + j - 1
                     if t >= VS:
                         bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
                     self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
@@ -407,10 +488,11 @@ class BlockSparseFwd64Sm90:
 
     @cute.jit
     def _consumer(self, ci, qb, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
-                  mQCounts, mGate, mOutC, mOutFine, c):
+                  mQCounts, mGate, mOutC, mOutFine, c, t0=0, filled=0):
         """One warpgroup's query block qb: the online-softmax main loop over its list, then the
         epilogue. `tidx` / `warp` are the thread's and warp's index within the warpgroup. Without
-        the producer (simple) its warp 0 issues the loads."""
+        the producer (simple) its warp 0 issues the loads. persistent: `t0` / `filled` as in
+        `_producer`; once its last wgmma has retired it releases Q and the V slots it still holds."""
         NC, KS, VS = self.consumers, self.k_stages, self.v_stages
         k_full, v_full = bars["k_full"], bars["v_full"]
         b, h = lists["b"], lists["h"]
@@ -469,7 +551,7 @@ class BlockSparseFwd64Sm90:
             # otherwise sit behind): `entry` / `count` are tile j's, for its mask.
             entry, count = self._entry_count(sel, win, 0, n_kv, mKVCounts)
             k_next = self._blk(sel, win, cutlass.min(KS, n - 1), n_kv)
-            bars["q_full"].wait(ci, 0)
+            bars["q_full"].wait(ci, filled % 2)
             if cutlass.const_expr(self.q_in_regs):
                 cute.autovec_copy(tSsQ, rQ)
 
@@ -479,13 +561,13 @@ class BlockSparseFwd64Sm90:
             if cutlass.const_expr(self.pingpong):
                 if turns > 0:
                     self._turn_wait(ci)
-            self._qk(mma_qk, accS, rQ, rK, k_full, 0, ks0)
+            self._qk(mma_qk, accS, rQ, rK, k_full, t0, ks0)
             if cutlass.const_expr(self.pingpong):
                 if turns > 0 and not (ci == 1 and turns == 1):
                     self._turn_pass(ci)
             cute.nvgpu.warpgroup.wait_group(0)
             if cutlass.const_expr(self.ws):
-                self._release(bars["k_empty"], ks0)
+                self._release(bars["k_empty"], ks0 + t0 % KS)
             else:
                 if warp == 0 and KS < n:
                     self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, 0)
@@ -499,7 +581,7 @@ class BlockSparseFwd64Sm90:
                 # softmax below it (seen in the SASS), and the softmax no longer overlaps PV_{j-1}.
                 if j >= 2:
                     if cutlass.const_expr(self.ws):
-                        self._release(bars["v_empty"], vs0 + (j - 2) % VS)
+                        self._release(bars["v_empty"], vs0 + (t0 + j - 2) % VS)
                     else:
                         if warp == 0 and j - 2 + VS < n:
                             v_next = self._blk(sel, win, j - 2 + VS, n_kv)
@@ -508,10 +590,10 @@ class BlockSparseFwd64Sm90:
                     if j < turns:
                         self._turn_wait(ci)
                 # S = Q K_j^T, in flight with O = alpha * O + P_{j-1} V_{j-1}
-                self._qk(mma_qk, accS, rQ, rK, k_full, j, ks0)
-                v_full.wait(vs0 + (j - 1) % VS, ((j - 1) // VS) % 2)
+                self._qk(mma_qk, accS, rQ, rK, k_full, t0 + j, ks0)
+                v_full.wait(vs0 + (t0 + j - 1) % VS, ((t0 + j - 1) // VS) % 2)
                 cute.nvgpu.warpgroup.fence()
-                cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (j - 1) % VS], accO)
+                cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (t0 + j - 1) % VS], accO)
                 cute.nvgpu.warpgroup.commit_group()
                 if cutlass.const_expr(self.pingpong):
                     if j < turns and not (ci == 1 and j == turns - 1):
@@ -519,7 +601,7 @@ class BlockSparseFwd64Sm90:
                 cute.nvgpu.warpgroup.wait_group(1)
                 # QK_j retired: its K slot takes tile j + KS
                 if cutlass.const_expr(self.ws):
-                    self._release(bars["k_empty"], ks0 + j % KS)
+                    self._release(bars["k_empty"], ks0 + (t0 + j) % KS)
                 else:
                     if warp == 0 and j + KS < n:
                         self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, (j + KS) % KS)
@@ -528,11 +610,16 @@ class BlockSparseFwd64Sm90:
                 cute.nvgpu.warpgroup.wait_group(0)  # PV_{j-1} retired: P's registers are free
                 rP_as_S.store(accS.load().to(self.dtype))
             # drain: the last tile's PV (O was rescaled for it at the end of the last step)
-            v_full.wait(vs0 + (n - 1) % VS, ((n - 1) // VS) % 2)
+            v_full.wait(vs0 + (t0 + n - 1) % VS, ((t0 + n - 1) // VS) % 2)
             cute.nvgpu.warpgroup.fence()
-            cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (n - 1) % VS], accO)
+            cute.gemm(mma_pv, accO, rP, rV[None, None, None, vs0 + (t0 + n - 1) % VS], accO)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(self.persistent):
+                if n >= 2:
+                    self._release(bars["v_empty"], vs0 + (t0 + n - 2) % VS)
+                self._release(bars["v_empty"], vs0 + (t0 + n - 1) % VS)
+                self._release(bars["q_empty"], ci)
 
         if qb < lists["idx"].shape[2]:
             self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
@@ -933,7 +1020,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                       q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
-                      list_in_smem: bool = False):
+                      list_in_smem: bool = False, persistent=False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the forward on torch's current stream at the time of this call (the tensors' CuTe
     views are built once here: timing the callable leaves the per-call host conversion out).
@@ -947,7 +1034,11 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     the unions of the CTAs' lists are built here on the current stream (`stages.shared_kv_lists`,
     one Triton launch; buffers allocated here, once) and run with the kernel by every call of the
     returned callable, so the lists may change between calls. The callable's `lists_only` runs
-    that step alone (for timing it)."""
+    that step alone (for timing it).
+
+    persistent (warp_specialized without shared_kv / pingpong / list_in_smem): True for one CTA per
+    SM of q's device, or a number of CTAs (tests: few CTAs walk many query blocks each); each
+    consumer walks its share of the query blocks (the class docstring)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -1017,8 +1108,13 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     args = [q, k, v, out, lse, sel_idx, sel_num, kv_counts.contiguous(),
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
+    persistent_ctas = 0
+    if persistent is True:
+        persistent_ctas = torch.cuda.get_device_properties(q.device).multi_processor_count
+    elif persistent:
+        persistent_ctas = int(persistent)
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, list_in_smem)
+           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, list_in_smem, persistent_ctas)
     vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
     cargs = [cute_tensor(t, 16 if i in vector_args else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -1028,7 +1124,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
                                       q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
-                                      list_in_smem=list_in_smem)
+                                      list_in_smem=list_in_smem, persistent_ctas=persistent_ctas)
         fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
 
