@@ -68,6 +68,10 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
     "ws3L": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True),
     # P = persistent: one CTA per SM, each consumer walking its share of the query blocks
     "ws3LP": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, persistent=True),
+    # T = tma_store: out through shared memory and one TMA store per query block
+    "ws3LT": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True),
+    "ws3LPT": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, persistent=True,
+                   tma_store=True),
     # W = list_in_smem: each consumer's list entries and counts from a shared-memory window
     "k1v2LW": dict(k_stages=1, v_stages=2, lazy_rescale=True, list_in_smem=True),
     "ws3LW": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, list_in_smem=True),

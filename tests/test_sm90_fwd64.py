@@ -28,6 +28,10 @@ VARIANTS = {
     # among them, so ring slots and mbarrier phases run on across items of different lengths
     "ws3-persistent": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
                            persistent=2),
+    "ws3-tma-store": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
+                          tma_store=True),
+    "ws3-persistent-tma-store": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
+                                     persistent=2, tma_store=True),
     # shared KV rings (the union of the CTA's lists, loaded once): nq 3, 4, 5 run partial last groups
     "ws2-shared": dict(k_stages=5, v_stages=7, consumers=2, warp_specialized=True, lazy_rescale=True, shared_kv=True),
     "ws3-shared": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True, shared_kv=True),

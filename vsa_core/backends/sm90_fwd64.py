@@ -141,7 +141,8 @@ class BlockSparseFwd64Sm90:
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
-                 shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0):
+                 shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0,
+                 tma_store: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
@@ -181,6 +182,10 @@ class BlockSparseFwd64Sm90:
         self.persistent_ctas = persistent_ctas
         assert not self.persistent or (warp_specialized and not (pingpong or shared_kv or list_in_smem)), \
             "persistent: the warp-specialized kernel with each consumer on its own rings"
+        # out leaves through shared memory (the consumer's Q slot, by stmatrix) and one TMA store
+        # per query block instead of 32 four-byte stores per thread
+        assert not tma_store or not shared_kv, "tma_store: the consumers with their own rings"
+        self.tma_store = tma_store
         self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
@@ -274,6 +279,11 @@ class BlockSparseFwd64Sm90:
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, gV4, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK))
 
+        tma_o, tO = tma_q, tQ  # (placeholders without tma_store: never used)
+        if cutlass.const_expr(self.tma_store):
+            tma_o, tO = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), gO4, cute.slice_(sQ_layout, (None, None, 0)), (BLOCK, D))
+
         n_q_blocks = mSelIdx.shape[2]
         grid = ((n_q_blocks + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
         if cutlass.const_expr(self.persistent):
@@ -281,7 +291,7 @@ class BlockSparseFwd64Sm90:
             grid = (cutlass.min(groups, self.persistent_ctas), 1, 1)
         self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
                     mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
-                    softmax_scale * LOG2_E, mUnionIdx, mUnionNum).launch(
+                    softmax_scale * LOG2_E, mUnionIdx, mUnionNum, tma_o, tO).launch(
             grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)  # all of L1 as shared memory
 
@@ -293,7 +303,8 @@ class BlockSparseFwd64Sm90:
                mQCounts: cute.Tensor, mGate: cute.Tensor, mOutC: cute.Tensor, mOutFine: cute.Tensor,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               c: cutlass.Float32, mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor):
+               c: cutlass.Float32, mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor,
+               tma_o: cute.CopyAtom, tO: cute.Tensor):
         NC, KS, VS = self.consumers, self.k_stages, self.v_stages
         NR = self.rings
         tidx, _, _ = cute.arch.thread_idx()
@@ -321,11 +332,13 @@ class BlockSparseFwd64Sm90:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+                if cutlass.const_expr(self.tma_store):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_o)
 
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tK=tK, tV=tV, sK=sK, sV=sV)
+        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tK=tK, tV=tV, sK=sK, sV=sV, o=tma_o, tO=tO)
         tma.update(self._kv_views(tma, h, b))
         lists = dict(idx=mSelIdx, num=mSelNum, kv_counts=mKVCounts, h=h, b=b)
         if cutlass.const_expr(self.shared_kv):
@@ -619,11 +632,13 @@ class BlockSparseFwd64Sm90:
                 if n >= 2:
                     self._release(bars["v_empty"], vs0 + (t0 + n - 2) % VS)
                 self._release(bars["v_empty"], vs0 + (t0 + n - 1) % VS)
-                self._release(bars["q_empty"], ci)
+                if cutlass.const_expr(not self.tma_store):
+                    self._release(bars["q_empty"], ci)
 
         if qb < lists["idx"].shape[2]:
             self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
-                           mQCounts, mGate, mOutC, mOutFine, c)
+                           mQCounts, mGate, mOutC, mOutFine, c, dict(ci=ci, warp=warp, n=n, sQ=sQ, mma_pv=mma_pv,
+                                                                     tma=tma, bars=bars))
 
     # ---- shared KV rings (shared_kv) ----------------------------------------------------------------
     @cute.jit
@@ -784,7 +799,7 @@ class BlockSparseFwd64Sm90:
 
     @cute.jit
     def _epilogue(self, qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
-                  mQCounts, mGate, mOutC, mOutFine, c):
+                  mQCounts, mGate, mOutC, mOutFine, c, own=None):
         """Normalise, lse (natural log; -inf where nothing was seen), and the stores. With the coarse
         branch the gate tile is loaded first (its latency under the normalisation), the mix runs in
         registers (one explicit FMA, so out's bits do not depend on whether out_fine is stored) and
@@ -812,7 +827,7 @@ class BlockSparseFwd64Sm90:
         rO = cute.make_rmem_tensor_like(accO, self.dtype)
         if cutlass.const_expr(not self.has_coarse):
             rO.store(accO.load().to(self.dtype))
-            cute.autovec_copy(rO, tOg)
+            self._store_out(rO, tOg, qb, b, h, tidx, own)
             if tidx % 4 == 0:
                 for ri in cutlass.range_constexpr(n_rows):
                     mLSE[b, h, row0 + cS_rc[ri, 0][0]] = lse[ri]
@@ -841,10 +856,41 @@ class BlockSparseFwd64Sm90:
                         rO_rc[ri, ci] = cute.math.fma(g, coarse, fine).to(self.dtype)
                     else:
                         rO_rc[ri, ci] = (fine + (coarse if row_ok else cutlass.Float32(0.0))).to(self.dtype)
-            cute.autovec_copy(rO, tOg)
+            self._store_out(rO, tOg, qb, b, h, tidx, own)
             if cutlass.const_expr(self.store_fine):
                 cute.autovec_copy(rF, thr_pv.partition_C(
                     cute.local_tile(mOutFine[None, None, h, b], (BLOCK, D), (qb, 0))))
+
+    @cute.jit
+    def _store_out(self, rO, tOg, qb, b, h, tidx, own):
+        """out's tile from registers: by vectorized stores, or with tma_store through the consumer's
+        Q slot (stmatrix) and one TMA store issued by its warp 0, which waits until the store has
+        read the slot (persistent: then the slot is released for the next item's Q). An item with
+        an empty list stores directly: its Q slot may already hold the next item's Q."""
+        if cutlass.const_expr(not self.tma_store):
+            cute.autovec_copy(rO, tOg)
+        else:
+            ci, n = own["ci"], own["n"]
+            if n > 0:
+                sO = own["sQ"][None, None, ci]
+                r2s = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(num_matrices=4), self.dtype), own["mma_pv"])
+                cute.copy(r2s, r2s.retile(rO), r2s.get_slice(tidx).partition_D(sO))
+                cute.arch.fence_proxy("async.shared", space="cta")  # the writes, visible to the TMA unit
+                cute.arch.barrier(barrier_id=3 + ci, number_of_threads=128)
+                if own["warp"] == 0:
+                    tma = own["tma"]
+                    gO = cute.local_tile(tma["tO"][None, None, h, b], (BLOCK, self.head_dim), (qb, 0))
+                    tOs, tOgt = cute.nvgpu.cpasync.tma_partition(tma["o"], 0, cute.make_layout(1),
+                                                                 cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+                    cute.copy(tma["o"], tOs, tOgt)
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(self.persistent):
+                    cute.arch.barrier(barrier_id=3 + ci, number_of_threads=128)
+                    self._release(own["bars"]["q_empty"], ci)
+            else:
+                cute.autovec_copy(rO, tOg)
 
     # ---- helpers ----------------------------------------------------------------------------------
     @cute.jit
@@ -1020,7 +1066,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                       q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
-                      list_in_smem: bool = False, persistent=False):
+                      list_in_smem: bool = False, persistent=False, tma_store: bool = False):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the forward on torch's current stream at the time of this call (the tensors' CuTe
     views are built once here: timing the callable leaves the per-call host conversion out).
@@ -1114,7 +1160,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     elif persistent:
         persistent_ctas = int(persistent)
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, list_in_smem, persistent_ctas)
+           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, list_in_smem, persistent_ctas, tma_store)
     vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
     cargs = [cute_tensor(t, 16 if i in vector_args else 4) for i, t in enumerate(args)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -1124,7 +1170,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                                       has_gate=gate is not None, store_fine=out_fine is not None,
                                       consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
                                       q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
-                                      list_in_smem=list_in_smem, persistent_ctas=persistent_ctas)
+                                      list_in_smem=list_in_smem, persistent_ctas=persistent_ctas,
+                                      tma_store=tma_store)
         fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
         _COMPILED[key] = fn
 
