@@ -449,16 +449,15 @@ class BlockSparseFwd64Sm90:
         """Warp ci of the producer warpgroup: every TMA load of consumer ci, in the order it uses
         them (Q, K_0, then K_j before V_{j-1}); a refill waits for the slot's release. persistent:
         `t0` tiles and `filled` Q loads of this consumer's earlier items came before (ring
-        positions run on), and Q waits for the consumer to release the last item's."""
+        positions run on); K_0 comes before Q, which waits for the consumer to release the last
+        item's."""
         KS, VS = self.k_stages, self.v_stages
         n_kv = lists["kv_counts"].shape[0]
         n = self._count(lists, qb)
         if n > 0:
             sel = lists["idx"][lists["b"], lists["h"], qb, None]
-            if cutlass.const_expr(self.persistent):
-                if filled > 0:
-                    bars["q_empty"].wait(ci, (filled - 1) % 2)
-            self._load_q(ci, qb, tma, bars, lists)
+            if cutlass.const_expr(not self.persistent):
+                self._load_q(ci, qb, tma, bars, lists)
             # tile j's block is read one iteration ahead (before the empty waits); V_{j-1} reuses K_{j-1}'s
             k_blk = self._block(sel, 0, n_kv)
             v_blk = k_blk
@@ -469,6 +468,13 @@ class BlockSparseFwd64Sm90:
                     if tk >= KS:
                         bars["k_empty"].wait(ci * KS + tk % KS, (tk // KS + 1) % 2)
                     self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + tk % KS)
+                if cutlass.const_expr(self.persistent):
+                    # K_0 goes first: its slot is free once the last item's last QK has retired,
+                    # the Q slot only once that item's last PV has (or its out has left the slot)
+                    if j == 0:
+                        if filled > 0:
+                            bars["q_empty"].wait(ci, (filled - 1) % 2)
+                        self._load_q(ci, qb, tma, bars, lists)
                 if j >= 1:
                     t = t0 + j - 1
                     if t >= VS:
