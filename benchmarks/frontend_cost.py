@@ -62,6 +62,39 @@ def profile(step, calls: int):
     return pstats.Stats(prof).stats
 
 
+def count_calls(step, calls: int) -> float:
+    """Function calls (Python and C) per call outside the stages' own work, each stage call
+    counted once: the frontend's layers as a number that does not depend on the machine (the
+    calling thread's only: autograd runs a CUDA backward on a thread of its own)."""
+    from vsa_core import ops
+    from vsa_core.replay import Replay
+    stage_codes = {ops.forward.__code__, ops.backward.__code__, Replay.run.__code__, Replay.launch.__code__}
+    depth, made = 0, 0
+
+    def hook(frame, event, arg):
+        nonlocal depth, made
+        if event == "call":
+            if not depth:
+                made += 1
+            if frame.f_code in stage_codes:
+                depth += 1
+        elif event == "return":
+            if frame.f_code in stage_codes:
+                depth -= 1
+        elif event == "c_call" and not depth:
+            made += 1
+
+    for _ in range(3):
+        step()
+    sys.setprofile(hook)
+    try:
+        for _ in range(calls):
+            step()
+    finally:
+        sys.setprofile(None)
+    return made / calls
+
+
 def _inside_stages(stats: dict) -> set:
     """The stages and every function that only they (or functions only they call) call."""
     inside = {f for f in stats if _is_stage(f)}
@@ -135,10 +168,11 @@ def main():
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     print(f"{a.device}, backend {a.backend}, B{B} H{H} S{S} D{D} E{E} top-{topk}, python {sys.version.split()[0]}, "
           f"torch {torch.__version__}")
-    report("forward", profile(lambda: call().detach(), a.calls), a.calls, a.top)
-    sync()
-    report("forward+backward", profile(lambda: call().backward(dout), a.calls), a.calls, a.top)
-    sync()
+    for title, step in (("forward", lambda: call().detach()), ("forward+backward", lambda: call().backward(dout))):
+        report(title, profile(step, a.calls), a.calls, a.top)
+        sync()
+        print(f"  function calls per call outside the stages: {count_calls(step, a.calls):.0f}")
+        sync()
 
 
 if __name__ == "__main__":

@@ -130,6 +130,110 @@ def test_capture_keeps_no_buffer_of_the_captured_call():
     assert alive() is None, "the replay keeps the captured call's buffer alive"
 
 
+class _Compiled:
+    """What Triton's launch returns, as far as `triton_shim.compiled_launcher` reads it: indexed
+    by the grid for its runner, and its launcher `run` with the kernel's function and metadata.
+    Each records the launches it is given."""
+
+    function, packed_metadata = object(), object()
+
+    def __init__(self):
+        self.launched, self.ran = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, stream: self.ran.append((grid, args, stream))
+
+    def run(self, *args):
+        self.launched.append(args)
+
+
+def test_compiled_launcher_skips_the_runner_only_while_no_launch_hook_is_registered():
+    """Replayed launches call the kernel's launcher directly, without launch metadata or hooks;
+    with a hook registered (a profiler) they go through Triton's runner, which calls it."""
+    from triton import knobs
+    from vsa_core.triton_shim import compiled_launcher
+
+    compiled = _Compiled()
+    launch = compiled_launcher(compiled, (3, 2, 1))
+    launch(10, 20, stream=7)
+    assert compiled.launched == [(3, 2, 1, 7, compiled.function, compiled.packed_metadata, None, None, None, 10, 20)]
+    assert compiled.ran == []
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(11, 21, stream=8)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert compiled.ran == [((3, 2, 1), (11, 21), 8)] and len(compiled.launched) == 1
+    launch(12, 22, stream=9)  # the hook removed: direct again
+    assert len(compiled.launched) == 2 and len(compiled.ran) == 1
+
+
+def test_replay_keys_tell_apart_every_property_a_capture_depends_on():
+    """The eager operator's replay keys (`vsa_torch.ops._described`, `_backward_key`): equal for
+    other buffers of the same description, different for another shape, strides, dtype, 16-byte
+    alignment, absent array or sharing of one object; and they keep no array alive."""
+    import gc
+    import weakref
+
+    def arrays(**change):
+        x = dict(q=torch.randn(2, 3, 64, 16), k=torch.randn(2, 3, 64, 16), counts=torch.zeros(4, dtype=torch.int32),
+                 gate=None)
+        x.update(change)
+        return list(x.values())
+
+    key = torch_ops._described
+    base = key(arrays())
+    assert key(arrays()) == base  # new buffers, same description: the capture serves them
+    flat = torch.empty(2 * 3 * 64 * 16 + 2)
+    others = {
+        "shape": arrays(k=torch.randn(2, 3, 32, 16)),
+        "strides": arrays(k=torch.randn(2, 64, 3, 16).transpose(1, 2)),
+        "dtype": arrays(k=torch.randn(2, 3, 64, 16, dtype=torch.float64)),
+        "alignment": arrays(k=flat[2:].view(2, 3, 64, 16)),  # 8 bytes in: not 16-byte aligned
+        "absent": arrays(gate=torch.randn(2, 3, 64, 16)),
+    }
+    for what, changed in others.items():
+        assert key(changed) != base, what
+    q = torch.randn(2, 3, 64, 16)
+    assert key(arrays(q=q, k=q)) != key(arrays(q=q, k=q.clone())), "sharing"
+    shared = torch.zeros(4, dtype=torch.int32)
+    assert key([shared, shared]) != key([shared, shared.clone()]), "sharing"
+
+    dout, kept, out, lse = torch.randn(2, 3, 64, 16), arrays()[:2], torch.randn(2, 3, 64, 16), torch.randn(2, 3, 64)
+    backward = torch_ops._backward_key(("forward", base), (dout, *kept, out, lse))
+    assert torch_ops._backward_key(("forward", base), (dout.clone(), *kept, out, lse)) == backward
+    assert torch_ops._backward_key(("forward", base), (out, *kept, out, lse)) != backward, "dout is out"
+    assert torch_ops._backward_key(("forward", base), (flat[2:].view(2, 3, 64, 16), *kept, out, lse)) != backward
+    assert torch_ops._backward_key(("forward", key(arrays(q=q, k=q))), (dout, *kept, out, lse)) != backward
+
+    alive = weakref.ref(q)
+    kept_keys = (key(arrays(q=q)), torch_ops._backward_key(("forward", base), (q, *kept, out, lse)))
+    del q
+    gc.collect()
+    assert alive() is None and kept_keys, "a replay key keeps an array alive"
+
+
+def test_call_key_tells_apart_static_values_of_another_type_and_arrays_of_another_description():
+    """The memo of checked problems (`TorchFrontend.call_key`): 2, 2.0 and True key apart (the
+    checks tell them apart), tuples and float subclasses too; another stride or dtype is
+    another key; equal arguments are one key."""
+    from vsa_torch.adapter import TORCH
+
+    q = torch.randn(1, 2, 64, 16)
+
+    def key(topk, x=q, prefix=0):
+        return TORCH.call_key(("vsa", topk, 64, "bhsd", "triton", prefix, "exempt", None, "zeros"), x, None)
+
+    assert key(2) == key(2) and key(2) is not None
+    assert len({key(2), key(2.0), key(True), key(1)}) == 4
+    assert key(1, prefix=(1, 2)) == key(1, prefix=(1, 2)) != key(1, prefix=(1.0, 2))
+    assert key(np.float64(2.0)) == key(np.float64(2.0)) != key(2.0)
+    assert key(2, x=q.to(torch.float64)) != key(2)
+    assert key(2, x=torch.randn(1, 64, 2, 16).transpose(1, 2)) != key(2)
+    assert key(2, x=np.zeros((1, 2, 64, 16))) is None  # not a tensor: not memoized
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches (CPU)")
 def test_capture_of_interpreted_launches_is_refused_with_a_reason():
     from vsa_core import ops as core_ops

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from .launch import Launcher
+from .triton_shim import compiled_launcher
 
 _WORKSPACE_ALIGN = 256  # each workspace buffer starts as aligned as an allocation of its own would
 
@@ -48,10 +49,10 @@ class _Address:
 
 @dataclass(frozen=True)
 class TritonStep:
-    """One launch: `runner(*args, stream=...)` of the compiled kernel on `grid`, with the
-    arguments `constants` except at `pointers` ((position, buffer name, byte offset): a
-    pointer parameter) and `descriptors` ((position, buffer name, byte offset, descriptor
-    fields): a TMA descriptor rebuilt on the new address)."""
+    """One launch: `runner(*args, stream=...)` of the compiled kernel on `grid`
+    (`triton_shim.compiled_launcher`), with the arguments `constants` except at `pointers`
+    ((position, buffer name, byte offset): a pointer parameter) and `descriptors` ((position,
+    buffer name, byte offset, descriptor fields): a TMA descriptor rebuilt on the new address)."""
 
     name: str
     runner: Any
@@ -188,7 +189,8 @@ class CapturingLauncher(Launcher):
                 pointers.append((i, *place))
                 constants[i] = None
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
-        self._steps.append(TritonStep(name, compiled[grid3], tuple(constants), tuple(pointers), tuple(descriptors)))
+        self._steps.append(TritonStep(name, compiled_launcher(compiled, grid3), tuple(constants), tuple(pointers),
+                                      tuple(descriptors)))
 
     def _place(self, x) -> Optional[Tuple[str, int]]:
         """(buffer name, byte offset) of x: x is a buffer, or a view inside exactly one buffer.

@@ -44,6 +44,9 @@ class TorchFrontend(FrontendAdapter):
                 described.append((x.shape, x.stride(), x.dtype, x.device))
             else:  # a list or numpy array: converted per call, not memoized
                 return None
+        types = tuple(map(type, statics))
+        if _SCALAR_TYPES.issuperset(types):  # the usual call: the values and their types, no walk
+            return statics, types, tuple(described)
         if not all(_plain(v) for v in statics):
             return None
         return tuple(_typed(v) for v in statics), tuple(described)
@@ -112,6 +115,11 @@ class TorchFrontend(FrontendAdapter):
         bad |= (live & ((idx < 0) | (idx >= n_kv_blocks))).any()
         bad |= (live[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
         return not bool(bad)
+
+
+# the static arguments a memo keys on by value and exact type (2 and 2.0, True and 1 key apart:
+# the checks tell them apart); tuples of them are keyed element by element (`_typed`)
+_SCALAR_TYPES = frozenset((type(None), bool, int, float, str))
 
 
 def _plain(v) -> bool:

@@ -72,14 +72,25 @@ _REPLAY_LIMIT = 512
 
 def _replay_key(stage: str, s: OpStatics, arrays) -> tuple:
     """Everything a stage's launches depend on besides the buffers' addresses: the statics,
-    the launch configuration, each array's shape, strides, dtype, device and 16-byte
-    alignment, and which arrays are one object (a capture names a buffer by its object: the
-    same counts passed for both counts, say)."""
-    described = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
-                      for t in arrays)
+    the launch configuration, and the arrays' descriptions (`_described`)."""
+    return (stage, s, config(), *_described(arrays))
+
+
+def _described(arrays) -> tuple:
+    """(each array's shape, strides, dtype, device and 16-byte alignment in one flat tuple,
+    None for an absent array; which arrays are one object, None when all are distinct): a
+    capture names a buffer by its object (the same counts passed for both counts, say)."""
+    described, ids = [], []
+    for t in arrays:
+        if t is None:
+            described.append(None)
+        else:
+            described += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+            ids.append(id(t))
+    if len(set(ids)) == len(ids):
+        return tuple(described), None
     first = {}
-    aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(arrays) if t is not None)
-    return stage, s, config(), described, aliases
+    return tuple(described), tuple(first.setdefault(i, n) for n, i in enumerate(ids))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -130,19 +141,18 @@ def _run_stage(stage: str, s: OpStatics, p: AttnProblem, named: dict, arrays, wo
 _RESIDUAL_ALIGN = 256  # each residual starts as aligned as an allocation of its own would
 
 
-def _describe(t: Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0
-
-
 def _backward_key(forward_key: tuple, arrays) -> tuple:
     """The eager backward's replay key (`_replay_key`'s properties): the forward's key holds
     the statics and the inputs' shapes, strides, dtypes, alignment and device; out, lse and the
     residuals are the forward's own allocations, whose layout the problem fixes. What is new:
     the launch configuration now, dout's description, and which arrays are one object (dout
     may be an input or out). `arrays`: dout, the kept inputs, out, lse."""
+    dout = arrays[0]
+    ids = [id(t) for t in arrays]
     first = {}
-    aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(arrays))
-    return "backward", forward_key, config(), _describe(arrays[0]), aliases
+    aliases = None if len(set(ids)) == len(ids) else tuple(first.setdefault(i, n) for n, i in enumerate(ids))
+    return ("backward", forward_key, config(), dout.shape, dout.stride(), dout.dtype, dout.get_device(),
+            dout.data_ptr() % 16 == 0, aliases)
 
 
 def _table(table: dict, dtype: torch.dtype, names) -> Tuple[Tuple[str, tuple, torch.dtype], ...]:
@@ -387,7 +397,8 @@ class _EagerOperator(torch.autograd.Function):
         if p is not call.p and p != call.p:
             raise RuntimeError("vsa: the eager operator's arrays are not of the problem its call was built for")
         replayable = call.replayable and inputs[0].is_cuda
-        key = _replay_key("forward", call.s, inputs) if replayable else None
+        # `call` stands for the statics and the launch configuration (its memo's key holds both)
+        key = ("forward", call, *_described(inputs)) if replayable else None
         own, block = _run_eager("forward", call, named, key)
         out, lse = own["out"], own["lse"]
         ctx.save_for_backward(*(named[n] for n in call.kept), out, lse, block)
