@@ -97,9 +97,10 @@ class BlockSparseFwd64Sm90:
       query block fastest, numbered c + consumers * (x + k * gridDim.x). Both count the tiles and
       the non-empty items before each item, so a ring slot and its mbarrier phase follow from the
       running tile number (t0 + j) exactly as from j in one item. A consumer releases its Q slot
-      ("q_empty") and the V slots it still holds once its item's last wgmma has retired; the
-      producer loads the next Q behind that release, so the next item's Q / K / V loads run under
-      this item's epilogue, and no CTA waits for its slowest consumer before the next starts.
+      ("q_empty") and the V slots it still holds once its item's last wgmma has retired (with
+      tma_store the Q slot once the out store has read it); the producer issues the next item's
+      K_0 first and its Q behind that release, so the next item's loads run under this item's
+      epilogue, and no CTA waits for its slowest consumer before the next starts.
     - `shared_kv=True` (with warp_specialized): K/V reuse between the CTA's query blocks
       (neighbours in tile order, same batch and head, whose lists overlap in real video). The CTA
       has ONE K ring (k_stages slots) and ONE V ring (v_stages slots), filled in the order of the
