@@ -58,13 +58,23 @@ VARIANTS = {
     "ws-c3-k1v2": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True),
     "ws-c2-k2v2-vsa": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, has_coarse=True,
                            has_gate=True, store_fine=True),
-    # the sm90 backend's forward (sm90_backend.FORWARD) in each epilogue it runs with
+    # the sm90 backend's forward before tma_store, and (the -tma-store- rows) sm90_backend.FORWARD, in each
+    # epilogue it runs with
     "ws-c3-k1v2-lazy-vsa": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
                                 has_coarse=True, has_gate=True, store_fine=True),
     "ws-c3-k1v2-lazy-vsa-nogate-inference": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
                                                  lazy_rescale=True, has_coarse=True),
     "ws-c3-k1v2-lazy-d64-fp16": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
                                      head_dim=64, dtype=cutlass.Float16),
+    "ws-c3-k1v2-lazy-tma-store-vsa": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                          lazy_rescale=True, tma_store=True, has_coarse=True, has_gate=True,
+                                          store_fine=True),
+    "ws-c3-k1v2-lazy-tma-store-vsa-nogate-inference": dict(k_stages=1, v_stages=2, consumers=3,
+                                                           warp_specialized=True, lazy_rescale=True, tma_store=True,
+                                                           has_coarse=True),
+    "ws-c3-k1v2-lazy-tma-store-d64-fp16": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                               lazy_rescale=True, tma_store=True, head_dim=64,
+                                               dtype=cutlass.Float16),
     # shared KV rings (one K and one V ring for the CTA, filled in union order)
     "ws-c2-k5v7-shared-lazy": dict(k_stages=5, v_stages=7, consumers=2, warp_specialized=True, lazy_rescale=True,
                                    shared_kv=True),

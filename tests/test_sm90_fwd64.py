@@ -118,3 +118,18 @@ def test_sm90_fwd64_matches_float64_reference(variant, shape):
     assert np.abs(got_lse[finite] - ref_lse[finite]).max() < 1e-3
     if ref_fine is not None:
         assert _rel(out_fine, ref_fine) < 1e-2
+
+
+@pytest.mark.parametrize("persistent", [-1, 2.5, "yes"])
+def test_bad_persistent_is_refused_naming_it(persistent):
+    """Checked on the host before anything reaches a device (CPU tensors of valid shapes)."""
+    pytest.importorskip("cutlass")
+    pytest.importorskip("cuda.bindings")
+    from vsa_core.backends.sm90_fwd64 import prepare_forward64
+    B, H, nq, cap = 1, 1, 2, 2
+    q = torch.randn(B, H, nq * E, 128).to(torch.bfloat16)
+    lists = dict(sel_idx=torch.zeros(B, H, nq, cap, dtype=torch.int32), sel_num=torch.ones(B, H, nq, dtype=torch.int32),
+                 kv_counts=torch.full((nq,), E, dtype=torch.int32))
+    with pytest.raises(ValueError, match="persistent"):
+        prepare_forward64(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(B, H, nq * E), **lists,
+                          warp_specialized=True, consumers=3, persistent=persistent)

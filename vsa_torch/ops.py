@@ -87,10 +87,15 @@ def _described(arrays) -> tuple:
         else:
             described += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
             ids.append(id(t))
+    return tuple(described), _aliases(ids)
+
+
+def _aliases(ids) -> Optional[tuple]:
+    """For each object id, the position of its first occurrence; None when all are distinct."""
     if len(set(ids)) == len(ids):
-        return tuple(described), None
+        return None
     first = {}
-    return tuple(described), tuple(first.setdefault(i, n) for n, i in enumerate(ids))
+    return tuple(first.setdefault(i, n) for n, i in enumerate(ids))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -148,11 +153,8 @@ def _backward_key(forward_key: tuple, arrays) -> tuple:
     the launch configuration now, dout's description, and which arrays are one object (dout
     may be an input or out). `arrays`: dout, the kept inputs, out, lse."""
     dout = arrays[0]
-    ids = [id(t) for t in arrays]
-    first = {}
-    aliases = None if len(set(ids)) == len(ids) else tuple(first.setdefault(i, n) for n, i in enumerate(ids))
     return ("backward", forward_key, config(), dout.shape, dout.stride(), dout.dtype, dout.get_device(),
-            dout.data_ptr() % 16 == 0, aliases)
+            dout.data_ptr() % 16 == 0, _aliases([id(t) for t in arrays]))
 
 
 def _table(table: dict, dtype: torch.dtype, names) -> Tuple[Tuple[str, tuple, torch.dtype], ...]:

@@ -1164,8 +1164,10 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     persistent_ctas = 0
     if persistent is True:
         persistent_ctas = torch.cuda.get_device_properties(q.device).multi_processor_count
-    elif persistent:
-        persistent_ctas = int(persistent)
+    elif isinstance(persistent, int) and persistent >= 0:
+        persistent_ctas = int(persistent)  # False or 0: not persistent
+    else:
+        raise ValueError(f"sm90_fwd64: persistent must be False, True or a CTA count >= 1 (got {persistent!r})")
     key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
            warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, list_in_smem, persistent_ctas, tma_store)
     vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
