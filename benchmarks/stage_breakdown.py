@@ -36,7 +36,8 @@ import torch  # noqa: E402
 
 import vsa_torch  # noqa: E402
 from vsa_core import stages  # noqa: E402
-from vsa_core.backends import cudnn_backend, cute_backend, triton_backend  # noqa: E402
+from vsa_core.backends import cudnn_backend, cute_backend, sm90_backend, triton_backend  # noqa: E402
+from vsa_core.config import configure  # noqa: E402
 
 SHAPES = {  # name: (B, H, video (T, H, W) in tokens, D, tile, topk)
     "480p-64": (1, 12, (24, 52, 32), 128, (4, 4, 4), 62),     # S = 39936, 624 blocks
@@ -81,7 +82,7 @@ class Tracer:
         return traced
 
     def install(self):
-        mods = (stages, triton_backend, cudnn_backend, cute_backend)
+        mods = (stages, triton_backend, cudnn_backend, cute_backend, sm90_backend)
         for mod in mods:
             for name in TRITON_STAGES + BACKEND_STAGES:
                 if hasattr(mod, name):
@@ -191,6 +192,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     shape = SHAPES[args.shape]
+    configure(replay=False)  # a replayed call would not pass through the wrapped launch functions
     TRACER.install()
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "stages": {}, "overlap": {}}
     for backend in args.backends.split(","):

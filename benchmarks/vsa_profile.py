@@ -28,7 +28,7 @@ METRICS = {  # column: ncu metric
     "block": "launch__block_size",
     "regs": "launch__registers_per_thread",
     "occ%": "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "dram%": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram%": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "sm%": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "dram MB": "dram__bytes.sum",
 }
@@ -69,13 +69,16 @@ def table(report: str) -> None:
                           "--metrics", ",".join(METRICS.values())], check=True, capture_output=True, text=True).stdout
     rows = list(csv.reader(io.StringIO(raw)))
     header = rows[0]
-    col = {name: header.index(name) for name in ("Kernel Name", *METRICS.values())}
+    col = {name: header.index(name) if name in header else None for name in ("Kernel Name", *METRICS.values())}
     print("| kernel | " + " | ".join(METRICS) + " |")
     print("|" + " --- |" * (len(METRICS) + 1))
     total = 0.0
     for row in rows[2:]:  # rows[1]: units
         cells = []
         for column, metric in METRICS.items():
+            if col[metric] is None:
+                cells.append("-")
+                continue
             value = float(row[col[metric]].replace(",", "") or 0)
             if column == "us":
                 value /= 1e3

@@ -25,7 +25,7 @@ def test_every_variable_is_read():
                             "VSA_BACKEND": "triton", "VSA_ULYSSES_CHUNKS": "2", "VSA_JAX_LAUNCH": "native"})
     assert got == LaunchConfig(autotune=False, tma=False, coarse_precision="tf32", backend="triton",
                                ulysses_chunks=2, jax_launch="native")
-    assert set(C.ENVIRONMENT) == {f.name for f in dataclasses.fields(LaunchConfig)} - {"forced_tiles"}
+    assert set(C.ENVIRONMENT) == {f.name for f in dataclasses.fields(LaunchConfig)} - {"forced_tiles", "replay"}
 
 
 def test_the_environment_is_read_once(monkeypatch):

@@ -408,3 +408,25 @@ def test_gpu_misaligned_inputs_get_their_own_replay():
     assert_close(case, aligned, {n: ref[n] for n in aligned})
     keys = [k for k, e in torch_ops._REPLAYS.items() if isinstance(e, Replay) and k[0] == "forward"]
     assert len(keys) == 2, "aligned and misaligned inputs share a replay"
+
+
+@pytest.mark.gpu
+def test_gpu_replay_off_runs_every_call_through_the_stages(monkeypatch):
+    """With `replay=False` (benchmarks timing the stages' launch functions) no call is captured
+    and every call reaches the stages: one block_mean_pool_qkv per forward."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from vsa_core import stages
+    from vsa_core.config import overridden
+    case, layout, padding = GPU_CASES["vsa-bhsd-gate"]
+    torch_ops._REPLAYS.clear()
+    pooled = []
+    pool = stages.block_mean_pool_qkv
+    monkeypatch.setattr(stages, "block_mean_pool_qkv", lambda *a, **kw: pooled.append(1) or pool(*a, **kw))
+    inputs = make_inputs(case, seed=16)
+    with overridden(replay=False):
+        for _ in range(3):
+            got = _step(case, _gpu_inputs(case, inputs), layout, padding)
+    assert not _replays() and len(pooled) == 3
+    ref = reference(case, inputs, padding=padding)
+    assert_close(case, got, {n: ref[n] for n in got})

@@ -22,8 +22,8 @@ Variables (field of `LaunchConfig` in brackets):
 - `VSA_JAX_LAUNCH` [jax_launch]: how vsa_jax launches the Triton and sm90 backends on a GPU,
   "callback" (the default) or "native" (`vsa_jax.native`); read when a call is traced.
 
-`forced_tiles` has no variable: benchmarks set it to run one tile config of an attention
-kernel regardless of tuning. TRITON_INTERPRET is not read here: Triton reads it when it is
+`forced_tiles` and `replay` have no variable: benchmarks set them to run one tile config of an
+attention kernel regardless of tuning, and to time the stages' launch functions on every call. TRITON_INTERPRET is not read here: Triton reads it when it is
 first imported (`vsa_core.runtime.INTERPRETING`).
 """
 
@@ -60,9 +60,12 @@ class LaunchConfig:
     jax_launch: str = "callback"
     # ((kernel name, (BLOCK_M, BLOCK_N, num_warps, num_stages)), ...): tiles run regardless of tuning
     forced_tiles: Tuple[Tuple[str, Tuple[int, int, int, int]], ...] = ()
+    # False: the torch eager operator runs every call through the stages' launch functions instead of
+    # replaying its recorded launches (`vsa_torch.ops`): for benchmarks that time those functions
+    replay: bool = True
 
     def __post_init__(self):
-        for name in ("autotune", "tma"):
+        for name in ("autotune", "tma", "replay"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LaunchConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.coarse_precision not in COARSE_PRECISIONS:

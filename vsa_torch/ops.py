@@ -115,7 +115,8 @@ def _run_stage(stage: str, s: OpStatics, p: AttnProblem, named: dict, arrays, wo
     like = named["q"]
     device = like.device
     table = _stage_table(p, stage, like.dtype)
-    replayable = like.is_cuda and getattr(backend, "replayable", False) and not torch.compiler.is_compiling()
+    replayable = (like.is_cuda and getattr(backend, "replayable", False) and config().replay
+                  and not torch.compiler.is_compiling())
     key = _replay_key(stage, s, arrays) if replayable else None
     entry = _REPLAYS.get(key) if replayable else None
     if isinstance(entry, Replay):
