@@ -2,7 +2,7 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench | stages | kernels | profile (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -153,6 +153,22 @@ case $step in
     rm -f "$out/bwd64.ncu-rep"
     t 120 python3 benchmarks/coarse_sweep.py --shapes 480p-64
     t 120 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
+    ;;
+  fwd64)  # the sm90 forward's default: its GPU tests, the whole VSA per kernel (ncu table), ours against
+          # cuDNN's at top-16 (where the per-query-block cost shows), stages and the 480p-64 table
+    t 150 python3 -m pytest -q -m gpu -n 8 tests/test_sm90_fwd64.py tests/test_sm90_backend.py \
+      tests/test_jax_sm90_native.py tests/test_replay.py
+    t 150 ncu --clock-control none --profile-from-start off --set full -f -o "$out/vsa_sm90" \
+      python3 benchmarks/vsa_profile.py --backend sm90
+    t 30 python3 benchmarks/vsa_profile.py --table "$out/vsa_sm90.ncu-rep"
+    rm -f "$out/vsa_sm90.ncu-rep"
+    t 120 ncu --clock-control none --profile-from-start off --set full -f -o "$out/fwd64_top16" \
+      python3 benchmarks/sm90_fwd64_profile.py ws3L ws3LT cudnn --topk=16
+    t 60 sh -c "ncu -i '$out/fwd64_top16.ncu-rep' --page details --print-units base > '$out/fwd64_top16.txt'"
+    rm -f "$out/fwd64_top16.ncu-rep"
+    t 100 python3 benchmarks/stage_breakdown.py --shape 480p-64 --backends sm90 --iters 5 --out "$out"
+    t 120 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager --backends sm90,cudnn \
+      --peers cudnn --out "$out/bench"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
