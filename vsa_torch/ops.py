@@ -399,7 +399,7 @@ class _EagerOperator(torch.autograd.Function):
         p = op_problem(call.s, named)
         if p is not call.p and p != call.p:
             raise RuntimeError("vsa: the eager operator's arrays are not of the problem its call was built for")
-        replayable = call.replayable and inputs[0].is_cuda
+        replayable = call.replayable and inputs[0].is_cuda and config().replay
         # `call` stands for the statics and the launch configuration (its memo's key holds both)
         key = ("forward", call, *_described(inputs)) if replayable else None
         own, block = _run_eager("forward", call, named, key)
