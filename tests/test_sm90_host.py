@@ -65,19 +65,19 @@ def _counting(monkeypatch, mod, name):
     return calls
 
 
-def _tok(dtype=torch.bfloat16, seq=S, layout="bhsd"):
+def _tok(dtype=torch.bfloat16, seq=S, layout="bhsd", batch=B):
     if layout == "bshd":
-        return torch.zeros(B, seq, H, D, dtype=dtype).transpose(1, 2)
-    return torch.zeros(B, H, seq, D, dtype=dtype)
+        return torch.zeros(batch, seq, H, D, dtype=dtype).transpose(1, 2)
+    return torch.zeros(batch, H, seq, D, dtype=dtype)
 
 
-def _forward_args(dtype=torch.bfloat16, seq=S, layout="bhsd"):
+def _forward_args(dtype=torch.bfloat16, seq=S, layout="bhsd", batch=B):
     nb = seq // E
-    args = [_tok(dtype, seq, layout) for _ in range(4)]
-    args += [torch.zeros(B, H, seq), torch.zeros(B, H, nb, K, dtype=torch.int32),
-             torch.zeros(B, H, nb, dtype=torch.int32), torch.full((nb,), E, dtype=torch.int32)]
-    coarse = dict(q_counts=torch.full((nb,), E, dtype=torch.int32), out_coarse=torch.zeros(B, H, nb, D),
-                  gate=_tok(dtype, seq, layout), out_fine=torch.zeros(B, H, seq, D))
+    args = [_tok(dtype, seq, layout, batch) for _ in range(4)]
+    args += [torch.zeros(batch, H, seq), torch.zeros(batch, H, nb, K, dtype=torch.int32),
+             torch.zeros(batch, H, nb, dtype=torch.int32), torch.full((nb,), E, dtype=torch.int32)]
+    coarse = dict(q_counts=torch.full((nb,), E, dtype=torch.int32), out_coarse=torch.zeros(batch, H, nb, D),
+                  gate=_tok(dtype, seq, layout, batch), out_fine=torch.zeros(batch, H, seq, D))
     return args, coarse
 
 
@@ -119,12 +119,13 @@ def test_forward_placeholders_without_the_coarse_branch(stubbed):
     assert [t is x for (t, _), x in zip(stubbed[0].examples, call[:14])] == [True] * 14
 
 
-@pytest.mark.parametrize("change", ["sequence length", "bshd strides"])
+@pytest.mark.parametrize("change", ["batch", "sequence length", "bshd strides"])
 def test_forward_new_shape_or_strides_checks_again_and_reuses_the_build(stubbed, monkeypatch, change):
     checks = _counting(monkeypatch, sm90_fwd64, "_check_forward64")
     args, coarse = _forward_args()
     sm90_fwd64.prepare_forward64(*args, **coarse, **sm90_backend.FORWARD)()
-    args, coarse = _forward_args(seq=2 * S) if change == "sequence length" else _forward_args(layout="bshd")
+    kw = {"batch": dict(batch=2 * B), "sequence length": dict(seq=2 * S), "bshd strides": dict(layout="bshd")}
+    args, coarse = _forward_args(**kw[change])  # another batch: the same strides (contiguous BHSD)
     sm90_fwd64.prepare_forward64(*args, **coarse, **sm90_backend.FORWARD)()
     assert len(checks) == 2 and len(stubbed) == 1 and len(stubbed[0].calls) == 2
     assert stubbed[0].calls[1][0] is args[0]
@@ -144,7 +145,7 @@ def test_forward_bad_shape_is_checked_not_taken_for_a_known_problem(stubbed):
     args, coarse = _forward_args()
     sm90_fwd64.prepare_forward64(*args, **coarse, **sm90_backend.FORWARD)()
     args, coarse = _forward_args()
-    args[5] = torch.zeros(B, H, NB + 1, K, dtype=torch.int32)  # sel_idx of another query-block count
+    args[5] = torch.zeros(B + 1, H, NB, K, dtype=torch.int32)  # sel_idx of another batch (the same strides)
     with pytest.raises(ValueError, match="sel_idx"):
         sm90_fwd64.prepare_forward64(*args, **coarse, **sm90_backend.FORWARD)
 
