@@ -48,7 +48,7 @@ def compile_for_torch(kernel, examples, *scalars):
 
 def layout_key(*tensors):
     """What a launch's checks read of its tensors besides their contents and addresses: shape, strides,
-    dtype, device and whether the start is 16-byte aligned (None for an absent tensor). Calls with
-    equal keys pass or fail the same checks, so a problem's checks run once per key."""
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
-                 for t in tensors)
+    dtype and whether the start is 16-byte aligned (None for an absent tensor). Calls with equal keys
+    pass or fail the same checks, so a problem's checks run once per key. (Devices are not read by the
+    checks; the compiled function itself refuses tensors on different devices.)"""
+    return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])

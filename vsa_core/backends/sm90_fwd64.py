@@ -1063,9 +1063,9 @@ def _tree(vals, op):
 # Per call, a launch does only what depends on the buffers: their [B, H, S, D] views in the argument
 # order, the stream, and the call of the compiled function with the torch tensors themselves
 # (`sm90_common.compile_for_torch`: TVM-FFI reads addresses, shapes and strides in C). The checks run
-# once per problem (`_PLANS`, keyed by the options and `layout_key` of every tensor), and the kernel
-# is built once per configuration and dtype (`_COMPILED`): shapes and strides are run-time values of
-# one build, so another shape or layout of a known configuration reuses it.
+# once per problem (`_PLANS`, keyed by the options, q's device and `layout_key` of every tensor), and
+# the kernel is built once per configuration and dtype (`_COMPILED`): shapes and strides are run-time
+# values of one build, so another shape or layout of a known configuration reuses it.
 _COMPILED = {}  # compile key (configuration, dtype, SM count when persistent) -> compiled function
 _PLANS = {}     # problem key -> the compiled function of a problem whose checks passed
 
@@ -1105,7 +1105,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                   pingpong=pingpong, q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
                   list_in_smem=list_in_smem, persistent=persistent, tma_store=tma_store)
     tensors = (q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine)
-    key = (tuple(config.values()), layout_key(*tensors))
+    key = (tuple(config.values()), q.get_device(), layout_key(*tensors))  # device: its SM count (persistent)
     fn = _PLANS.get(key)
     if fn is None:
         _check_forward64(*tensors, config)
