@@ -230,3 +230,24 @@ def test_backward_dtype_or_configuration_compiles_again(stubbed, change):
         extra = dict(ignore_padding=True)
     sm90_bwd64.prepare_backward64(*args, **kw, **extra, **sm90_backend.BACKWARD)()
     assert len(stubbed) == 4 and len(stubbed[2].calls) == 1
+
+
+def test_forward_broadcast_dim_compiles_again(stubbed):
+    """A zero stride stays static in a CuTe tensor's type: a gate broadcast over the batch gets a build
+    of its own, and a build made for it is not taken for a gate with a real batch stride."""
+    for broadcast in (False, True, False):
+        args, coarse = _forward_args(batch=2)
+        if broadcast:
+            coarse["gate"] = _tok(batch=1).expand(2, H, S, D)
+        sm90_fwd64.prepare_forward64(*args, **coarse, **sm90_backend.FORWARD)()
+    assert len(stubbed) == 2 and [len(fn.calls) for fn in stubbed] == [2, 1]
+    assert stubbed[1].examples[9][0].stride(0) == 0
+
+
+def test_backward_broadcast_dim_compiles_again(stubbed):
+    for broadcast in (False, True):
+        args, kw = _backward_args()
+        if broadcast:
+            args[4] = torch.zeros(B, 1, S).expand(B, H, S)  # lse: stride 0 over the heads
+        sm90_bwd64.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
+    assert len(stubbed) == 4

@@ -93,7 +93,7 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_common import compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
+from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
@@ -646,7 +646,7 @@ class DqPostprocess:
 # (`sm90_common.compile_for_torch`, TVM-FFI), its checks run once per problem (`_PLANS`, keyed by the
 # options and `layout_key` of every tensor), and the kernels are built once per configuration and dtype
 # (`_COMPILED`): shapes and strides are run-time values of one build.
-_COMPILED = {}  # compile key (configuration, dtype) -> (main kernel, dQ postprocess), compiled
+_COMPILED = {}  # compile key (configuration, dtype, broadcast dims) -> (main kernel, dQ postprocess), compiled
 _PLANS = {}     # problem key -> the compiled pair of a problem whose checks passed
 
 
@@ -817,12 +817,13 @@ def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, k
 
 def _compiled_backward64(main_args: list, post_args: list, pool_grads: bool, ignore_padding: bool, config: dict):
     """The main kernel and the dQ postprocess of `config` for the dtype and head dim of q = main_args[0],
-    compiled on first use with the call's arguments as examples (their CuTe types hold only dtype, rank
-    and alignment, which the configuration fixes: one build serves every shape and layout). Alignment:
+    compiled on first use with the call's arguments as examples (their CuTe types hold dtype, rank and
+    alignment, which the configuration fixes, and the broadcast dims, `broadcast_dims`: one build serves
+    every shape and every layout without broadcast dims). Alignment:
     16 bytes for the token tensors, lse, delta and dq_accum (TMA, bulk copies), 4 for the rest."""
     q = main_args[0]
     D = q.shape[3]
-    key = (q.dtype, D, pool_grads, ignore_padding, *config.values())
+    key = (q.dtype, D, pool_grads, ignore_padding, *config.values(), broadcast_dims(main_args + post_args))
     fns = _COMPILED.get(key)
     if fns is None:
         main = backward_kernel(cutlass_dtype(q), D, **config, pool_grads=pool_grads, ignore_padding=ignore_padding)

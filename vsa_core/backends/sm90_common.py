@@ -46,6 +46,13 @@ def compile_for_torch(kernel, examples, *scalars):
     return cute.compile(kernel, *examples, *scalars, options="--enable-tvm-ffi")
 
 
+def broadcast_dims(tensors) -> tuple:
+    """Which dims of each tensor have stride 0. The one part of a `cute_tensor`'s type that depends on
+    the strides: a zero stride (a broadcast dim) stays static in it, and the compiled function then
+    takes only that stride there, so a compile key holds this besides dtype and configuration."""
+    return tuple(tuple(st == 0 for st in t.stride()) for t in tensors)
+
+
 def layout_key(*tensors):
     """What a launch's checks read of its tensors besides their contents and addresses: shape, strides,
     dtype and whether the start is 16-byte aligned (None for an absent tensor). Calls with equal keys

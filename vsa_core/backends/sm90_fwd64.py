@@ -68,7 +68,7 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_common import compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
+from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
@@ -1066,7 +1066,7 @@ def _tree(vals, op):
 # once per problem (`_PLANS`, keyed by the options, q's device and `layout_key` of every tensor), and
 # the kernel is built once per configuration and dtype (`_COMPILED`): shapes and strides are run-time
 # values of one build, so another shape or layout of a known configuration reuses it.
-_COMPILED = {}  # compile key (configuration, dtype, SM count when persistent) -> compiled function
+_COMPILED = {}  # compile key (configuration, dtype, SM count if persistent, broadcast dims) -> compiled function
 _PLANS = {}     # problem key -> the compiled function of a problem whose checks passed
 
 
@@ -1206,8 +1206,9 @@ def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, g
 
 def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine: bool, config: dict):
     """The forward of `config` for the dtype and head dim of q = args[0], compiled on first use with
-    `args` (the call's arguments, `_ARG_NAMES`) as examples. Their CuTe types hold only dtype, rank and
-    alignment, which the configuration fixes, so one build serves every shape and layout."""
+    `args` (the call's arguments, `_ARG_NAMES`) as examples. Their CuTe types hold dtype, rank and
+    alignment, which the configuration fixes, and which dims are broadcast (stride 0, `broadcast_dims`),
+    so one build serves every shape and every layout without broadcast dims."""
     import torch
 
     q = args[0]
@@ -1219,7 +1220,7 @@ def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine
         persistent_ctas = int(persistent)
     options = {n: x for n, x in config.items() if n != "persistent"}
     D = q.shape[3]
-    key = (q.dtype, D, has_coarse, has_gate, store_fine, persistent_ctas, *options.values())
+    key = (q.dtype, D, has_coarse, has_gate, store_fine, persistent_ctas, *options.values(), broadcast_dims(args))
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, has_coarse=has_coarse, has_gate=has_gate,
