@@ -24,13 +24,14 @@ def cutlass_dtype(t):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
 
 
-def cute_tensor(t, align=16):
-    """A torch tensor as a CuTe tensor with dynamic strides (its last dim contiguous), no copy: the
-    compile-time example of a TVM-FFI argument (`compile_for_torch`). Its type is the element type,
-    the rank, the contiguous last dim and `align`; shapes and strides are run-time values."""
+def cute_tensor(t, align=16, leading_dim=None):
+    """A torch tensor as a CuTe tensor with dynamic strides (contiguous along `leading_dim`, default
+    the last dim), no copy: the compile-time example of a TVM-FFI argument (`compile_for_torch`). Its
+    type is the element type, the rank, the leading dim, the broadcast dims (`broadcast_dims`) and
+    `align` (bytes; None: the element's); shapes and the other strides are run-time values."""
     from cutlass.cute.runtime import from_dlpack
     return from_dlpack(t.detach(), assumed_align=align, enable_tvm_ffi=True).mark_layout_dynamic(
-        leading_dim=t.dim() - 1)
+        leading_dim=t.dim() - 1 if leading_dim is None else leading_dim)
 
 
 def compile_for_torch(kernel, examples, *scalars):
