@@ -199,10 +199,11 @@ def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_size
 _BLK64_BUILDS = {}  # (dtype, head dim, broadcast dims) -> compiled function
 _BLK64_PLANS = {}   # `layout_key` of the arguments -> the compiled function (the checks passed)
 
-# the wrapper's CuTe views: (permutation of our tensor, alignment in bytes (None: the element's), leading dim)
+# the wrapper's CuTe views of q, k, v, out, lse, the lists, their counts and the block sizes ([B, H, nKV]):
+# (permutation of our tensor, alignment in bytes (None: the element's), leading dim); the 9th argument,
+# the split offsets, is the counts' view again
 _BLK64_VIEWS = (((2, 3, 1, 0), ALIGN, 1), ((2, 3, 1, 0), ALIGN, 1), ((3, 2, 1, 0), ALIGN, 0), ((2, 3, 1, 0), ALIGN, 1),
-                ((2, 1, 0), 4, 0), ((3, 2, 1, 0), None, 0), ((2, 1, 0), None, 0), ((2, 1, 0), None, 0),
-                ((2, 1, 0), None, 0))
+                ((2, 1, 0), 4, 0), ((3, 2, 1, 0), None, 0), ((2, 1, 0), None, 0), ((2, 1, 0), None, 0))
 
 
 def _blk64_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):
@@ -220,11 +221,10 @@ def _blk64_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_si
     if fn is None:
         _check_blk64(q, k, v, out, lse, sel_idx, sel_num, block_sizes)
     B, H = q.shape[:2]
-    sizes = torch.empty((B, H, block_sizes.shape[0]), dtype=torch.int32, device=q.device)
-    sizes.copy_(block_sizes.expand(B, H, -1))  # the wrapper's block_sizes[None, None].expand(B, H, -1).contiguous()
-    nums = sel_num.contiguous()
-    tensors = (q, k, v, out, lse, sel_idx.contiguous(), nums, sizes, nums)  # split offsets: unused, the counts
+    sizes = block_sizes[None, None, :].expand(B, H, -1).contiguous()  # as the wrapper expands them
+    tensors = (q, k, v, out, lse, sel_idx.contiguous(), sel_num.contiguous(), sizes)
     args = [t.permute(*perm) for t, (perm, _, _) in zip(tensors, _BLK64_VIEWS)]
+    args.append(args[6])  # the split offsets' place (unused at kv_splits=1): the counts, as the wrapper passes
     if fn is None:
         fn = _BLK64_PLANS[key] = _blk64_build(q, args)
     fn(*args, p.softmax_scale, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
