@@ -76,6 +76,7 @@ stay backend-independent.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 from ..problem import AttnProblem
@@ -198,6 +199,9 @@ def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_size
 # 128-byte alignment of q, k, v, out: `_sparse_forward` checks it per call, and so does the build.
 _BLK64_BUILDS = {}  # (dtype, head dim, broadcast dims) -> compiled function
 _BLK64_PLANS = {}   # `layout_key` of the arguments -> the compiled function (the checks passed)
+# The CuTe DSL keeps per-compile state on a process-wide singleton (see sm90_backend): a build holds this,
+# so threads driving several GPUs (a JAX mesh) do not compile at once.
+_BUILD_LOCK = threading.Lock()
 
 # the wrapper's CuTe views of q, k, v, out, lse, the lists, their counts and the block sizes ([B, H, nKV]):
 # (permutation of our tensor, alignment in bytes (None: the element's), leading dim); the 9th argument,
@@ -226,7 +230,8 @@ def _blk64_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_si
     args = [t.permute(*perm) for t, (perm, _, _) in zip(tensors, _BLK64_VIEWS)]
     args.append(args[6])  # the split offsets' place (unused at kv_splits=1): the counts, as the wrapper passes
     if fn is None:
-        fn = _BLK64_PLANS[key] = _blk64_build(q, args)
+        with _BUILD_LOCK:
+            fn = _BLK64_PLANS[key] = _blk64_build(q, args)
     fn(*args, p.softmax_scale, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
 
 
