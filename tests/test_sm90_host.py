@@ -105,6 +105,7 @@ def test_forward_same_problem_reuses_checks_and_build_and_passes_the_new_buffers
     assert tensors[10] is coarse["out_coarse"] and tensors[11] is coarse["out_fine"]
     assert tensors[12] is sel_idx and tensors[13] is sel_num  # shared_kv's unions: placeholders
     assert scale == 0.25 and type(scale) is float and int(stream) == 7
+    assert [a for _, a in fn.examples] == [16, 16, 16, 16, 4, 4, 4, 4, 4, 16, 4, 16, 4, 4]  # gate, out_fine: 16
 
 
 def test_forward_placeholders_without_the_coarse_branch(stubbed):
@@ -114,8 +115,9 @@ def test_forward_placeholders_without_the_coarse_branch(stubbed):
     call = stubbed[0].calls[0]
     assert call[8] is sel_num and call[9] is q and call[10] is lse and call[11] is lse
     assert call[14] == pytest.approx(D ** -0.5)
-    # the compile saw the same arguments, with TMA / vector operands at 16 bytes, the rest at 4
-    assert [a for _, a in stubbed[0].examples] == [16, 16, 16, 16, 4, 4, 4, 4, 4, 16, 4, 16, 4, 4]
+    # the compile saw the same arguments, with TMA / vector operands at 16 bytes, the rest (the absent
+    # gate's and out_fine's placeholders too) at 4
+    assert [a for _, a in stubbed[0].examples] == [16] * 4 + [4] * 10
     assert [t is x for (t, _), x in zip(stubbed[0].examples, call[:14])] == [True] * 14
 
 

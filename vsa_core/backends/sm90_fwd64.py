@@ -1150,7 +1150,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     return launch
 
 
-# the kernel's tensor arguments that get 16-byte aligned pointers (TMA loads, vector stores); the rest 4
+# the kernel's tensor arguments that get 16-byte aligned pointers (TMA loads, vector stores) where the
+# feature is on (gate, out_fine; their placeholders get 4, as every other argument)
 _VECTOR_ARGS = ("q", "k", "v", "out", "gate", "out_fine")
 _ARG_NAMES = ("q", "k", "v", "out", "lse", "sel_idx", "sel_num", "kv_counts", "q_counts", "gate", "out_coarse",
               "out_fine", "union_idx", "union_num")
@@ -1225,7 +1226,9 @@ def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine
     if fn is None:
         kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, has_coarse=has_coarse, has_gate=has_gate,
                                       store_fine=store_fine, persistent_ctas=persistent_ctas, **options)
-        examples = [cute_tensor(t, 16 if n in _VECTOR_ARGS else 4) for n, t in zip(_ARG_NAMES, args)]
+        absent = {n for n, on in (("gate", has_gate), ("out_fine", store_fine)) if not on}
+        examples = [cute_tensor(t, 16 if n in _VECTOR_ARGS and n not in absent else 4)
+                    for n, t in zip(_ARG_NAMES, args)]
         fn = _COMPILED[key] = compile_for_torch(kernel, examples, cutlass.Float32(1.0),
                                                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
     return fn
