@@ -64,7 +64,8 @@ def main(argv=None):
     p = AttnProblem(batch=B, heads=H, q_len=S, kv_len=S, head_dim=D, block_elems=E, dtype="bfloat16", topk=K)
     tok = lambda: aligned((B, H, S, D), torch.bfloat16)  # noqa: E731
     args = FineForward(q=tok(), k=tok(), v=tok(), out=tok(), lse=torch.zeros(B, H, S),
-                       sel_idx=torch.zeros(B, H, nb, K, dtype=torch.int32), sel_num=torch.zeros(B, H, nb, dtype=torch.int32),
+                       sel_idx=torch.zeros(B, H, nb, K, dtype=torch.int32),
+                       sel_num=torch.zeros(B, H, nb, dtype=torch.int32),
                        kv_counts=torch.full((nb,), E, dtype=torch.int32))
 
     def step():

@@ -125,7 +125,8 @@ def test_the_build_takes_the_wrappers_kernel_and_views(stubbed):
 def test_new_shape_or_layout_checks_again_and_reuses_the_build(stubbed, monkeypatch, change):
     checks = _count_checks(monkeypatch)
     _run(*_case())
-    _run(*_case(**{"batch": dict(batch=2 * B), "sequence length": dict(seq=2 * S), "layout": dict(layout="bshd")}[change]))
+    changed = {"batch": dict(batch=2 * B), "sequence length": dict(seq=2 * S), "layout": dict(layout="bshd")}
+    _run(*_case(**changed[change]))
     assert len(checks) == 2 and len(stubbed) == 1 and len(stubbed[0].calls) == 2
 
 
