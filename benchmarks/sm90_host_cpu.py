@@ -63,8 +63,8 @@ def main(argv=None):
     # VSA, training (gate, out_fine, pooling gradients), padding="ignore", BHSD: the buffers the backend hands
     fwd = dict(q=tok(), k=tok(), v=tok(), out=tok(), lse=f32(B, H, S), sel_idx=i32(B, H, nb, K), sel_num=i32(B, H, nb),
                kv_counts=i32(nb), out_coarse=f32(B, H, nb, D), q_counts=i32(nb), gate=tok(), out_fine=f32(B, H, S, D))
-    bwd = dict(q=tok(), k=tok(), v=tok(), dout=tok(), lse=f32(B, H, S), delta=f32(B, H, S), dq=tok(), dk=tok(),
-               dv=tok(),
+    bwd = dict(q=tok(), k=tok(), v=tok(), dout=tok(), lse=f32(B, H, S), delta=f32(B, H, S),
+               dq=tok(), dk=tok(), dv=tok(),
                inv_idx=i32(B, H, nb, nb), inv_num=i32(B, H, nb), kv_counts=i32(nb), dq_accum=f32(B, H, nb, E * D),
                dq_pool=f32(B, H, nb, D), dk_pool=f32(B, H, nb, D), dv_pool=f32(B, H, nb, D), q_counts=i32(nb))
     # the dQ accumulator's zeroing is an asynchronous fill on the GPU, a 4 MiB memset here: left out
