@@ -39,8 +39,8 @@ def compile_for_torch(kernel, examples, *scalars):
     (`cute_tensor`s), then `scalars` (their compile-time examples: Float32, a fake stream).
 
     Through TVM-FFI (`--enable-tvm-ffi`) the compiled function reads each tensor's address, shape and
-    strides in its C host code and checks there what the build assumed (dtype, rank, contiguous last
-    dim, alignment, one device), so a launch converts nothing in Python. The default calling
+    strides in its C host code and checks there what the build assumed (dtype, rank, the contiguous
+    leading dim, alignment, device type), so a launch converts nothing in Python. The default calling
     convention instead takes CuTe tensors, and building one per tensor per call (DLPack export and a
     descriptor) was most of a launch's host time. The device code is the same either way."""
     import cutlass.cute as cute
@@ -57,6 +57,5 @@ def broadcast_dims(tensors) -> tuple:
 def layout_key(*tensors):
     """What a launch's checks read of its tensors besides their contents and addresses: shape, strides,
     dtype and whether the start is 16-byte aligned (None for an absent tensor). Calls with equal keys
-    pass or fail the same checks, so a problem's checks run once per key. (Devices are not read by the
-    checks; the compiled function itself refuses tensors on different devices.)"""
+    pass or fail the same checks, so a problem's checks run once per key (they read no device)."""
     return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
