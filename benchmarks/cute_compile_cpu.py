@@ -5,7 +5,7 @@ shared-memory budgets and the SASS, with no GPU.
 
     PYTHONPATH=. python benchmarks/cute_compile_cpu.py [--kernels fwd,bwd] [--epilogue vsa] [--out DIR]
 
-(a python with nvidia-cutlass-dsl 4.8.1, torch (CPU build is enough), numpy and triton; cuobjdump /
+(a python with nvidia-cutlass-dsl 4.8.1, apache-tvm-ffi, torch (CPU build is enough), numpy and triton; cuobjdump /
 nvdisasm are taken from PATH, nvidia-cuda-nvdisasm's wheel or triton's.)
 
 How: CUTE_DSL_ARCH=sm_90a, CUTE_DSL_KEEP=cubin, CUTE_DSL_DUMP_DIR and CUTE_DSL_COMPILER_OPT=remarks{ptx}

@@ -6,12 +6,13 @@ kernels are CuTe DSL kernels shipped in nvidia-cudnn-frontend 1.32.0 (no libcudn
 call); the package is imported lazily: importing vsa_core never needs it.
 
 What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_attention/):
-- forward: `_interface.bsa_attn_fwd` (the function behind the public
-  `block_sparse_attention_forward`, which has no `out=`/`lse=` arguments), with
-  sparse_block_size = E. At E = 64 (the sm_90 "blk64" kernel) it writes the output
-  straight into our `out` buffer through a strided view, either layout, and copies its
-  lse into ours; at E = 128 (the sm_90 "blk128" kernel, which allocates its outputs)
-  out and lse are copied into our buffers.
+- forward: at E = 64 the sm_90 "blk64" kernel that `_interface.bsa_attn_fwd` (the function
+  behind the public `block_sparse_attention_forward`, which has no `out=`/`lse=` arguments)
+  runs, compiled and called here with the arguments that function gives it
+  (`_blk64_forward`: its Python wrapper's per-call conversions were most of the host time),
+  writing out and lse straight into ours through strided views, either layout; at E = 128
+  (the sm_90 "blk128" kernel, which allocates its outputs) `bsa_attn_fwd` itself, with
+  sparse_block_size = E, and out and lse are copied into our buffers.
 - backward: the public `block_sparse_attention_backward` with dq/dk/dv given
   (`dq_tensor=...`): gradients are written into our buffers, either layout. It rebuilds
   its own K-to-Q lists from the query-owned lists on every call (CuTe kernels, atomics:
@@ -65,15 +66,17 @@ refused where the backward cannot run, so training never mixes two backends; inf
 (torch.no_grad or no input requiring grad) of fp16 or head dim 64 runs the forward here.
 256-token blocks are not handled (the CuTe backend is faster there).
 
-Allocation: unlike the Triton backend, cuDNN's wrappers allocate (on the current stream,
-torch's caching allocator): lse and an expanded copy of block_sizes per forward, the
-K-to-Q lists and an fp32 workspace (dQ/dK/dV accumulators) per backward, plus our O
-copy; with a static prefix also a copy of the counts and the prefix rows' lists, out and lse
-per forward; none of it is declared in the buffer tables, which stay backend-independent.
+Allocation: unlike the Triton backend, this backend and cuDNN's wrappers allocate (on the
+current stream, torch's caching allocator): the clamped block sizes and their [B, H, nKV]
+copy per forward, the K-to-Q lists and an fp32 workspace (dQ/dK/dV accumulators) per
+backward, plus our O copy; with a static prefix also a copy of the counts and the prefix
+rows' lists, out and lse per forward; none of it is declared in the buffer tables, which
+stay backend-independent.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 from ..problem import AttnProblem
@@ -101,7 +104,8 @@ def _cudnn_import_error() -> Optional[str]:
     from cudnn.block_sparse_attention import api  # noqa: F401
     version = getattr(cudnn, "__version__", "?")
     if version != TESTED_VERSION:
-        # we call its private forward (for out=): only the tested version is trusted
+        # we call its private forward (for out=) and compile its blk64 forward kernel class with the
+        # arguments that forward gives it (`_blk64_forward`): only the tested version is trusted
         return f"nvidia-cudnn-frontend {version} is installed, the cudnn backend is tested with {TESTED_VERSION}"
     return None
 
@@ -168,6 +172,9 @@ def _sparse_forward(launcher, p: AttnProblem, a: FineForward):
 def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):
     """cuDNN BSA's forward of the query rows of q into out / lse (views of ours, or None:
     it allocates them); returns its (out, lse)."""
+    if p.block_elems == 64 and out is not None and lse is not None:
+        _blk64_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
+        return out, lse
     bsa_fwd, _ = _cudnn()
     direct = p.block_elems == 64 and out is not None  # the blk64 forward writes into a given out/lse
     o, m = bsa_fwd(q, k, v, sel_idx, sel_idx.shape[-1], block_sizes, q2k_block_nums=sel_num,
@@ -178,6 +185,100 @@ def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_size
         out.copy_(o)
         lse.copy_(m)
     return o, m
+
+
+# ---- the blk64 forward, called without cuDNN's Python wrapper -------------------------------------
+# `_interface._bsa_attn_fwd_sm90_blk64` (1.32.0) converts its 9 tensors to CuTe tensors through DLPack
+# on every call (its kernel is compiled for CuTe tensor arguments), allocates an lse that
+# `bsa_attn_fwd` then copies into ours, and builds the kernel object again: most of the backend's
+# host time per forward. Here the same kernel class with the same constructor arguments is compiled
+# from the same CuTe tensor types for TVM-FFI calls (`sm90_common.compile_for_torch`), and each call
+# passes the same tensors (permuted views of ours, the contiguous lists, block_sizes expanded to
+# [B, H, nKV]), only with our lse written directly. One build per dtype, head dims and broadcast dims
+# (shapes and strides are run-time values); the argument checks run once per problem, except the
+# 128-byte alignment of q, k, v, out: `_sparse_forward` checks it per call, and so does the build.
+_BLK64_BUILDS = {}  # (dtype, head dim, broadcast dims) -> compiled function
+_BLK64_PLANS = {}   # `layout_key` of the arguments -> the compiled function (the checks passed)
+# The CuTe DSL keeps per-compile state on a process-wide singleton (see sm90_backend): a build holds this,
+# so threads driving several GPUs (a JAX mesh) do not compile at once.
+_BUILD_LOCK = threading.Lock()
+
+# the wrapper's CuTe views of q, k, v, out, lse, the lists, their counts and the block sizes ([B, H, nKV]):
+# (permutation of our tensor, alignment in bytes (None: the element's), leading dim); the 9th argument,
+# the split offsets, is the counts' view again
+_BLK64_VIEWS = (((2, 3, 1, 0), ALIGN, 1), ((2, 3, 1, 0), ALIGN, 1), ((3, 2, 1, 0), ALIGN, 0), ((2, 3, 1, 0), ALIGN, 1),
+                ((2, 1, 0), 4, 0), ((3, 2, 1, 0), None, 0), ((2, 1, 0), None, 0), ((2, 1, 0), None, 0))
+
+
+def _blk64_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):
+    """cuDNN's sm_90 blk64 forward (the kernel `bsa_attn_fwd` runs for 64-token blocks with out given,
+    kv_splits=1, allow_empty_block_nums=True, block_sizes and q2k_block_nums given) of q's rows into
+    out and lse, on torch's current stream of q's device."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    from .sm90_common import layout_key
+    bhsd = (lambda x: x) if p.layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    q, k, v, out = bhsd(q), bhsd(k), bhsd(v), bhsd(out)
+    key = layout_key(q, k, v, out, lse, sel_idx, sel_num, block_sizes)
+    fn = _BLK64_PLANS.get(key)
+    if fn is None:
+        _check_blk64(q, k, v, out, lse, sel_idx, sel_num, block_sizes)
+    B, H = q.shape[:2]
+    sizes = block_sizes[None, None, :].expand(B, H, -1).contiguous()  # as the wrapper expands them
+    tensors = (q, k, v, out, lse, sel_idx.contiguous(), sel_num.contiguous(), sizes)
+    args = [t.permute(*perm) for t, (perm, _, _) in zip(tensors, _BLK64_VIEWS)]
+    args.append(args[6])  # the split offsets' place (unused at kv_splits=1): the counts, as the wrapper passes
+    if fn is None:
+        with _BUILD_LOCK:
+            fn = _BLK64_PLANS[key] = _blk64_build(q, args)
+    fn(*args, p.softmax_scale, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+
+
+def _check_blk64(q, k, v, out, lse, sel_idx, sel_num, block_sizes):
+    """What `bsa_attn_fwd` and `_bsa_attn_fwd_sm90_blk64` assert of these arguments (ValueError)."""
+    import torch
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    nq, nkv = Sq // 64, -(-Skv // 64)
+    problems = [
+        q.dtype not in (torch.float16, torch.bfloat16) and "q must be bf16 or fp16",
+        not (q.dtype == k.dtype == v.dtype == out.dtype) and "q, k, v, out of one dtype",
+        (k.shape[:2] != (B, H) or v.shape[:3] != k.shape[:3] or k.shape[3] != D) and "k, v [B, H, Skv, D]",
+        (D not in (64, 96, 128) or v.shape[3] not in (64, 96, 128)) and "head dims 64, 96 or 128",
+        out.shape != (B, H, Sq, v.shape[3]) and "out [B, H, Sq, Dv]",
+        any(t.stride(-1) != 1 for t in (q, k, v, out)) and "a contiguous head dim",
+        Sq % 64 and "Sq a multiple of 64",
+        (lse.shape != (B, H, Sq) or lse.dtype != torch.float32 or lse.stride(-1) != 1) and "lse [B, H, Sq] fp32",
+        (sel_idx.dtype != torch.int32 or sel_idx.shape[:3] != (B, H, nq)) and "q2k_block_index [B, H, nQ, C] int32",
+        (sel_num.dtype != torch.int32 or sel_num.shape != (B, H, nq)) and "q2k_block_nums [B, H, nQ] int32",
+        (block_sizes.dtype != torch.int32 or block_sizes.shape != (nkv,)) and "block_sizes [nKV] int32",
+    ]
+    bad = [x for x in problems if x]
+    if bad:
+        raise ValueError(f"the cudnn backend's blk64 forward needs {', '.join(bad)}")
+
+
+def _blk64_build(q, args):
+    """cuDNN's sm_90 blk64 forward kernel for q's dtype and head dim, compiled on first use with `args`
+    (this call's, as `_blk64_forward` passes them) as examples: the wrapper's CuTe views of them."""
+    import cutlass
+    import cutlass.cute as cute
+    from cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90 import BlockSparseAttnForwardSm90Blk64
+
+    from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype
+    key = (q.dtype, q.shape[3], args[2].shape[0], broadcast_dims(args))
+    fn = _BLK64_BUILDS.get(key)
+    if fn is None:
+        kernel = BlockSparseAttnForwardSm90Blk64(
+            gqa_ratio=1, head_dim=q.shape[3], value_dim=args[2].shape[0], blocksparse_blocksize_q=64,
+            blocksparse_blocksize_k=64, dtype=cutlass_dtype(q), acc_dtype=cutlass.Float32, has_block_sizes=True,
+            num_splits=1, allow_empty_block_nums=True)
+        views = [cute_tensor(t, align, lead) for t, (_, align, lead) in zip(args[:8], _BLK64_VIEWS)]
+        views.append(views[6])  # the wrapper passes its counts' CuTe tensor as the split offsets too
+        fn = _BLK64_BUILDS[key] = compile_for_torch(kernel, views, cutlass.Float32(1.0),
+                                                     cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
+    return fn
 
 
 _PREFIX_STREAMS = {}  # device index -> its high-priority stream for the dense prefix rows

@@ -28,7 +28,9 @@ What this module adds to the kernels:
   the CuTe DSL runtime's FFI handler, no torch.
 
 Launches and allocation: the kernels run through `launcher.cute("sm90_fwd64" / "sm90_bwd64",
-buffers, **statics)` (`vsa_core.launch`; the steps declared in `CUTE_STEPS`), the copies of padding="ignore" are Triton launches
+buffers, **statics)` (`vsa_core.launch`; the steps declared in `CUTE_STEPS`). Eagerly each is one call
+of the compiled kernel with the torch tensors themselves (TVM-FFI; the checks once per problem: the
+"host launcher" notes in sm90_fwd64). The copies of padding="ignore" are Triton launches
 (`valid_rows_copy`), and the scratch buffers beyond the stage's buffer table, the copies and
 the backward's fp32 dQ accumulator ([B, H, nQ, 64 * D], zeroed by the backward launch), are
 declared in `workspaces(stage, problem)` and come from `launcher.workspace`: eagerly torch's
@@ -54,7 +56,7 @@ from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
 name = "sm90"
-INSTALL_HINT = "pip install 'vsa[sm90]' (nvidia-cutlass-dsl==4.8.1)"
+INSTALL_HINT = "pip install 'vsa[sm90]' (nvidia-cutlass-dsl==4.8.1, apache-tvm-ffi)"
 
 BLOCK_ELEMS = 64
 HEAD_DIMS = (64, 128)
@@ -74,7 +76,10 @@ _COMPILE_LOCK = threading.RLock()
 
 @library_probe
 def _kernels_import_error() -> Optional[str]:
-    """None when our CuTe DSL kernel modules import (nvidia-cutlass-dsl present), else the error."""
+    """None when our CuTe DSL kernel modules import (nvidia-cutlass-dsl present) and TVM-FFI, which the
+    eager launches are compiled for (`sm90_common.compile_for_torch`), does; else the error."""
+    import tvm_ffi  # noqa: F401
+
     from . import sm90_bwd64, sm90_fwd64  # noqa: F401
 
 

@@ -93,7 +93,7 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_common import cute_tensor, cutlass_dtype, rows_cols
+from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
@@ -642,7 +642,12 @@ class DqPostprocess:
 
 
 # ---- host launcher ------------------------------------------------------------------------------
-_COMPILED = {}
+# As the forward's (sm90_fwd64): a launch calls the compiled functions with the torch tensors themselves
+# (`sm90_common.compile_for_torch`, TVM-FFI), its checks run once per problem (`_PLANS`, keyed by the
+# options and `layout_key` of every tensor), and the kernels are built once per configuration and dtype
+# (`_COMPILED`): shapes and strides are run-time values of one build.
+_COMPILED = {}  # compile key (configuration, dtype, broadcast dims) -> (main kernel, dQ postprocess), compiled
+_PLANS = {}     # problem key -> the compiled pair of a problem whose checks passed
 
 
 def _layout_of(x):
@@ -724,6 +729,46 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     import torch
 
     B, H, Sq, D = q.shape
+    if dq_accum is None:
+        dq_accum = torch.empty(B, H, Sq // BLOCK, BLOCK * D, dtype=torch.float32, device=q.device)
+    config = dict(stages=stages, dq_red=dq_red, dk_overlap=dk_overlap, split=split, list_in_smem=list_in_smem,
+                  dq_bulk=dq_bulk)
+    pool_grads = dq_pool is not None
+    ignore_padding = bool(ignore_padding and pool_grads)
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum, dq_pool, dk_pool, dv_pool,
+               q_counts)
+    key = (tuple(config.values()), ignore_padding, layout_key(*tensors))
+    fns = _PLANS.get(key)
+    if fns is None:
+        _check_backward64(*tensors, config)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    lists = [inv_idx.contiguous(), inv_num.contiguous(), kv_counts.contiguous()]
+    placeholder = lse  # never read when pool_grads is off
+    pool_kv = [dk_pool.contiguous(), dv_pool.contiguous()] if pool_grads else [placeholder, placeholder]
+    pool_q = [dq_pool.contiguous(), q_counts.contiguous()] if pool_grads else [placeholder, placeholder]
+    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists, *pool_kv]
+    post_args = [dq_accum, dq, *pool_q]
+    if fns is None:
+        fns = _PLANS[key] = _compiled_backward64(main_args, post_args, pool_grads, ignore_padding, config)
+    main_fn, post_fn = fns
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+
+    def launch():
+        dq_accum.zero_()
+        main_fn(*main_args, scale, stream)
+        post_fn(*post_args, scale, stream)
+
+    launch.keep_alive = main_args + [dq] + pool_q  # the contiguous copies the calls read
+    return launch
+
+
+def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum, dq_pool, dk_pool,
+                      dv_pool, q_counts, config: dict):
+    """ValueError unless the tensors are what the kernels read (shapes, dtypes, strides, alignment) and
+    the configuration is one the kernels have."""
+    import torch
+
+    B, H, Sq, D = q.shape
     Skv = k.shape[2]
     toks = dict(q=q, k=k, v=v, dout=dout, dq=dq, dk=dk, dv=dv)
     if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in toks.values()):
@@ -736,12 +781,10 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     if Sq % BLOCK or Skv % BLOCK:
         raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
     nq, nkv = Sq // BLOCK, Skv // BLOCK
-    if dq_bulk and not split:
+    if config["dq_bulk"] and not config["split"]:
         raise ValueError("sm90_bwd64: dq_bulk is an option of the split kernel (give split=True)")
-    if stages < 2:
-        raise ValueError(f"sm90_bwd64 needs stages >= 2 (the Q / dO ring), got {stages}")
-    if dq_accum is None:
-        dq_accum = torch.empty(B, H, nq, BLOCK * D, dtype=torch.float32, device=q.device)
+    if config["stages"] < 2:
+        raise ValueError(f"sm90_bwd64 needs stages >= 2 (the Q / dO ring), got {config['stages']}")
     expect = dict(lse=((B, H, Sq), torch.float32), delta=((B, H, Sq), torch.float32),
                   dq_accum=((B, H, nq, BLOCK * D), torch.float32),
                   inv_idx=((B, H, nkv, inv_idx.shape[-1]), torch.int32), inv_num=((B, H, nkv), torch.int32),
@@ -770,32 +813,24 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
         if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
             raise ValueError(f"sm90_bwd64 needs {name} with a contiguous head dim, strides in multiples of 8 "
                              "elements and a 16-byte aligned start (TMA)")
-    scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
-    lists = [inv_idx.contiguous(), inv_num.contiguous(), kv_counts.contiguous()]
-    placeholder = lse  # never read when pool_grads is off
-    pool_kv = [dk_pool.contiguous(), dv_pool.contiguous()] if pool_grads else [placeholder, placeholder]
-    pool_q = [dq_pool.contiguous(), q_counts.contiguous()] if pool_grads else [placeholder, placeholder]
-    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists, *pool_kv]
-    main_c = [cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
-    post_c = [cute_tensor(dq_accum), cute_tensor(dq), *(cute_tensor(t, 4) for t in pool_q)]
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
-    ignore_padding = bool(ignore_padding and pool_grads)
-    key = (q.dtype, D, stages, dq_red, dk_overlap, pool_grads, ignore_padding, split, list_in_smem, dq_bulk)
+
+
+def _compiled_backward64(main_args: list, post_args: list, pool_grads: bool, ignore_padding: bool, config: dict):
+    """The main kernel and the dQ postprocess of `config` for the dtype and head dim of q = main_args[0],
+    compiled on first use with the call's arguments as examples (their CuTe types hold dtype, rank and
+    alignment, which the configuration fixes, and the broadcast dims, `broadcast_dims`: one build serves
+    every shape and every layout without broadcast dims). Alignment:
+    16 bytes for the token tensors, lse, delta and dq_accum (TMA, bulk copies), 4 for the rest."""
+    q = main_args[0]
+    D = q.shape[3]
+    key = (q.dtype, D, pool_grads, ignore_padding, *config.values(), broadcast_dims(main_args + post_args))
     fns = _COMPILED.get(key)
     if fns is None:
-        main = backward_kernel(cutlass_dtype(q), D, stages=stages, dq_red=dq_red, dk_overlap=dk_overlap, split=split,
-                               list_in_smem=list_in_smem, dq_bulk=dq_bulk, pool_grads=pool_grads,
-                               ignore_padding=ignore_padding)
+        main = backward_kernel(cutlass_dtype(q), D, **config, pool_grads=pool_grads, ignore_padding=ignore_padding)
         post = DqPostprocess(cutlass_dtype(q), D, pool_grads=pool_grads, ignore_padding=ignore_padding)
-        fns = (cute.compile(main, *main_c, scale, fake_stream), cute.compile(post, *post_c, scale, fake_stream))
-        _COMPILED[key] = fns
-    main_fn, post_fn = fns
-
-    def launch():
-        dq_accum.zero_()
-        main_fn(*main_c, scale, stream)
-        post_fn(*post_c, scale, stream)
-
-    launch.keep_alive = main_args + [dq] + pool_q  # the contiguous copies the views point into
-    return launch
+        fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
+        main_c = [cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
+        post_c = [cute_tensor(post_args[0]), cute_tensor(post_args[1]), *(cute_tensor(t, 4) for t in post_args[2:])]
+        fns = _COMPILED[key] = (compile_for_torch(main, main_c, cutlass.Float32(1.0), fake_stream),
+                                compile_for_torch(post, post_c, cutlass.Float32(1.0), fake_stream))
+    return fns

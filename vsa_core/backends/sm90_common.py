@@ -1,5 +1,6 @@
 """What our sm_90 CuTe DSL kernels (sm90_fwd64, sm90_bwd64) share: the (row, col) view of a
-wgmma accumulator fragment, and the host side's torch tensor -> CuTe tensor conversion."""
+wgmma accumulator fragment, and the host side: compiling for calls with torch tensors (TVM-FFI) and
+the per-problem key of the launches' checks."""
 
 from __future__ import annotations
 
@@ -23,7 +24,38 @@ def cutlass_dtype(t):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[t.dtype]
 
 
-def cute_tensor(t, align=16):
-    """A torch tensor as a CuTe tensor with dynamic strides (its last dim contiguous), no copy."""
+def cute_tensor(t, align=16, leading_dim=None):
+    """A torch tensor as a CuTe tensor with dynamic strides (contiguous along `leading_dim`, default
+    the last dim), no copy: the compile-time example of a TVM-FFI argument (`compile_for_torch`). Its
+    type is the element type, the rank, the leading dim, the broadcast dims (`broadcast_dims`) and
+    `align` (bytes; None: the element's); shapes and the other strides are run-time values."""
     from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    return from_dlpack(t.detach(), assumed_align=align, enable_tvm_ffi=True).mark_layout_dynamic(
+        leading_dim=t.dim() - 1 if leading_dim is None else leading_dim)
+
+
+def compile_for_torch(kernel, examples, *scalars):
+    """`kernel` compiled to be called with torch tensors in place of the CuTe tensors `examples`
+    (`cute_tensor`s), then `scalars` (their compile-time examples: Float32, a fake stream).
+
+    Through TVM-FFI (`--enable-tvm-ffi`) the compiled function reads each tensor's address, shape and
+    strides in its C host code and checks there what the build assumed (dtype, rank, the contiguous
+    leading dim, alignment, device type), so a launch converts nothing in Python. The default calling
+    convention instead takes CuTe tensors, and building one per tensor per call (DLPack export and a
+    descriptor) was most of a launch's host time. The device code is the same either way."""
+    import cutlass.cute as cute
+    return cute.compile(kernel, *examples, *scalars, options="--enable-tvm-ffi")
+
+
+def broadcast_dims(tensors) -> tuple:
+    """Which dims of each tensor have stride 0. The one part of a `cute_tensor`'s type that depends on
+    the strides: a zero stride (a broadcast dim) stays static in it, and the compiled function then
+    takes only that stride there, so a compile key holds this besides dtype and configuration."""
+    return tuple(tuple(st == 0 for st in t.stride()) for t in tensors)
+
+
+def layout_key(*tensors):
+    """What a launch's checks read of its tensors besides their contents and addresses: shape, strides,
+    dtype and whether the start is 16-byte aligned (None for an absent tensor). Calls with equal keys
+    pass or fail the same checks, so a problem's checks run once per key (they read no device)."""
+    return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])

@@ -68,7 +68,7 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_common import cute_tensor, cutlass_dtype, rows_cols
+from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
@@ -1060,7 +1060,14 @@ def _tree(vals, op):
 
 
 # ---- host launcher ------------------------------------------------------------------------------
-_COMPILED = {}
+# Per call, a launch does only what depends on the buffers: their [B, H, S, D] views in the argument
+# order, the stream, and the call of the compiled function with the torch tensors themselves
+# (`sm90_common.compile_for_torch`: TVM-FFI reads addresses, shapes and strides in C). The checks run
+# once per problem (`_PLANS`, keyed by the options, q's device and `layout_key` of every tensor), and
+# the kernel is built once per configuration and dtype (`_COMPILED`): shapes and strides are run-time
+# values of one build, so another shape or layout of a known configuration reuses it.
+_COMPILED = {}  # compile key (configuration, dtype, SM count if persistent, broadcast dims) -> compiled function
+_PLANS = {}     # problem key -> the compiled function of a problem whose checks passed
 
 
 def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
@@ -1074,9 +1081,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
                       list_in_smem: bool = False, persistent=False, tma_store: bool = False):
-    """Checks the arguments, compiles on first use of a configuration, and returns a callable that
-    launches the forward on torch's current stream at the time of this call (the tensors' CuTe
-    views are built once here: timing the callable leaves the per-call host conversion out).
+    """Checks the arguments (once per problem), compiles on first use of a configuration, and returns a
+    callable that launches the forward on torch's current stream at the time of this call.
 
     q, k, v, out, gate (bf16 / fp16) and out_fine (fp32): [B, H, S, D] views, BHSD or a BSHD tensor
     transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
@@ -1095,6 +1101,70 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     import cuda.bindings.driver as cuda
     import torch
 
+    config = dict(k_stages=k_stages, v_stages=v_stages, consumers=consumers, warp_specialized=warp_specialized,
+                  pingpong=pingpong, q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
+                  list_in_smem=list_in_smem, persistent=persistent, tma_store=tma_store)
+    tensors = (q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine)
+    key = (tuple(config.values()), q.get_device(), layout_key(*tensors))  # device: its SM count (persistent)
+    fn = _PLANS.get(key)
+    if fn is None:
+        _check_forward64(*tensors, config)
+    has_coarse = out_coarse is not None
+    D, nq = q.shape[3], q.shape[2] // BLOCK
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    placeholder = sel_num  # never read when its feature is off
+    sel_idx, sel_num = sel_idx.contiguous(), sel_num.contiguous()
+    lists_step = None
+    if shared_kv:
+        from vsa_core import stages
+        from ..launch import eager_launcher
+        B, H, cap = q.shape[0], q.shape[1], sel_idx.shape[-1]
+        n_groups = -(-nq // consumers)
+        union_idx = torch.empty((B, H, n_groups, consumers * cap), dtype=torch.int32, device=q.device)
+        union_num = torch.empty((B, H, n_groups), dtype=torch.int32, device=q.device)
+        own_pos = torch.empty_like(sel_idx)
+        own_num = torch.empty_like(sel_num)
+        given_idx, given_num, nkv = sel_idx, sel_num, k.shape[2] // BLOCK
+
+        def lists_step():
+            stages.shared_kv_lists(eager_launcher, given_idx, given_num, nkv, consumers, union_idx, union_num, own_pos,
+                                   own_num)
+        # the kernel reads its own tiles' union positions where the other variants read the lists
+        sel_idx, sel_num = own_pos, own_num
+    else:
+        union_idx, union_num = sel_idx, sel_num  # placeholders (never read)
+    args = [q, k, v, out, lse, sel_idx, sel_num, kv_counts.contiguous(),
+            q_counts if has_coarse else placeholder, gate if gate is not None else q,
+            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
+    if fn is None:
+        fn = _PLANS[key] = _compiled_forward64(args, gate is not None, has_coarse, out_fine is not None, config)
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+
+    def launch():
+        if lists_step is not None:
+            lists_step()
+        fn(*args, scale, stream)
+
+    launch.keep_alive = args  # the contiguous copies the call reads
+    launch.lists_only = lists_step
+    return launch
+
+
+# the kernel's tensor arguments that get 16-byte aligned pointers (TMA loads, vector stores) where the
+# feature is on (gate, out_fine; their placeholders get 4, as every other argument)
+_VECTOR_ARGS = ("q", "k", "v", "out", "gate", "out_fine")
+_ARG_NAMES = ("q", "k", "v", "out", "lse", "sel_idx", "sel_num", "kv_counts", "q_counts", "gate", "out_coarse",
+              "out_fine", "union_idx", "union_num")
+
+
+def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine,
+                     config: dict):
+    """ValueError unless the tensors are what the kernel reads (shapes, dtypes, strides, alignment) and
+    the configuration is one the kernel has."""
+    import torch
+
+    if config["shared_kv"] and (not config["warp_specialized"] or config["pingpong"]):
+        raise ValueError("sm90_fwd64: shared_kv needs warp_specialized=True (and no pingpong)")
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
@@ -1133,34 +1203,17 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
         if t.stride(-1) != 1 or any(st % (16 // t.element_size()) for st in t.stride()[:-1]) or t.data_ptr() % 16:
             raise ValueError(f"sm90_fwd64 needs {name} with a contiguous head dim, strides in multiples of 16 "
                              "bytes and a 16-byte aligned start (TMA loads, vector stores)")
-    has_coarse = out_coarse is not None
-    scale = cutlass.Float32(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D))
-    placeholder = sel_num  # never read when its feature is off
-    sel_idx, sel_num = sel_idx.contiguous(), sel_num.contiguous()
-    lists_step = None
-    if shared_kv:
-        if not warp_specialized or pingpong:
-            raise ValueError("sm90_fwd64: shared_kv needs warp_specialized=True (and no pingpong)")
-        from vsa_core import stages
-        from ..launch import eager_launcher
-        cap = sel_idx.shape[-1]
-        n_groups = -(-nq // consumers)
-        union_idx = torch.empty((B, H, n_groups, consumers * cap), dtype=torch.int32, device=q.device)
-        union_num = torch.empty((B, H, n_groups), dtype=torch.int32, device=q.device)
-        own_pos = torch.empty_like(sel_idx)
-        own_num = torch.empty_like(sel_num)
-        given_idx, given_num = sel_idx, sel_num
 
-        def lists_step():
-            stages.shared_kv_lists(eager_launcher, given_idx, given_num, nkv, consumers, union_idx, union_num, own_pos,
-                                   own_num)
-        # the kernel reads its own tiles' union positions where the other variants read the lists
-        sel_idx, sel_num = own_pos, own_num
-    else:
-        union_idx, union_num = sel_idx, sel_num  # placeholders (never read)
-    args = [q, k, v, out, lse, sel_idx, sel_num, kv_counts.contiguous(),
-            q_counts if has_coarse else placeholder, gate if gate is not None else q,
-            out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
+
+def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine: bool, config: dict):
+    """The forward of `config` for the dtype and head dim of q = args[0], compiled on first use with
+    `args` (the call's arguments, `_ARG_NAMES`) as examples. Their CuTe types hold dtype, rank and
+    alignment, which the configuration fixes, and which dims are broadcast (stride 0, `broadcast_dims`),
+    so one build serves every shape and every layout without broadcast dims."""
+    import torch
+
+    q = args[0]
+    persistent = config["persistent"]
     persistent_ctas = 0
     if persistent is True:
         persistent_ctas = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -1168,27 +1221,16 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
         persistent_ctas = int(persistent)  # False or 0: not persistent
     else:
         raise ValueError(f"sm90_fwd64: persistent must be False, True or a CTA count >= 1 (got {persistent!r})")
-    key = (q.dtype, D, k_stages, v_stages, has_coarse, gate is not None, out_fine is not None, consumers,
-           warp_specialized, pingpong, q_in_regs, lazy_rescale, shared_kv, list_in_smem, persistent_ctas, tma_store)
-    vector_args = (0, 1, 2, 3) + ((9,) if gate is not None else ()) + ((11,) if out_fine is not None else ())
-    cargs = [cute_tensor(t, 16 if i in vector_args else 4) for i, t in enumerate(args)]
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    options = {n: x for n, x in config.items() if n != "persistent"}
+    D = q.shape[3]
+    key = (q.dtype, D, has_coarse, has_gate, store_fine, persistent_ctas, *options.values(), broadcast_dims(args))
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, k_stages, v_stages, has_coarse=has_coarse,
-                                      has_gate=gate is not None, store_fine=out_fine is not None,
-                                      consumers=consumers, warp_specialized=warp_specialized, pingpong=pingpong,
-                                      q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
-                                      list_in_smem=list_in_smem, persistent_ctas=persistent_ctas,
-                                      tma_store=tma_store)
-        fn = cute.compile(kernel, *cargs, scale, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
-        _COMPILED[key] = fn
-
-    def launch():
-        if lists_step is not None:
-            lists_step()
-        fn(*cargs, scale, stream)
-
-    launch.keep_alive = args  # the contiguous copies the views point into
-    launch.lists_only = lists_step
-    return launch
+        kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, has_coarse=has_coarse, has_gate=has_gate,
+                                      store_fine=store_fine, persistent_ctas=persistent_ctas, **options)
+        absent = {n for n, on in (("gate", has_gate), ("out_fine", store_fine)) if not on}
+        examples = [cute_tensor(t, 16 if n in _VECTOR_ARGS and n not in absent else 4)
+                    for n, t in zip(_ARG_NAMES, args)]
+        fn = _COMPILED[key] = compile_for_torch(kernel, examples, cutlass.Float32(1.0),
+                                                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
+    return fn
