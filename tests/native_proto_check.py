@@ -75,9 +75,14 @@ def decode_param(msg):
     return (kind, value)
 
 
+if not native.jaxlib_gives_global_scratch():  # jaxlib < 0.11.2: no device-built TMA descriptors
+    from vsa_core.config import configure
+    configure(tma=False)
+    print("jaxlib gives no global scratch: pointer loads")
+
 p = AttnProblem(batch=2, heads=3, q_len=384, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16", topk=2,
                 has_gate=True)
-count = 0
+count = scratch_kernels = 0
 for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_inputs(p))):
     plan = P.record_plan(stage, p, inputs)
     for launch in plan.launches:
@@ -89,6 +94,12 @@ for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_
         assert one(kernel, 1).decode() == compiled.name
         assert one(kernel, 2) == compiled.num_warps and one(kernel, 3) == compiled.shared_mem_bytes
         assert one(kernel, 4).decode() == compiled.ptx and one(kernel, 6) == 90
+        # the global scratch the kernel builds its TMA descriptors in (absent: none)
+        if compiled.global_scratch_size:
+            assert (one(kernel, 12), one(kernel, 13)) == (compiled.global_scratch_size, compiled.global_scratch_align)
+            scratch_kernels += 1
+        else:
+            assert one(kernel, 12, None) is None, launch.kernel_name
         assert (one(call, 2), one(call, 3), one(call, 4)) == launch.grid
         params = [decode_param(v) for n, _, v in fields(call) if n == 5]
         want = []
@@ -101,4 +112,6 @@ for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_
         count += 1
         print(stage, launch.kernel_name, launch.grid, len(params), "parameters")
 assert count == 10  # forward: pool (q, k, v in one), coarse, top-k, fine; backward: 6
+# with TMA on: the fine forward, dQ and dK/dV kernels build their descriptors in global scratch
+assert scratch_kernels == (3 if native.jaxlib_gives_global_scratch() else 0), scratch_kernels
 print("PROTOS OK")

@@ -25,7 +25,7 @@ import vsa_torch
 from common import Case, assert_close, from_layout, make_inputs, reference, skip_unavailable, to_layout
 from vsa_core import plan as core_plan
 from vsa_core.backends import triton_backend as T
-from vsa_core.config import config, from_environment, overridden
+from vsa_core.config import LaunchConfig, config, from_environment, overridden
 from vsa_core.problem import AttnProblem
 from vsa_jax import native
 
@@ -72,7 +72,8 @@ def test_forward_plan_contents(p):
     assert sparse.arg("store_fine").value == int(p.training)
     block_m = sparse.arg("BLOCK_M").value
     assert p.block_elems % block_m == 0 and sparse.grid == (p.q_len // block_m, bh, 1)
-    assert sparse.arg("USE_TMA").value is False  # pointer loads: a replay has no host descriptors
+    # TMA as configured, through descriptors the kernel builds itself: a replay has no host descriptors
+    assert sparse.arg("USE_TMA").value is sparse.arg("DEVICE_TMA").value is config().tma
     assert set(plan.buffers) == set(p.forward_buffers())
     # strides as the launcher computes them for the layout
     assert sparse.arg("stride_qs").value == p.token_strides(p.q_len)[2]
@@ -137,8 +138,8 @@ def test_schedule_feeds_each_kernel_its_buffers(stage, p):
 
 def test_recording_patches_nothing():
     """Recording goes through its own launcher: Triton's kernel classes and the process's
-    launch configuration are the same before and after, and the plan still takes the
-    default tiles with pointer loads while the configuration asks for TMA and autotuning."""
+    launch configuration are the same before and after; with TMA on, the plan's kernels build
+    their descriptors on the device (the recording launcher holds no host descriptors)."""
     from vsa_core import stage_kernels as K
     kernel_type = type(K.topk_select_kernel)
     getitem = kernel_type.__getitem__
@@ -146,17 +147,64 @@ def test_recording_patches_nothing():
         plan = _plan("forward", PROBLEMS[0])
         assert kernel_type.__getitem__ is getitem and config() is before
     sparse = next(launch for launch in plan.launches if launch.kernel_name == SPARSE_FWD)
-    assert sparse.arg("USE_TMA").value is False
+    assert sparse.arg("USE_TMA").value is True and sparse.arg("DEVICE_TMA").value is True
 
 
 # ---- the JAX executor (CPU: lowered, not run) ----------------------------------------------------
-def test_callback_stays_the_default(launch_config):
-    assert from_environment({}).jax_launch == "callback"
-    launch_config(jax_launch=from_environment({}).jax_launch)
-    assert native.launch_mode() == "callback"
-    assert not native.selected(T)
+def test_the_default_launch_is_native_on_cuda_only_for_triton_and_sm90(monkeypatch, launch_config):
+    """"auto" (the default): native for the Triton and sm90 backends on a CUDA device (the Triton
+    backend with TMA on only where jaxlib gives its kernels global scratch), the callback for the
+    library backends, for CPU arrays, and when asked for."""
+    from vsa_core.backends import sm90_backend
+    assert from_environment({}).jax_launch == LaunchConfig().jax_launch == "auto"
+    launch_config(jax_launch=LaunchConfig().jax_launch, tma=False)
+    assert not native.selected(T) and not native.selected(sm90_backend)  # CPU arrays: the callback
+    monkeypatch.setattr(native, "_cuda_capability", lambda: 90)  # the default device as a CUDA sm_90 one
+    assert native.selected(T) and native.selected(sm90_backend)
+    assert not any(native.selected(types.SimpleNamespace(name=n)) for n in ("cute", "cudnn"))
+    launch_config(tma=True)
+    assert native.selected(T) == native.jaxlib_gives_global_scratch()
+    assert (native.unavailable_reason("triton") is None) == native.jaxlib_gives_global_scratch()
+    launch_config(jax_launch="callback")
+    assert not native.selected(T) and not native.selected(sm90_backend)
     with pytest.raises(ValueError, match="launch"):
         vsa_jax.set_launch("graph")
+
+
+def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool) -> str:
+    """The jitted forward + backward (Triton backend) lowered under the default launch, the
+    default device taken for a CUDA sm_90 one when `cuda`; compiling stubbed out (no CUDA here)."""
+    launch_config(jax_launch=LaunchConfig().jax_launch, tma=tma)
+    if cuda:
+        monkeypatch.setattr(native, "_cuda_capability", lambda: 90)
+    monkeypatch.setattr(native.core_plan, "compile_launch",
+                        lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
+    monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
+    native.native_program.cache_clear()
+    try:
+        case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
+        inputs, (q, k, v, gate, dout) = _small_case_args(case)
+        return jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout).as_text()
+    finally:
+        native.native_program.cache_clear()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma"])
+def test_the_default_program_on_cuda_is_custom_calls_only(tma, monkeypatch, launch_config):
+    """Under the default launch on a CUDA device the Triton forward + backward lower to the plans'
+    launches as custom calls and no Python callback (with TMA: where jaxlib gives global scratch;
+    elsewhere the callback, which `unavailable_reason` names)."""
+    text = _lowered_default_program(monkeypatch, launch_config, tma, cuda=True)
+    if tma and not native.jaxlib_gives_global_scratch():
+        assert f"@{native.FFI_TARGET}" not in text and "callback" in text
+        return
+    assert text.count(f"@{native.FFI_TARGET}") == 10, text.count(f"@{native.FFI_TARGET}")
+    assert "callback" not in text
+
+
+def test_the_default_program_on_cpu_is_the_callback(monkeypatch, launch_config):
+    text = _lowered_default_program(monkeypatch, launch_config, tma=False, cuda=False)
+    assert f"@{native.FFI_TARGET}" not in text and "callback" in text
 
 
 def _small_case_args(case):
@@ -260,7 +308,10 @@ _COMPILE_SCRIPT = textwrap.dedent(r"""
                 assert c.cubin[:4] == b"\x7fELF", launch.kernel_name
                 assert ".target sm_90a" in c.ptx, launch.kernel_name
                 assert tuple(x[1] for x in c.params if x[0] == "buffer") == launch.buffers, launch.kernel_name
-                assert c.global_scratch_size == 0, launch.kernel_name
+                # global scratch: where the kernel builds its TMA descriptors (two, 128 bytes each)
+                device_tma = any(a.name == "DEVICE_TMA" and a.value for a in launch.args)
+                assert c.global_scratch_size == (256 if device_tma else 0), (launch.kernel_name, c.global_scratch_size)
+                assert ("cp.async.bulk.tensor" in c.ptx) == device_tma, launch.kernel_name
                 # the kernel's ABI: our run-time parameters in order, then the two pointers
                 # (global scratch, profiling) that jaxlib's KernelCall::Launch appends
                 entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", c.ptx, re.S).group(1)
@@ -288,6 +339,89 @@ def test_every_launch_compiles_to_a_cubin_for_sm90():
                           timeout=1200)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("forward") == 4 + 2 and proc.stdout.count("backward") == 6 + 3
+
+
+# ---- the tile configs and TMA of the native plan (CPU, compiled without the interpreter) ----------
+_TILES_SCRIPT = textwrap.dedent(r"""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch  # loaded, as in a process where torch calls run: tiles come from the shared store
+
+    from vsa_core import plan as P
+    from vsa_core.autotune import TILES
+    from vsa_core.backends import triton_backend as T
+    from vsa_core.config import configure
+    from vsa_core.launch import eager_launcher
+    from vsa_core.problem import describe_attention
+
+    B, H, D, E, NQ, NKV = 1, 2, 64, 128, 4, 4
+    KERNELS = {k.name: k for k in (T._sparse_fwd, T._sparse_bwd_dq, T._sparse_bwd_dkdv)}
+
+    def problem(zeros, counts):
+        tok = lambda n: zeros((B, H, n * E, D))
+        return describe_attention(tok(NQ), tok(NKV), tok(NKV), block_size=E, layout="bhsd", kv_counts=counts(NKV),
+                                  q_counts=counts(NQ), topk=2, gate=tok(NQ))
+
+    torch_p = problem(lambda s: torch.zeros(s, dtype=torch.bfloat16), lambda n: torch.full((n,), E, dtype=torch.int32))
+    jax_p = problem(lambda s: jnp.zeros(s, jnp.bfloat16), lambda n: jnp.full((n,), E, jnp.int32))
+    assert torch_p == jax_p
+
+    def tuned_launches(p):
+        plans = [P.record_plan(stage, p, inputs) for stage, inputs in
+                 (("forward", P.forward_inputs(p)), ("backward", P.backward_inputs(p)))]
+        launches = [(plan, l) for plan in plans for l in plan.launches if l.kernel_name in KERNELS]
+        assert len(launches) == 3
+        return [u for plan in plans for u in plan.untuned], launches
+
+    def tile(launch):
+        o = dict(launch.options)
+        return (launch.arg("BLOCK_M").value, launch.arg("BLOCK_N").value, o["num_warps"], o["num_stages"])
+
+    def fitting(kernel):
+        return [c for c in kernel.candidates if kernel._fits(E, c[0], c[1])]
+
+    for tma in (True, False):
+        configure(tma=tma)
+        # nothing chosen yet: the defaults, each key listed for tuning
+        untuned, launches = tuned_launches(jax_p)
+        assert len(untuned) == 3, untuned
+        assert all(tile(l) == fitting(KERNELS[l.kernel_name])[0] for _, l in launches)
+        # torch's first call of the problem chooses (here by a timing table: no GPU): the last candidate
+        for _, l in launches:
+            kernel = KERNELS[l.kernel_name]
+            named = {a.name: a.value for a in l.args}
+            assert named["USE_TMA"] is tma and named["DEVICE_TMA"] is tma
+            last = fitting(kernel)[-1]
+            TILES.choose(kernel.store_key(torch_p, named), fitting(kernel), lambda c: 0.0 if c == last else 1.0)
+        # the native plan runs the tiles torch's eager launch resolves, compiled with TMA as configured
+        untuned, launches = tuned_launches(jax_p)
+        assert untuned == [], untuned
+        for plan, l in launches:
+            kernel = KERNELS[l.kernel_name]
+            eager = kernel.tile_for(eager_launcher, torch_p, None, (), {a.name: a.value for a in l.args})
+            assert tile(l) == eager == fitting(kernel)[-1] != fitting(kernel)[0], (l.kernel_name, tile(l), eager)
+            c = P.compile_launch(l, plan, 90)
+            assert c.num_warps == eager[2], (l.kernel_name, c.num_warps, eager)
+            assert ("cp.async.bulk.tensor" in c.ptx) == tma and (c.global_scratch_size > 0) == tma, l.kernel_name
+            print("TILE", l.kernel_name, "tma" if tma else "pointer", eager, c.global_scratch_size)
+    print("OK")
+""")
+
+
+def test_native_plan_runs_torch_s_tiles_and_tma():
+    """With torch loaded and autotuning on (the defaults), the native plan's attention kernels take
+    the tile config the shared store holds for their key, the one torch's eager launch resolves
+    for the same problem (a non-default one here: chosen as torch's first call would), and before
+    any choice the default with the key listed for tuning; with TMA on they compile to TMA loads
+    from descriptors built in global scratch, with it off to pointer loads. In a subprocess: the
+    compiler cannot run under TRITON_INTERPRET, which also leaves one candidate only."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VSA_AUTOTUNE", "VSA_TMA")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", _TILES_SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TILE") == 6
 
 
 # ---- GPU: native == callback == torch ---------------------------------------------------------
@@ -339,8 +473,8 @@ def _run_torch(case, inputs):
 @pytest.mark.parametrize("eager_tma", [False, True], ids=["eager-pointer-loads", "eager-tma"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id())
 def test_native_matches_callback_and_torch_bitwise(case, eager_tma, fixed_configs, launch_config):
-    """The native path runs pointer loads; the eager paths run them too ("eager-pointer-loads")
-    or TMA descriptors (the default, "eager-tma": same arithmetic, other loads)."""
+    """Every path on pointer loads ("eager-pointer-loads") or on TMA (the default, "eager-tma":
+    the eager paths with host descriptors, the native path with descriptors its kernels build)."""
     launch_config(tma=eager_tma)
     inputs = make_inputs(case, seed=11)
     got_native = _run_jax(case, inputs, "native", launch_config)
@@ -356,10 +490,11 @@ def test_native_matches_callback_and_torch_bitwise(case, eager_tma, fixed_config
 @pytest.mark.gpu
 def test_native_under_xla_command_buffers():
     """In a fresh process (XLA reads its flags once) with command buffers on for custom
-    calls: three replays with new inputs, each equal bit for bit to the callback path and
-    close to the reference, and XLA's optimized HLO has the native custom calls inside a
-    command buffer (the script exits nonzero otherwise)."""
-    env = dict(os.environ)
+    calls and the default settings (the default launch, autotuned tiles, TMA): three replays
+    with new inputs, each equal bit for bit to the callback path and close to the reference,
+    and XLA's optimized HLO has the native custom calls inside a command buffer (the script
+    exits nonzero otherwise)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VSA_AUTOTUNE", "VSA_TMA", "VSA_JAX_LAUNCH")}
     env["PYTHONPATH"] = REPO + os.pathsep + os.path.join(REPO, "tests") + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "native_cmdbuf_check.py")], env=env,
                           capture_output=True, text=True, timeout=900)

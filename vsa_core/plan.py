@@ -10,10 +10,15 @@ A backend's own CuTe DSL launches (`Launcher.cute`) are recorded as a `CuteLaunc
 step's name, its buffers by argument name, its statics. The plan is built once per
 problem, at trace time; an executor (`vsa_jax.native`) replays it with no Python per call.
 
-The recording launcher's configuration turns autotuning off (the attention kernels take
-their fixed default tile config: a replay cannot time candidates) and TMA off (pointer
-loads: a host descriptor embeds the buffer's address, which only exists at run time);
-nothing of Triton is patched, so eager launches on other threads are unaffected.
+The recording launcher runs under the current configuration. It cannot time tile candidates
+(it runs nothing), so each attention kernel takes the tile config the shared store
+(`vsa_core.autotune.TILES`) holds for its key, the one every eager call of the same problem,
+torch's or JAX's, runs; a key with no choice yet takes the default and is listed in
+`LaunchPlan.untuned`, for a caller that can time to tune it (`triton_backend.tune`) and record
+again. It cannot hold host TMA descriptors (their bytes embed the buffer's address, which only
+exists at run time), so with TMA on the attention kernels build the same descriptors on the
+device, in the launch's global scratch (`CompiledLaunch.global_scratch_size`). Nothing of Triton
+is patched, so eager launches on other threads are unaffected.
 
 `compile_launch` compiles one recorded launch for a CUDA target through Triton's own
 specialization (`JITFunction.warmup`), so the binary comes from the same Triton source,
@@ -27,6 +32,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Tuple
 
+from .autotune import TILES
 from .config import LaunchConfig, config
 from .launch import Launcher
 from .problem import AttnProblem
@@ -116,6 +122,8 @@ class LaunchPlan:
     backend: str = "triton"
     # the backend's own workspaces (its `workspaces(stage, problem)`): born and used inside the plan only
     workspaces: Dict[str, Tuple[Tuple[int, ...], str]] = dataclasses.field(default_factory=dict)
+    # tile store keys that had no choice when recorded (their launches took the default config)
+    untuned: Tuple[Tuple, ...] = ()
 
     @property
     def all_buffers(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
@@ -143,15 +151,16 @@ class Step:
 # ---- recording ------------------------------------------------------------------------------
 class RecordingLauncher(Launcher):
     """A launcher that records each launch instead of running it (`record_plan` passes it to
-    `vsa_core.ops`). Its configuration is the current one without autotuning (a replay
-    cannot time candidates: the attention kernels take their default tile config) and with
-    pointer loads (a host TMA descriptor embeds the buffer's address, known only at run time)."""
+    `vsa_core.ops`), under the configuration current when it was made. The attention kernels
+    take the shared store's tile configs (a key without one: the default, listed in `untuned`);
+    TMA descriptors are built on the device (see the module doc)."""
 
     def __init__(self, names_by_id: Mapping[int, str], workspaces: Mapping[str, DeviceBuffer] = None):
         self.names_by_id = names_by_id
         self.workspaces = dict(workspaces or {})
         self.launches = []
-        self._config = dataclasses.replace(config(), autotune=False, tma=False)
+        self.untuned = []
+        self._config = config()
 
     @property
     def config(self) -> LaunchConfig:
@@ -160,6 +169,15 @@ class RecordingLauncher(Launcher):
     @property
     def runs_kernels(self) -> bool:
         return False
+
+    @property
+    def host_descriptors(self) -> bool:
+        return False
+
+    def stored_tile(self, key, candidates):
+        if TILES.chosen(key) is None and key not in self.untuned:
+            self.untuned.append(key)
+        return super().stored_tile(key, candidates)
 
     def triton(self, kernel, grid, *args, **kwargs) -> None:
         options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
@@ -181,7 +199,7 @@ class RecordingLauncher(Launcher):
                 recorded.append(Arg(name, "scalar", value))
             else:
                 raise NotImplementedError(f"{kernel.fn.__name__}: argument {name} of type {type(value).__name__} "
-                                          "cannot be replayed (a TMA descriptor? record with pointer loads)")
+                                          "cannot be replayed (a host TMA descriptor? see `host_descriptors`)")
         if callable(grid):
             grid = grid(dict(bound.arguments))
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
@@ -250,7 +268,8 @@ def record_plan(stage: str, problem: AttnProblem, inputs: Mapping[str, Tuple[Tup
                                  {n: placeholders[n] for n in workspaces})
     run = ops.forward if stage == "forward" else ops.backward
     run(problem, backend, placeholders, launcher=recorder)
-    return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches), backend.name, workspaces)
+    return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches), backend.name, workspaces,
+                      tuple(recorder.untuned))
 
 
 # ---- scheduling onto custom calls -------------------------------------------------------------
@@ -339,7 +358,9 @@ class CompiledLaunch:
     cubin: bytes
     # run-time parameters in order: ("buffer", name, ptr_divisibility) or ("scalar", value, type)
     params: Tuple[Tuple, ...]
+    # bytes of global scratch per CTA (device-built TMA descriptors) and their alignment; 0: none
     global_scratch_size: int
+    global_scratch_align: int = 1
 
 
 def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> CompiledLaunch:
@@ -380,7 +401,8 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
             raise RuntimeError(f"{launch.kernel_name}: constexpr {a.name} compiled as a run-time {kind}")
     md = compiled.metadata
     return CompiledLaunch(launch, md.name, md.num_warps, getattr(md, "num_ctas", 1), md.shared, compiled.asm["ptx"],
-                          compiled.asm["cubin"], params, getattr(md, "global_scratch_size", 0) or 0)
+                          compiled.asm["cubin"], params, getattr(md, "global_scratch_size", 0) or 0,
+                          getattr(md, "global_scratch_align", 1) or 1)
 
 
 def forward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str]]:

@@ -17,17 +17,28 @@ The sm90 backend's own CuTe DSL launches (`CuteLaunch`es of its plans) become on
 of padding="ignore", the backward's dQ accumulator) XLA buffers born in the plan like the
 stage's own: the sm90 backend runs natively with no torch.
 
-Selected with `set_launch("native")` or VSA_JAX_LAUNCH=native (the configured `jax_launch`,
-`vsa_core.config`, read at trace time: a function already jitted keeps the path it was traced with); "callback" (buffer_callback
-over vsa_core.ops) stays the default, the CPU (interpreter) path and the fallback. The
-Triton and sm90 backends run natively; the cute (FA4) and cudnn backends stay on the callback path.
+The default (`jax_launch` "auto", `vsa_core.config`, read at trace time: a function already
+jitted keeps the path it was traced with): the Triton and sm90 backends run natively on a CUDA
+device; the cute (FA4) and cudnn backends, CPU arrays (the interpreter) and the cases
+`unavailable_reason` names take the callback (buffer_callback over vsa_core.ops).
+`set_launch("native")` asks for this path or an error; `set_launch("callback")` for the callback.
+
+The Triton attention kernels run the tile configs of the shared store (`vsa_core.autotune.TILES`),
+as every eager call, torch's or the callback's, does: the first to reach a problem times the
+candidates, the others run its choice, so the paths agree bit for bit. A plan recorded before any
+call of its problem was timed (`LaunchPlan.untuned`) is tuned here, at trace time, on the GPU
+(`triton_backend.tune`: the eager launcher timing the kernels on buffers of its own), and recorded
+again: simpler than jaxlib's autotuned kernel call, whose choice (made by XLA at the first run)
+torch could not read. With TMA on (`config.tma`) the kernels build their descriptors on the device
+(a host descriptor holds the buffer's address): each launch gets the global scratch they need
+from jaxlib (>= 0.11.2), per CTA, on its stream.
 """
 
 from __future__ import annotations
 
 import functools
 import zlib
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +54,8 @@ FFI_TARGET = "triton_kernel_call_ffi"
 
 
 def set_launch(mode: str) -> None:
-    """Selects how later traced calls launch the kernels: "callback" or "native"."""
+    """Selects how later traced calls launch the kernels: "auto" (the default: native where the
+    backend and device allow, else the callback), "native" or "callback"."""
     if mode not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {mode!r}")
     configure(jax_launch=mode)
@@ -57,19 +69,57 @@ NATIVE_BACKENDS = ("triton", "sm90")
 
 
 def selected(impl) -> bool:
-    """True when this call launches natively: "native" is selected and the backend has a
-    replayable plan (Triton, sm90; the library backends keep the callback)."""
-    return launch_mode() == "native" and getattr(impl, "name", None) in NATIVE_BACKENDS
+    """True when this call launches natively: the backend has a replayable plan (Triton, sm90;
+    the library backends keep the callback) and "native" is selected, or "auto" is (the default)
+    and the call runs on a CUDA device where nothing stands in the way (`unavailable_reason`)."""
+    mode = launch_mode()
+    name = getattr(impl, "name", None)
+    if mode == "callback" or name not in NATIVE_BACKENDS:
+        return False
+    return mode == "native" or (_cuda_capability() is not None and unavailable_reason(name) is None)
+
+
+def unavailable_reason(backend: str) -> Optional[str]:
+    """Why `backend` cannot launch natively on a CUDA device here, or None."""
+    if backend == "triton" and config().tma and not jaxlib_gives_global_scratch():
+        return ("with TMA on the Triton kernels build their descriptors in global scratch, which this jaxlib "
+                "cannot give a custom call (jaxlib >= 0.11.2 can); VSA_TMA=0 runs pointer loads")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def jaxlib_gives_global_scratch() -> bool:
+    """Whether jaxlib's Triton call allocates a kernel's global scratch (`TritonKernel`'s
+    global_scratch_size, jaxlib >= 0.11.2); False without jaxlib's CUDA Triton module."""
+    from jax._src.lib import gpu_triton
+
+    kernel = getattr(gpu_triton, "TritonKernel", None)
+    if kernel is None:
+        return False
+    try:  # a host object only: nothing is compiled or launched
+        kernel("probe", 1, 1, 0, "", "", 90, global_scratch_size=128, global_scratch_align=128)
+    except TypeError:
+        return False
+    return True
 
 
 # ---- trace time ----------------------------------------------------------------------------------
-def _capability() -> int:
+def _cuda_capability() -> Optional[int]:
+    """The compute capability (major * 10 + minor) of the CUDA device a traced call runs on
+    (the default device), None when that is no CUDA device."""
     device = default_device()
     if device.platform not in ("gpu", "cuda"):
-        raise RuntimeError(f"launch='native' needs a CUDA device (got {device.platform}); "
-                           "use the callback launch on the CPU")
+        return None
     major, minor = device_info_of(device).capability
     return major * 10 + minor
+
+
+def _capability() -> int:
+    capability = _cuda_capability()
+    if capability is None:
+        raise RuntimeError(f"launch='native' needs a CUDA device (got {default_device().platform}); "
+                           "use the callback launch on the CPU")
+    return capability
 
 
 def _kernel_call(compiled: core_plan.CompiledLaunch, capability: int) -> bytes:
@@ -78,10 +128,14 @@ def _kernel_call(compiled: core_plan.CompiledLaunch, capability: int) -> bytes:
 
     if getattr(gpu_triton, "TritonKernel", None) is None:
         raise RuntimeError("jaxlib has no CUDA Triton support (install jax[cuda]); use the callback launch")
-    if compiled.global_scratch_size:
-        raise NotImplementedError(f"{compiled.name} needs a global scratch buffer")
+    scratch = {}
+    if compiled.global_scratch_size:  # device-built TMA descriptors: jaxlib allocates it per launch
+        if not jaxlib_gives_global_scratch():
+            raise NotImplementedError(f"{compiled.name}: {unavailable_reason('triton')}")
+        scratch = dict(global_scratch_size=compiled.global_scratch_size,
+                       global_scratch_align=compiled.global_scratch_align)
     kernel = gpu_triton.TritonKernel(compiled.name, compiled.num_warps, compiled.num_ctas,
-                                     compiled.shared_mem_bytes, compiled.ptx, "", capability)
+                                     compiled.shared_mem_bytes, compiled.ptx, "", capability, **scratch)
     params = []
     for param in compiled.params:
         if param[0] == "buffer":
@@ -94,14 +148,33 @@ def _kernel_call(compiled: core_plan.CompiledLaunch, capability: int) -> bytes:
     return zlib.compress(call.to_proto(compiled.launch.kernel_name, b""))
 
 
+def tuned_plan(stage: str, p: AttnProblem, inputs, backend) -> core_plan.LaunchPlan:
+    """The launch plan of `stage`, its attention kernels on the tile configs the shared store chose.
+    Keys no call has timed yet are timed first on the GPU the call runs on, as the first eager call
+    of the problem would have (lowered on a host without one: the defaults, as an eager call that
+    cannot time takes them)."""
+    plan = core_plan.record_plan(stage, p, inputs, backend)
+    device = default_device()
+    if plan.untuned and device.platform in ("gpu", "cuda"):
+        tune = getattr(backend, "tune", None)
+        if tune is None:
+            raise RuntimeError(f"the {backend.name} plan has untimed tile configs and the backend no `tune`")
+        tune(p, device_info_of(device).index)
+        plan = core_plan.record_plan(stage, p, inputs, backend)
+        if plan.untuned:
+            raise RuntimeError(f"{backend.name}.tune left tile store keys without a choice: {plan.untuned}")
+    return plan
+
+
 @functools.lru_cache(maxsize=None)
 def native_program(stage: str, p: AttnProblem, inputs: Tuple[Tuple[str, Tuple[int, ...], str], ...],
-                   capability: int, backend: str = "triton"):
-    """(plan, steps, kernel calls) of one stage of one problem on `backend`, built once; a CuTe
-    DSL launch has no kernel call here (it compiles when its cutlass_call lowers)."""
+                   capability: int, backend: str = "triton", launch_config=None):
+    """(plan, steps, kernel calls) of one stage of one problem on `backend`, built once per launch
+    configuration (`launch_config`: the current one, its key here); a CuTe DSL launch has no
+    kernel call here (it compiles when its cutlass_call lowers)."""
     from vsa_core.backends import backend_named
 
-    plan = core_plan.record_plan(stage, p, {n: (s, d) for n, s, d in inputs}, backend_named(backend))
+    plan = tuned_plan(stage, p, {n: (s, d) for n, s, d in inputs}, backend_named(backend))
     steps = core_plan.schedule(plan)
     calls = []
     for launch in plan.launches:
@@ -123,7 +196,7 @@ def run(stage: str, p: AttnProblem, inputs: Dict[str, jax.Array], backend: str =
     """Same contract as the callback path: every output and workspace of the stage's table."""
     described = tuple(sorted((n, tuple(int(s) for s in x.shape), jnp.dtype(x.dtype).name)
                              for n, x in inputs.items()))
-    plan, steps, calls = native_program(stage, p, described, _capability(), backend)
+    plan, steps, calls = native_program(stage, p, described, _capability(), backend, config())
     current = dict(inputs)
     specs = plan.all_buffers
     for launch, step, call in zip(plan.launches, steps, calls):
