@@ -23,11 +23,12 @@ Variables (field of `LaunchConfig` in brackets):
   "auto" (the default): as XLA custom calls (`vsa_jax.native`, no Python per call) for the
   backends that have them, Triton and sm90, on a CUDA device; a `buffer_callback` (Python per
   call) for the cute and cudnn backends (no custom calls yet), for CPU arrays (the interpreter),
-  and for the Triton backend with TMA on (`tma`) where jaxlib cannot give a launch global scratch
-  (jaxlib < 0.11.2), where its kernels cannot build their TMA descriptors. "native": custom calls
-  or an error saying why not; "callback": always the callback. Both launches run the tile
-  configs of the shared store (`vsa_core.autotune.TILES`), so they, and torch, agree bit for bit;
-  a native launch traced before any call of its problem was timed tunes it then, on the GPU
+  and for the Triton backend with TMA on (`tma`) where a custom call cannot pass its kernels the
+  host TMA descriptors torch's launch passes (jaxlib < 0.11.2; a GPU below sm_90).
+  "native": custom calls or an error saying why not; "callback": always the callback. Both
+  launches run the same compiled kernels on the tile configs of the shared store
+  (`vsa_core.autotune.TILES`), so they, and torch, agree bit for bit; a native launch traced
+  before any call of its problem was timed tunes it then, on the GPU
   (`vsa_core.backends.triton_backend.tune`).
 
 `forced_tiles` has no variable: benchmarks set it to run one tile config of an attention

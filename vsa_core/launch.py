@@ -11,8 +11,8 @@ scratch buffers a backend needs beyond the stage's buffer table come from
 `launcher` argument. `eager_launcher` launches at once under the current
 configuration (`vsa_core.config`). Another launcher changes what a launch does without
 touching Triton or the kernels: `vsa_core.plan.RecordingLauncher` records the launches of a
-stage instead of running them (the tile configs the shared store chose, TMA descriptors built
-on the device), and hands out its own placeholders as the workspaces.
+stage instead of running them (the tile configs the shared store chose; a TMA descriptor as
+its buffer and geometry), and hands out its own placeholders as the workspaces.
 """
 
 from __future__ import annotations
@@ -34,13 +34,6 @@ class Launcher:
     @property
     def runs_kernels(self) -> bool:
         """Whether a launch runs (so that tile candidates can be timed through it)."""
-        return True
-
-    @property
-    def host_descriptors(self) -> bool:
-        """Whether a launch may take host TMA descriptors (their bytes hold the buffer's
-        address); where not, the Triton attention kernels build the same descriptors on the
-        device (`triton_backend._device_tma`)."""
         return True
 
     def stored_tile(self, key, candidates):

@@ -29,9 +29,14 @@ candidates, the others run its choice, so the paths agree bit for bit. A plan re
 call of its problem was timed (`LaunchPlan.untuned`) is tuned here, at trace time, on the GPU
 (`triton_backend.tune`: the eager launcher timing the kernels on buffers of its own), and recorded
 again: simpler than jaxlib's autotuned kernel call, whose choice (made by XLA at the first run)
-torch could not read. With TMA on (`config.tma`) the kernels build their descriptors on the device
-(a host descriptor holds the buffer's address): each launch gets the global scratch they need
-from jaxlib (>= 0.11.2), per CTA, on its stream.
+torch could not read. With TMA on (`config.tma`) they take host TMA descriptors, as torch's launch
+does, so both run one binary: the plan keeps each descriptor's buffer and geometry
+(`vsa_core.plan.Descriptor`) and jaxlib's Triton call encodes the descriptor at each launch, on
+the host, from the buffer it passes (`create_tma_descriptor_parameter`, jaxlib >= 0.11.2; passed
+by value like a pointer, nothing allocated, so command buffers replay it as they do pointers).
+Where that cannot be (an older jaxlib; a GPU below sm_90, where Triton lowers descriptors to
+pointers with a launch ABI of its own), "auto" keeps the callback for the Triton backend with TMA
+on (`unavailable_reason`) and "native" fails saying why, rather than run other kernels than torch.
 """
 
 from __future__ import annotations
@@ -76,31 +81,41 @@ def selected(impl) -> bool:
     name = getattr(impl, "name", None)
     if mode == "callback" or name not in NATIVE_BACKENDS:
         return False
-    return mode == "native" or (_cuda_capability() is not None and unavailable_reason(name) is None)
+    if mode == "native":
+        return True
+    capability = _cuda_capability()
+    return capability is not None and unavailable_reason(name, capability) is None
 
 
-def unavailable_reason(backend: str) -> Optional[str]:
-    """Why `backend` cannot launch natively on a CUDA device here, or None."""
-    if backend == "triton" and config().tma and not jaxlib_gives_global_scratch():
-        return ("with TMA on the Triton kernels build their descriptors in global scratch, which this jaxlib "
-                "cannot give a custom call (jaxlib >= 0.11.2 can); VSA_TMA=0 runs pointer loads")
+_NO_HOST_DESCRIPTORS = (
+    "with TMA on the Triton kernels take host TMA descriptors, which jaxlib {}'s Triton call cannot encode "
+    "(jaxlib >= 0.11.2 can: gpu_triton.create_tma_descriptor_parameter); VSA_TMA=0 runs pointer loads")
+
+
+def unavailable_reason(backend: str, capability: Optional[int] = None) -> Optional[str]:
+    """Why `backend` cannot launch natively here (on a CUDA device of `capability`, when given), or None."""
+    if backend != "triton" or not config().tma:
+        return None
+    if not jaxlib_takes_host_descriptors():
+        return _NO_HOST_DESCRIPTORS.format(jaxlib_version())
+    if capability is not None and capability < 90:
+        return (f"with TMA on sm_{capability} Triton lowers the kernels' descriptors to pointers, a launch "
+                "a plan does not replay (TMA needs sm_90 or newer); VSA_TMA=0 runs pointer loads")
     return None
 
 
 @functools.lru_cache(maxsize=None)
-def jaxlib_gives_global_scratch() -> bool:
-    """Whether jaxlib's Triton call allocates a kernel's global scratch (`TritonKernel`'s
-    global_scratch_size, jaxlib >= 0.11.2); False without jaxlib's CUDA Triton module."""
+def jaxlib_takes_host_descriptors() -> bool:
+    """Whether jaxlib's Triton call encodes host TMA descriptors (jaxlib >= 0.11.2); False without
+    jaxlib's CUDA Triton module."""
     from jax._src.lib import gpu_triton
 
-    kernel = getattr(gpu_triton, "TritonKernel", None)
-    if kernel is None:
-        return False
-    try:  # a host object only: nothing is compiled or launched
-        kernel("probe", 1, 1, 0, "", "", 90, global_scratch_size=128, global_scratch_align=128)
-    except TypeError:
-        return False
-    return True
+    return getattr(gpu_triton, "create_tma_descriptor_parameter", None) is not None
+
+
+def jaxlib_version() -> str:
+    from jax._src.lib import version_str
+    return version_str
 
 
 # ---- trace time ----------------------------------------------------------------------------------
@@ -122,30 +137,72 @@ def _capability() -> int:
     return capability
 
 
+def kernel_params(compiled: core_plan.CompiledLaunch) -> Tuple[Tuple, ...]:
+    """The parameters of jaxlib's Triton call of `compiled`, as plain tuples, in the order of the
+    kernel's launch ABI (Triton's nvidia launcher, 3.6 - 3.9):
+    - ("array", ptr_divisibility) per pointer argument;
+    - ("scalar", value, type) per run-time scalar;
+    - per host TMA descriptor argument ("tma", elem_type, elem_size, swizzle, shape, strides,
+      box, oob_fill): the CUtensorMap's fields as Triton's launcher encodes them (host element
+      type, the box = the compiled kernel's block_size, which may be narrower than the
+      descriptor's block shape, e.g. 64 columns of a 128-wide head under the 128-byte swizzle;
+      a "nan" padding fills out-of-bounds reads with NaN), then the descriptor's shape, one
+      ("scalar", dim, "i32") per dim, and its strides, one ("scalar", stride, "i64") per dim.
+    jaxlib hands the call's buffers to the "array" and "tma" entries in order (a descriptor's
+    base address is its buffer's) and appends the kernel's global scratch and profiling pointers."""
+    from vsa_core.triton_shim import tma_host_dtype
+
+    params = []
+    for param in compiled.params:
+        if param[0] == "buffer":
+            params.append(("array", param[2]))
+        elif param[0] == "scalar":
+            _, value, kind = param
+            params.append(("scalar", bool(value) if kind == "i1" else value, kind))
+        elif param[0] == "descriptor":
+            _, desc, tma = param
+            if tma.get("fp4_padded") or tma.get("is_im2col"):
+                raise NotImplementedError(f"{compiled.name}: descriptor of {desc.buffer} is fp4-padded or im2col")
+            params.append(("tma", tma_host_dtype(tma["elem_type"]), tma["elem_size"], tma["swizzle"], desc.shape,
+                           desc.strides, tuple(tma["block_size"]), 1 if desc.padding == "nan" else 0))
+            params += [("scalar", n, "i32") for n in desc.shape]
+            params += [("scalar", s, "i64") for s in desc.strides]
+        else:
+            raise ValueError(f"{compiled.name}: unknown parameter kind {param[0]!r}")
+    return tuple(params)
+
+
 def _kernel_call(compiled: core_plan.CompiledLaunch, capability: int) -> bytes:
     """The zlib-compressed TritonAnyKernelCall proto that triton_kernel_call_ffi reads."""
     from jax._src.lib import gpu_triton  # importing it registers the FFI target with XLA
 
     if getattr(gpu_triton, "TritonKernel", None) is None:
         raise RuntimeError("jaxlib has no CUDA Triton support (install jax[cuda]); use the callback launch")
-    scratch = {}
-    if compiled.global_scratch_size:  # device-built TMA descriptors: jaxlib allocates it per launch
-        if not jaxlib_gives_global_scratch():
-            raise NotImplementedError(f"{compiled.name}: {unavailable_reason('triton')}")
-        scratch = dict(global_scratch_size=compiled.global_scratch_size,
-                       global_scratch_align=compiled.global_scratch_align)
+    if compiled.global_scratch_size:  # jaxlib would allocate it per launch, which no command buffer can hold
+        raise NotImplementedError(f"{compiled.name} needs {compiled.global_scratch_size} bytes of global scratch "
+                                  "per CTA, which the native launch does not give")
+    params = kernel_params(compiled)
+    if any(p[0] == "tma" for p in params) and not hasattr(gpu_triton, "create_tma_descriptor_parameter"):
+        raise RuntimeError(f"launch='native' of {compiled.launch.kernel_name}: "
+                           + _NO_HOST_DESCRIPTORS.format(jaxlib_version()))
     kernel = gpu_triton.TritonKernel(compiled.name, compiled.num_warps, compiled.num_ctas,
-                                     compiled.shared_mem_bytes, compiled.ptx, "", capability, **scratch)
-    params = []
-    for param in compiled.params:
-        if param[0] == "buffer":
-            params.append(gpu_triton.create_array_parameter(0, param[2]))
-        else:
-            _, value, kind = param
-            value = bool(value) if kind == "i1" else value
-            params.append(gpu_triton.create_scalar_parameter(value, kind))
-    call = gpu_triton.TritonKernelCall(kernel, *compiled.launch.grid, params)
+                                     compiled.shared_mem_bytes, compiled.ptx, "", capability)
+    call = gpu_triton.TritonKernelCall(kernel, *compiled.launch.grid, [_jaxlib_param(gpu_triton, p) for p in params])
     return zlib.compress(call.to_proto(compiled.launch.kernel_name, b""))
+
+
+def _jaxlib_param(gpu_triton, param: Tuple):
+    """jaxlib's parameter object of one `kernel_params` entry."""
+    if param[0] == "array":
+        return gpu_triton.create_array_parameter(0, param[1])
+    if param[0] == "scalar":
+        return gpu_triton.create_scalar_parameter(param[1], param[2])
+    _, elem_type, elem_size, swizzle, shape, strides, box, oob_fill = param
+    create = gpu_triton.create_tma_descriptor_parameter
+    # jaxlib 0.11.2 derives the element size from the type; jax-triton passes it to a later one
+    size = {"elem_size_bytes": elem_size} if "elem_size_bytes" in (create.__doc__ or "") else {}
+    return create(elem_type=elem_type, swizzle=swizzle, shape=list(shape), strides=list(strides),
+                  block_shape=list(box), oob_fill=oob_fill, **size)
 
 
 def tuned_plan(stage: str, p: AttnProblem, inputs, backend) -> core_plan.LaunchPlan:

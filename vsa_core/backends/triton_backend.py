@@ -129,12 +129,6 @@ class _TunedKernel:
         self._launch(launcher, kernel, grid, tile, args, kwargs)
 
 
-def _device_tma(launcher, tma: bool) -> bool:
-    """The kernels' DEVICE_TMA: TMA through descriptors the kernel builds itself (from the same
-    geometry), for a launcher that cannot pass host descriptors (`Launcher.host_descriptors`)."""
-    return tma and not launcher.host_descriptors
-
-
 def _use_tma(launcher, *xs) -> bool:
     """Whether the kernel reads xs by TMA: configured (`config.tma`) and every one of them
     16-byte aligned (a descriptor's base must be; a view that starts off that, e.g. a few
@@ -143,11 +137,12 @@ def _use_tma(launcher, *xs) -> bool:
     return launcher.config.tma and all(x.data_ptr() % 16 == 0 for x in xs)
 
 
-def _tiles(launcher, p: AttnProblem, x, seq_len: int, tma: bool):
+def _tiles(p: AttnProblem, x, seq_len: int, tma: bool):
     """A host descriptor over x's logical (B, H, S, D) view (block shape set per config), or x
-    itself: for pointer loads, or for a launcher without host descriptors (the kernel builds the
-    same descriptor on the device: `_device_tma`)."""
-    if not tma or not launcher.host_descriptors:
+    itself for pointer loads. It covers exactly x's elements from x's first one (the kernels take
+    contiguous token tensors: `token_strides`), so a launch replayed on another buffer of x's
+    shape (a recorded plan: `vsa_core.plan`) rebuilds it from that buffer's address alone."""
+    if not tma:
         return x
     return TensorDescriptor(x, [p.batch, p.heads, seq_len, p.head_dim], [*p.token_strides(seq_len), 1],
                             [1, 1, 16, p.head_dim])
@@ -189,14 +184,14 @@ def sparse_forward(launcher, p: AttnProblem, a: FineForward):
     tma = _use_tma(launcher, k, v)
     _sparse_fwd(
         launcher, p, lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
-        q, _tiles(launcher, p, k, p.kv_len, tma), _tiles(launcher, p, v, p.kv_len, tma), out, lse, sel_idx, sel_num, kv_counts,
+        q, _tiles(p, k, p.kv_len, tma), _tiles(p, v, p.kv_len, tma), out, lse, sel_idx, sel_num, kv_counts,
         a.q_counts, gate, out_coarse, out_fine if out_fine is not None else lse,  # lse: a placeholder never written
         *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], _scales(p)[0],
         int(out_fine is not None), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
         HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=tma,
-        IGNORE_PADDING=_ignore(p), DEVICE_TMA=_device_tma(launcher, tma))
+        IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward_dq(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,
@@ -204,11 +199,11 @@ def sparse_backward_dq(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dq, 
     tma = _use_tma(launcher, k, v)
     _sparse_bwd_dq(
         launcher, p, lambda meta: (p.q_len // meta["BLOCK_M"], _bh(p)), q,
-        q, _tiles(launcher, p, k, p.kv_len, tma), _tiles(launcher, p, v, p.kv_len, tma), dout, lse, delta, dq, sel_idx, sel_num,
+        q, _tiles(p, k, p.kv_len, tma), _tiles(p, v, p.kv_len, tma), dout, lse, delta, dq, sel_idx, sel_num,
         kv_counts, q_counts, dq_pool, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_q_blocks, p.n_kv_blocks, sel_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dq_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=tma, IGNORE_PADDING=_ignore(p), DEVICE_TMA=_device_tma(launcher, tma))
+        USE_TMA=tma, IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward_dkdv(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dk, dv, inv_idx, inv_num, kv_counts,
@@ -216,11 +211,11 @@ def sparse_backward_dkdv(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dk
     tma = _use_tma(launcher, q, dout)
     _sparse_bwd_dkdv(
         launcher, p, lambda meta: (p.kv_len // meta["BLOCK_N"], _bh(p)), k,
-        _tiles(launcher, p, q, p.q_len, tma), k, v, _tiles(launcher, p, dout, p.q_len, tma), lse, delta, dk, dv, inv_idx, inv_num,
+        _tiles(p, q, p.q_len, tma), k, v, _tiles(p, dout, p.q_len, tma), lse, delta, dk, dv, inv_idx, inv_num,
         kv_counts, dk_pool, dv_pool, q_counts, *p.token_strides(p.q_len), *p.token_strides(p.kv_len),
         p.heads, p.q_len, p.n_kv_blocks, inv_idx.shape[-1], *_scales(p), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=dk_pool is not None, UPCAST=interpreted(q),
-        USE_TMA=tma, IGNORE_PADDING=_ignore(p), DEVICE_TMA=_device_tma(launcher, tma))
+        USE_TMA=tma, IGNORE_PADDING=_ignore(p))
 
 
 def sparse_backward(launcher, p: AttnProblem, a: FineBackward):

@@ -69,17 +69,6 @@ def _row_tiles(X, Y, b, h, row0, stride_b, stride_h, stride_s, ROWS: tl.constexp
     return x, y
 
 
-@triton.jit
-def _device_tiles(X, H, seq_len, stride_b, stride_h, stride_s, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A tensor descriptor over X's (B, H, S, D) view built on the device (B from the grid's
-    B * H programs along axis 1), the same geometry as the host descriptor the launcher builds
-    (`triton_backend._tiles`): for a launch that cannot hold a host descriptor, whose bytes
-    embed the buffer's address (a launch replayed by XLA: `vsa_jax.native`). Its 128 bytes live
-    in the launch's global scratch."""
-    return tl.make_tensor_descriptor(X, [tl.num_programs(1) // H, H, seq_len, HEAD_DIM],
-                                     [stride_b, stride_h, stride_s, 1], [1, 1, ROWS, HEAD_DIM])
-
-
 @triton.jit(do_not_specialize=["store_fine"])  # one binary for store_fine 0 and 1
 def sparse_attn_fwd_kernel(
     Q, K, V, OUT, LSE, SEL_IDX, SEL_NUM, KV_COUNTS, Q_COUNTS, GATE, OUT_C, OUT_FINE,
@@ -87,7 +76,7 @@ def sparse_attn_fwd_kernel(
     H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, store_fine, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    IGNORE_PADDING: tl.constexpr = False, DEVICE_TMA: tl.constexpr = False,
+    IGNORE_PADDING: tl.constexpr = False,
 ):
     """Each query attends to the valid tokens of the KV blocks its block selected.
 
@@ -117,9 +106,6 @@ def sparse_attn_fwd_kernel(
     if HAS_COARSE:  # VSA: the query block's padded rows (past its count) are outputs of nothing
         q_in_block = (pid_m % (BLOCK_ELEMS // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_valid = q_in_block < _clamped_count(Q_COUNTS, q_block, BLOCK_ELEMS)
-    if DEVICE_TMA:  # USE_TMA with K and V given as pointers: their descriptors are built here
-        K = _device_tiles(K, H, n_kv_blocks * BLOCK_ELEMS, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-        V = _device_tiles(V, H, n_kv_blocks * BLOCK_ELEMS, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
     sel, n_tiles, last = _query_list(SEL_IDX, SEL_NUM, bh * n_q_blocks + q_block, idx_capacity,
                                      BLOCK_ELEMS // BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -171,7 +157,6 @@ def sparse_attn_bwd_dq_kernel(
     H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
-    DEVICE_TMA: tl.constexpr = False,
 ):
     """dQ, owned by query tiles (no atomics). With HAS_COARSE it also adds the pooling
     gradient dq_c[block] / q_count[block] to every row of the block (the mean summed them
@@ -191,9 +176,6 @@ def sparse_attn_bwd_dq_kernel(
     lse2 = tl.load(LSE + bh * q_len + rows) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + bh * q_len + rows)
-    if DEVICE_TMA:  # USE_TMA with K and V given as pointers: their descriptors are built here
-        K = _device_tiles(K, H, n_kv_blocks * BLOCK_ELEMS, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-        V = _device_tiles(V, H, n_kv_blocks * BLOCK_ELEMS, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
     sel, n_tiles, last = _query_list(SEL_IDX, SEL_NUM, bh * n_q_blocks + q_block, idx_capacity,
                                      BLOCK_ELEMS // BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -228,7 +210,6 @@ def sparse_attn_bwd_dkdv_kernel(
     H, q_len, n_kv_blocks, idx_capacity, qk_scale_log2, sm_scale, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
-    DEVICE_TMA: tl.constexpr = False,
 ):
     """dK and dV, owned by KV tiles: each walks the query blocks that selected its block
     (the inverse lists). With HAS_COARSE it adds the pooling gradients dk_c/count and
@@ -252,9 +233,6 @@ def sparse_attn_bwd_dkdv_kernel(
     if IGNORE_PADDING:
         k = _rows_or_zero(k, valid)
         v = _rows_or_zero(v, valid)
-    if DEVICE_TMA:  # USE_TMA with Q and dO given as pointers: their descriptors are built here
-        Q = _device_tiles(Q, H, q_len, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
-        DOUT = _device_tiles(DOUT, H, q_len, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM)
     inv = INV_IDX + (bh * n_kv_blocks + kv_block) * idx_capacity
     n_tiles = tl.load(INV_NUM + bh * n_kv_blocks + kv_block) * (BLOCK_ELEMS // BLOCK_M)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
