@@ -23,8 +23,9 @@ Variables (field of `LaunchConfig` in brackets):
   "callback" (the default) or "native" (`vsa_jax.native`); read when a call is traced.
 
 `forced_tiles` and `replay` have no variable: benchmarks set them to run one tile config of an
-attention kernel regardless of tuning, and to time the stages' launch functions on every call. TRITON_INTERPRET is not read here: Triton reads it when it is
-first imported (`vsa_core.runtime.INTERPRETING`).
+attention kernel regardless of tuning, and to time the stages' launch functions on every call.
+TRITON_INTERPRET is not read here: Triton reads it when it is first imported
+(`vsa_core.runtime.INTERPRETING`).
 """
 
 from __future__ import annotations
