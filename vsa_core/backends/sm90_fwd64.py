@@ -1165,6 +1165,9 @@ def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, g
 
     if config["shared_kv"] and (not config["warp_specialized"] or config["pingpong"]):
         raise ValueError("sm90_fwd64: shared_kv needs warp_specialized=True (and no pingpong)")
+    persistent = config["persistent"]
+    if not isinstance(persistent, int) or persistent < 0:  # True, False, or a CTA count (0: not persistent)
+        raise ValueError(f"sm90_fwd64: persistent must be False, True or a CTA count >= 1 (got {persistent!r})")
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
@@ -1217,10 +1220,8 @@ def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine
     persistent_ctas = 0
     if persistent is True:
         persistent_ctas = torch.cuda.get_device_properties(q.device).multi_processor_count
-    elif isinstance(persistent, int) and persistent >= 0:
-        persistent_ctas = int(persistent)  # False or 0: not persistent
     else:
-        raise ValueError(f"sm90_fwd64: persistent must be False, True or a CTA count >= 1 (got {persistent!r})")
+        persistent_ctas = int(persistent)  # False or 0: not persistent (`_check_forward64` took the value)
     options = {n: x for n, x in config.items() if n != "persistent"}
     D = q.shape[3]
     key = (q.dtype, D, has_coarse, has_gate, store_fine, persistent_ctas, *options.values(), broadcast_dims(args))
