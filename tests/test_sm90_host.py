@@ -241,3 +241,12 @@ def test_backward_broadcast_dim_compiles_again(stubbed):
             args[4] = torch.zeros(B, 1, S).expand(B, H, S)  # lse: stride 0 over the heads
         sm90_bwd64.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
     assert len(stubbed) == 4
+
+
+def test_the_plans_of_a_launcher_stay_bounded():
+    """A process that sees ever new problems keeps at most PLAN_LIMIT of them checked."""
+    from vsa_core.backends import sm90_common
+    plans = {}
+    for i in range(sm90_common.PLAN_LIMIT + 5):
+        assert sm90_common.remember(plans, i, -i) == -i
+        assert len(plans) <= sm90_common.PLAN_LIMIT and plans[i] == -i

@@ -217,7 +217,7 @@ def _blk64_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_si
     import cuda.bindings.driver as cuda
     import torch
 
-    from .sm90_common import layout_key
+    from .sm90_common import layout_key, remember
     bhsd = (lambda x: x) if p.layout == "bhsd" else (lambda x: x.transpose(1, 2))
     q, k, v, out = bhsd(q), bhsd(k), bhsd(v), bhsd(out)
     key = layout_key(q, k, v, out, lse, sel_idx, sel_num, block_sizes)
@@ -231,7 +231,7 @@ def _blk64_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_si
     args.append(args[6])  # the split offsets' place (unused at kv_splits=1): the counts, as the wrapper passes
     if fn is None:
         with _BUILD_LOCK:
-            fn = _BLK64_PLANS[key] = _blk64_build(q, args)
+            fn = remember(_BLK64_PLANS, key, _blk64_build(q, args))
     fn(*args, p.softmax_scale, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
 
 

@@ -93,7 +93,8 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
+from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
+                          rows_cols)
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
@@ -749,7 +750,7 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists, *pool_kv]
     post_args = [dq_accum, dq, *pool_q]
     if fns is None:
-        fns = _PLANS[key] = _compiled_backward64(main_args, post_args, pool_grads, ignore_padding, config)
+        fns = remember(_PLANS, key, _compiled_backward64(main_args, post_args, pool_grads, ignore_padding, config))
     main_fn, post_fn = fns
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
 

@@ -59,3 +59,14 @@ def layout_key(*tensors):
     dtype and whether the start is 16-byte aligned (None for an absent tensor). Calls with equal keys
     pass or fail the same checks, so a problem's checks run once per key (they read no device)."""
     return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+PLAN_LIMIT = 1024  # problems a launcher keeps checked; a process that sees ever new shapes starts over
+
+
+def remember(plans: dict, key, value):
+    """plans[key] = value, emptying `plans` first when it holds PLAN_LIMIT problems; returns value."""
+    if len(plans) >= PLAN_LIMIT:
+        plans.clear()
+    plans[key] = value
+    return value

@@ -68,7 +68,8 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, rows_cols
+from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
+                          rows_cols)
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
@@ -1137,7 +1138,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
             q_counts if has_coarse else placeholder, gate if gate is not None else q,
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     if fn is None:
-        fn = _PLANS[key] = _compiled_forward64(args, gate is not None, has_coarse, out_fine is not None, config)
+        fn = remember(_PLANS, key,
+                      _compiled_forward64(args, gate is not None, has_coarse, out_fine is not None, config))
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
 
     def launch():
