@@ -14,9 +14,12 @@ launches nothing here). Any commit's backend can be measured with this file: PYT
 
 import argparse
 import contextlib
+import os
 import sys
-import time
 import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_host_cpu import report  # noqa: E402
 
 
 def main(argv=None):
@@ -75,15 +78,7 @@ def main(argv=None):
     print(f"cudnn backend fine-stage forward, host time per call on this CPU (B{B} H{H} S{S} D{D} E{E} top-{K}, "
           f"{a.rounds} rounds of {a.calls} calls; nvidia-cudnn-frontend {version('nvidia-cudnn-frontend')}, "
           f"{'our TVM-FFI build' if hasattr(cudnn_backend, '_blk64_forward') else 'cuDNN wrapper'})")
-    step()  # compiles
-    rounds = []
-    for _ in range(a.rounds):
-        start = time.perf_counter()
-        for _ in range(a.calls):
-            step()
-        rounds.append((time.perf_counter() - start) * 1e6 / a.calls)
-    rounds.sort()
-    print(f"{'forward':12s} {rounds[0]:8.1f} us fastest round, {rounds[len(rounds) // 2]:8.1f} us median")
+    report("forward", step, a.rounds, a.calls)
     return 0
 
 

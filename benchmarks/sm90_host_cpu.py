@@ -83,16 +83,22 @@ def main(argv=None):
           f"{a.rounds} rounds of {a.calls} calls; nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}, "
           f"calling convention: {tvm})")
     for name, step in steps.items():
-        step()  # compiles
-        rounds = []  # per-call time of each round: the fastest and the median show how noisy the machine is
-        for _ in range(a.rounds):
-            start = time.perf_counter()
-            for _ in range(a.calls):
-                step()
-            rounds.append((time.perf_counter() - start) * 1e6 / a.calls)
-        rounds.sort()
-        print(f"{name:12s} {rounds[0]:8.1f} us fastest round, {rounds[len(rounds) // 2]:8.1f} us median")
+        report(name, step, a.rounds, a.calls)
     return 0
+
+
+def report(name: str, step, rounds: int, calls: int) -> None:
+    """Prints step's time per call after one untimed call (it compiles): the fastest and the median of
+    `rounds` rounds of `calls` calls, which together show how noisy the machine is."""
+    step()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+    times.sort()
+    print(f"{name:12s} {times[0]:8.1f} us fastest round, {times[len(times) // 2]:8.1f} us median")
 
 
 if __name__ == "__main__":
