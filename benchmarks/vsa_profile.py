@@ -30,7 +30,6 @@ METRICS = {  # column: ncu metric
     "occ%": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "dram%": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "sm%": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "dram MB": "dram__bytes.sum",
 }
 
 
@@ -83,9 +82,7 @@ def table(report: str) -> None:
             if column == "us":
                 value /= 1e3
                 total += value
-            if column == "dram MB":
-                value /= 1e6
-            cells.append(f"{value:.1f}" if column in ("us", "occ%", "dram%", "sm%", "dram MB") else f"{value:.0f}")
+            cells.append(f"{value:.1f}" if column in ("us", "occ%", "dram%", "sm%") else f"{value:.0f}")
         print(f"| {row[col['Kernel Name']][:60]} | " + " | ".join(cells) + " |")
     print(f"total kernel time {total:.1f} us")
 
