@@ -456,6 +456,51 @@ def test_native_forward_lowers_inside_shard_map():
     assert "LOWERED under shard_map" in out
 
 
+DEFAULT_LOWER = textwrap.dedent("""
+    import re, types
+    import jax, jax.numpy as jnp
+    import cutlass.jax
+    from vsa_core import plan as P
+    from vsa_core.backends import sm90_backend
+    from vsa_core.config import LaunchConfig, config
+    from vsa_core.problem import AttnProblem
+    from vsa_jax import native, ops
+    from vsa_jax.cute_call import compile_without_gpu
+
+    assert config().jax_launch == LaunchConfig().jax_launch  # the default launch, nothing set
+    # the default device as a CUDA sm_90 one; the Triton launches' compiling stubbed (no CUDA here)
+    native._cuda_capability = lambda: 90
+    native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
+    native._kernel_call = lambda compiled, cap: compiled.name.encode()
+
+    p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16",
+                    topk=2, has_gate=True, fine_residual="float32")
+    for stage in ("forward", "backward"):
+        inputs = P.forward_inputs(p) if stage == "forward" else P.backward_inputs(p)
+        names = list(inputs)
+        args = [jax.ShapeDtypeStruct(s, jnp.dtype(p.dtype if d == "input" else d)) for s, d in inputs.values()]
+        fn = lambda *xs: ops._run(stage, p, sm90_backend, **dict(zip(names, xs)))  # where the launch is chosen
+        checks = [*cutlass.jax.get_export_disabled_safety_checks(),
+                  jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGET)]
+        with compile_without_gpu():
+            text = jax.export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args).mlir_module()
+        calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
+        n_triton = sum(l.kind == "triton" for l in P.record_plan(stage, p, inputs, sm90_backend).launches)
+        assert calls == [native.FFI_TARGET] * n_triton + ["CuteDSLRT_NvJaxCutlassCall_v2"], calls
+        assert "callback" not in text
+        print("DEFAULT LOWERED", stage, n_triton)
+    """)
+
+
+@pytest.mark.skipif(not HAS_CUTE_JAX, reason="needs jax and nvidia-cutlass-dsl 4.8.1")
+def test_the_default_launch_lowers_sm90_to_custom_calls_only():
+    """With no launch set (the default) on a CUDA device, the sm90 forward and backward lower for
+    CUDA to their Triton custom calls and one CuTe DSL custom call each, no Python callback."""
+    env = {"CUTE_DSL_ARCH": "sm_90a", "VSA_JAX_LAUNCH": ""}
+    out = _run_no_torch(DEFAULT_LOWER, "cpu", env)
+    assert out.count("DEFAULT LOWERED") == 2, out
+
+
 def test_native_selects_sm90_only_in_native_mode(launch_config):
     from vsa_jax import native
     launch_config(jax_launch="native")

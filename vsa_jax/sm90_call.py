@@ -172,7 +172,7 @@ def _sequential_under_vmap(fn, step: str):
         if step in _NOT_UNDER_VMAP:
             raise NotImplementedError(
                 f"vsa_jax: the sm90 backend's native launch does not run its {step} step under jax.vmap yet; "
-                "use launch='callback' (vsa_jax.set_launch, the default) or backend='triton' for a vmapped "
+                "use vsa_jax.set_launch('callback') or backend='triton' for a vmapped "
                 "backward")
         def one(batched):
             it = iter(batched)
