@@ -191,17 +191,49 @@ def test_backward_plan_records_host_descriptors(p, launch_config):
 
 
 # ---- the JAX executor (CPU: lowered, not run) ----------------------------------------------------
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def test_the_launch_device_is_the_array_s_else_the_default_device():
+    """The launch is chosen for the device a call runs on as tracing knows it: a concrete array's
+    own device (an eager call), whatever the default; a tracer's (under jit), JAX's default device:
+    the default backend's first, or the one `jax.default_device` names. On a CPU or a GPU host."""
+    on_cpu = jax.device_put(jnp.zeros(2), _cpu())
+    default = jax.devices()[0]
+    assert native.launch_device(on_cpu).kind == "cpu"
+    assert native.launch_device().kind == native.launch_device(None).kind == (
+        "cuda" if default.platform in ("gpu", "cuda") else "cpu")
+    traced = []
+    with jax.default_device(_cpu()):
+        assert native.launch_device().kind == "cpu"
+        jax.jit(lambda x: traced.append(native.launch_device(x)) or x).lower(on_cpu)
+    assert [d.kind for d in traced] == ["cpu"]
+    if default.platform in ("gpu", "cuda"):
+        on_gpu = jax.device_put(jnp.zeros(2), default)
+        with jax.default_device(_cpu()):
+            device = native.launch_device(on_gpu)
+        assert device.kind == "cuda" and device.capability is not None
+
+
 def test_the_default_launch_is_native_on_cuda_only_for_triton_and_sm90(monkeypatch, launch_config):
     """"auto" (the default): native for the Triton and sm90 backends on a CUDA device (the Triton
     backend with TMA on only where jaxlib encodes host TMA descriptors, on sm_90 or newer), the
-    callback for the library backends, for CPU arrays, and when asked for."""
+    callback for the library backends, for calls on the CPU, and when asked for."""
     from vsa_core.backends import sm90_backend
     assert from_environment({}).jax_launch == LaunchConfig().jax_launch == "auto"
     launch_config(jax_launch=LaunchConfig().jax_launch, tma=False)
-    assert not native.selected(T) and not native.selected(sm90_backend)  # CPU arrays: the callback
+    on_cpu = jax.device_put(jnp.zeros(2), _cpu())
+    # CPU arrays (their own device, whatever the default), or traced with the CPU the default device
+    assert not native.selected(T, on_cpu) and not native.selected(sm90_backend, on_cpu)
+    with jax.default_device(_cpu()):
+        assert not native.selected(T) and not native.selected(sm90_backend)
     capability = {"now": 90}
-    monkeypatch.setattr(native, "_cuda_capability", lambda: capability["now"])  # the default device as a CUDA one
-    assert native.selected(T) and native.selected(sm90_backend)
+    asked = []
+    # the call's device as a CUDA one of capability["now"]
+    monkeypatch.setattr(native, "_cuda_capability", lambda device: asked.append(device) or capability["now"])
+    assert native.selected(T, on_cpu) and native.selected(sm90_backend)
+    assert asked[0].kind == "cpu" and asked[1] == native.launch_device()  # asked about the call's device
     assert not any(native.selected(types.SimpleNamespace(name=n)) for n in ("cute", "cudnn"))
     launch_config(tma=True)
     for takes in (False, True):  # a jaxlib without and with host TMA descriptors
@@ -219,25 +251,31 @@ def test_the_default_launch_is_native_on_cuda_only_for_triton_and_sm90(monkeypat
         vsa_jax.set_launch("graph")
 
 
-def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool):
-    """The jitted forward + backward (Triton backend) lowered under the default launch, the
-    default device taken for a CUDA sm_90 one when `cuda`; compiling stubbed out (no CUDA here).
-    Returns the program's text and the launch plans the native launch recorded."""
-    launch_config(jax_launch=LaunchConfig().jax_launch, tma=tma)
-    recorded = []
-    record = native.core_plan.record_plan
-    monkeypatch.setattr(native.core_plan, "record_plan",
-                        lambda *args: recorded.append(record(*args)) or recorded[-1])
-    if cuda:
-        monkeypatch.setattr(native, "_cuda_capability", lambda: 90)
+def _stub_compiling(monkeypatch):
+    """Compiling the Triton launches stubbed out (no CUDA here): each kernel call's opaque is its name."""
     monkeypatch.setattr(native.core_plan, "compile_launch",
                         lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
     monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
+
+
+def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool):
+    """The jitted forward + backward (Triton backend) lowered under the default launch: on the
+    call's device taken for a CUDA sm_90 one when `cuda` (compiling stubbed out), else on CPU
+    arrays with the CPU the default device (a GPU host's too). Returns the program's text and the launch plans the native launch runs (one per stage:
+    a plan tuned at trace time, on a GPU host, is recorded twice, once untuned)."""
+    launch_config(jax_launch=LaunchConfig().jax_launch, tma=tma)
+    plans = []
+    tuned = native.tuned_plan
+    monkeypatch.setattr(native, "tuned_plan", lambda *args: plans.append(tuned(*args)) or plans[-1])
+    if cuda:
+        monkeypatch.setattr(native, "_cuda_capability", lambda device: 90)
+    _stub_compiling(monkeypatch)
     native.native_program.cache_clear()
     try:
         case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
-        inputs, (q, k, v, gate, dout) = _small_case_args(case)
-        return jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout).as_text(), recorded
+        with jax.default_device(None if cuda else _cpu()):
+            inputs, args = _small_case_args(case)
+            return jax.jit(_grad_fn(case, inputs)).lower(*args).as_text(), plans
     finally:
         native.native_program.cache_clear()
 
@@ -253,17 +291,19 @@ def test_the_default_program_on_cuda_is_custom_calls_only(tma, jaxlib, monkeypat
     monkeypatch.setattr(native, "jaxlib_takes_host_descriptors", lambda: takes)
     text, plans = _lowered_default_program(monkeypatch, launch_config, tma, cuda=True)
     if tma and not takes:
-        assert f"@{native.FFI_TARGET}" not in text and "callback" in text
+        assert f"@{native.FFI_TARGET}" not in text and "callback" in text and not plans
         return
     assert text.count(f"@{native.FFI_TARGET}") == 10, text.count(f"@{native.FFI_TARGET}")
     assert "callback" not in text
+    assert [plan.stage for plan in plans] == ["forward", "backward"] and not any(plan.untuned for plan in plans)
     tiled = [a.value.buffer for plan in plans for l in plan.launches for a in l.args if a.kind == "descriptor"]
     assert tiled == (["k", "v", "k", "v", "q", "dout"] if tma else []), tiled
 
 
 def test_the_default_program_on_cpu_is_the_callback(monkeypatch, launch_config):
-    text, _ = _lowered_default_program(monkeypatch, launch_config, tma=False, cuda=False)
-    assert f"@{native.FFI_TARGET}" not in text and "callback" in text
+    """On the CPU (CPU arrays, the CPU the default device: on a GPU host too) the default is the callback."""
+    text, plans = _lowered_default_program(monkeypatch, launch_config, tma=False, cuda=False)
+    assert f"@{native.FFI_TARGET}" not in text and "callback" in text and not plans
 
 
 def _small_case_args(case):
@@ -285,13 +325,13 @@ def _grad_fn(case, inputs, backend="triton"):
 
 
 def test_native_on_cpu_raises_a_clear_error(launch_config):
+    """launch="native" on the CPU (CPU arrays, the CPU the default device: on a GPU host too)."""
     launch_config(jax_launch="native")
     case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=2)
-    inputs, (q, k, v, gate, dout) = _small_case_args(case)
-    if jax.default_backend() == "gpu":
-        pytest.skip("CPU behaviour")
-    with pytest.raises(RuntimeError, match="CUDA device"):
-        jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout)
+    with jax.default_device(_cpu()):
+        inputs, (q, k, v, gate, dout) = _small_case_args(case)
+        with pytest.raises(RuntimeError, match=r"CUDA device.*set_launch\('callback'\)"):
+            jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout)
 
 
 def test_native_program_is_one_custom_call_per_launch(monkeypatch, launch_config):
@@ -299,10 +339,8 @@ def test_native_program_is_one_custom_call_per_launch(monkeypatch, launch_config
     plans' launches as triton_kernel_call_ffi custom calls with in-place aliases, and no
     Python callback."""
     launch_config(jax_launch="native")
-    monkeypatch.setattr(native, "_capability", lambda: 90)
-    monkeypatch.setattr(native.core_plan, "compile_launch",
-                        lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
-    monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
+    monkeypatch.setattr(native, "_capability", lambda device: 90)
+    _stub_compiling(monkeypatch)
     native.native_program.cache_clear()
     try:
         case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
@@ -328,10 +366,8 @@ def test_native_program_under_shard_map_is_typed_and_lowers(monkeypatch, launch_
     from test_jax_spmd import mesh_of, out_and_grads_fn
 
     launch_config(jax_launch="native")
-    monkeypatch.setattr(native, "_capability", lambda: 90)
-    monkeypatch.setattr(native.core_plan, "compile_launch",
-                        lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
-    monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
+    monkeypatch.setattr(native, "_capability", lambda device: 90)
+    _stub_compiling(monkeypatch)
     seen = []
     record = native.core_plan.record_plan
     monkeypatch.setattr(native.core_plan, "record_plan", lambda stage, p, inputs, *backend: seen.append(p) or

@@ -303,7 +303,7 @@ LOWER = textwrap.dedent("""
 
     # no CUDA here: the Triton launches are stubbed (test_jax_native compiles them), the CuTe DSL
     # kernels compile for real (for sm_90a, CUTE_DSL_ARCH)
-    native._capability = lambda: 90
+    native._capability = lambda device: 90
     native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
     native._kernel_call = lambda compiled, cap: compiled.name.encode()
 
@@ -416,7 +416,7 @@ SHARD_MAP = textwrap.dedent("""
     from vsa_jax import native, ops
     from vsa_jax.cute_call import compile_without_gpu
 
-    native._capability = lambda: 90
+    native._capability = lambda device: 90
     native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
     native._kernel_call = lambda compiled, cap: compiled.name.encode()
     native.set_launch("native")
@@ -469,7 +469,7 @@ DEFAULT_LOWER = textwrap.dedent("""
 
     assert config().jax_launch == LaunchConfig().jax_launch  # the default launch, nothing set
     # the default device as a CUDA sm_90 one; the Triton launches' compiling stubbed (no CUDA here)
-    native._cuda_capability = lambda: 90
+    native._cuda_capability = lambda device: 90
     native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
     native._kernel_call = lambda compiled, cap: compiled.name.encode()
 

@@ -19,8 +19,11 @@ stage's own: the sm90 backend runs natively with no torch.
 
 The default (`jax_launch` "auto", `vsa_core.config`, read at trace time: a function already
 jitted keeps the path it was traced with): the Triton and sm90 backends run natively on a CUDA
-device; the cute (FA4) and cudnn backends, CPU arrays (the interpreter) and the cases
-`unavailable_reason` names take the callback (buffer_callback over vsa_core.ops).
+device; the cute (FA4) and cudnn backends, calls on the CPU (the interpreter) and the cases
+`unavailable_reason` names take the callback (buffer_callback over vsa_core.ops). "On a CUDA
+device" is the device the call runs on as far as tracing knows it (`launch_device`): a concrete
+array's own (eager calls), else JAX's default device (`jax.default_device`), the device the
+frontends resolve `backend="auto"` on too.
 `set_launch("native")` asks for this path or an error; `set_launch("callback")` for the callback.
 
 The Triton attention kernels run the tile configs of the shared store (`vsa_core.autotune.TILES`),
@@ -52,7 +55,9 @@ from vsa_core import plan as core_plan
 from vsa_core.config import JAX_LAUNCH_MODES, config, configure
 from vsa_core.problem import AttnProblem
 
-from .devices import default_device, device_info_of
+from vsa_core.runtime import DeviceInfo
+
+from .devices import device_info
 
 LAUNCH_MODES = JAX_LAUNCH_MODES
 FFI_TARGET = "triton_kernel_call_ffi"
@@ -73,17 +78,18 @@ def launch_mode() -> str:
 NATIVE_BACKENDS = ("triton", "sm90")
 
 
-def selected(impl) -> bool:
-    """True when this call launches natively: the backend has a replayable plan (Triton, sm90;
-    the library backends keep the callback) and "native" is selected, or "auto" is (the default)
-    and the call runs on a CUDA device where nothing stands in the way (`unavailable_reason`)."""
+def selected(impl, like=None) -> bool:
+    """True when a call on the array `like` launches natively: the backend has a replayable plan
+    (Triton, sm90; the library backends keep the callback) and "native" is selected, or "auto" is
+    (the default) and the call runs on a CUDA device (`launch_device`) where nothing stands in the
+    way (`unavailable_reason`)."""
     mode = launch_mode()
     name = getattr(impl, "name", None)
     if mode == "callback" or name not in NATIVE_BACKENDS:
         return False
     if mode == "native":
         return True
-    capability = _cuda_capability()
+    capability = _cuda_capability(launch_device(like))
     return capability is not None and unavailable_reason(name, capability) is None
 
 
@@ -119,21 +125,28 @@ def jaxlib_version() -> str:
 
 
 # ---- trace time ----------------------------------------------------------------------------------
-def _cuda_capability() -> Optional[int]:
-    """The compute capability (major * 10 + minor) of the CUDA device a traced call runs on
-    (the default device), None when that is no CUDA device."""
-    device = default_device()
-    if device.platform not in ("gpu", "cuda"):
+def launch_device(like=None) -> DeviceInfo:
+    """The device a call on the array `like` runs on, as the launch is chosen: a concrete array's
+    own device (an eager call); a tracer has none yet (under jit the device is only known when the
+    program is lowered), so then, as without `like`, JAX's default device (`jax.default_device`,
+    else the default backend's first), the device the frontends resolve the backend on too. A
+    jitted call on CPU arrays on a host with a GPU is traced under `jax.default_device(cpu)`."""
+    return device_info(like)
+
+
+def _cuda_capability(device: DeviceInfo) -> Optional[int]:
+    """The compute capability (major * 10 + minor) of `device`, None when it is no CUDA device."""
+    if device.kind != "cuda" or device.capability is None:
         return None
-    major, minor = device_info_of(device).capability
+    major, minor = device.capability
     return major * 10 + minor
 
 
-def _capability() -> int:
-    capability = _cuda_capability()
+def _capability(device: DeviceInfo) -> int:
+    capability = _cuda_capability(device)
     if capability is None:
-        raise RuntimeError(f"launch='native' needs a CUDA device (got {default_device().platform}); "
-                           "use the callback launch on the CPU")
+        raise RuntimeError(f"launch='native' needs a CUDA device (the call runs on {device.kind}); "
+                           "use the callback launch on the CPU: vsa_jax.set_launch('callback')")
     return capability
 
 
@@ -205,18 +218,17 @@ def _jaxlib_param(gpu_triton, param: Tuple):
                   block_shape=list(box), oob_fill=oob_fill, **size)
 
 
-def tuned_plan(stage: str, p: AttnProblem, inputs, backend) -> core_plan.LaunchPlan:
+def tuned_plan(stage: str, p: AttnProblem, inputs, backend, device: DeviceInfo) -> core_plan.LaunchPlan:
     """The launch plan of `stage`, its attention kernels on the tile configs the shared store chose.
-    Keys no call has timed yet are timed first on the GPU the call runs on, as the first eager call
-    of the problem would have (lowered on a host without one: the defaults, as an eager call that
-    cannot time takes them)."""
+    Keys no call has timed yet are timed first on `device`, the GPU the call runs on, as the first
+    eager call of the problem would have (lowered on a host without one: the defaults, as an eager
+    call that cannot time takes them)."""
     plan = core_plan.record_plan(stage, p, inputs, backend)
-    device = default_device()
-    if plan.untuned and device.platform in ("gpu", "cuda"):
+    if plan.untuned and device.kind == "cuda":
         tune = getattr(backend, "tune", None)
         if tune is None:
             raise RuntimeError(f"the {backend.name} plan has untimed tile configs and the backend no `tune`")
-        tune(p, device_info_of(device).index)
+        tune(p, device.index)
         plan = core_plan.record_plan(stage, p, inputs, backend)
         if plan.untuned:
             raise RuntimeError(f"{backend.name}.tune left tile store keys without a choice: {plan.untuned}")
@@ -225,13 +237,15 @@ def tuned_plan(stage: str, p: AttnProblem, inputs, backend) -> core_plan.LaunchP
 
 @functools.lru_cache(maxsize=None)
 def native_program(stage: str, p: AttnProblem, inputs: Tuple[Tuple[str, Tuple[int, ...], str], ...],
-                   capability: int, backend: str = "triton", launch_config=None):
-    """(plan, steps, kernel calls) of one stage of one problem on `backend`, built once per launch
-    configuration (`launch_config`: the current one, its key here); a CuTe DSL launch has no
-    kernel call here (it compiles when its cutlass_call lowers)."""
+                   capability: int, backend: str = "triton", launch_config=None,
+                   device: DeviceInfo = DeviceInfo("cpu")):
+    """(plan, steps, kernel calls) of one stage of one problem on `backend`, compiled for
+    `capability` and tuned on `device` (the call's), built once per launch configuration
+    (`launch_config`: the current one, its key here); a CuTe DSL launch has no kernel call here
+    (it compiles when its cutlass_call lowers)."""
     from vsa_core.backends import backend_named
 
-    plan = tuned_plan(stage, p, {n: (s, d) for n, s, d in inputs}, backend_named(backend))
+    plan = tuned_plan(stage, p, {n: (s, d) for n, s, d in inputs}, backend_named(backend), device)
     steps = core_plan.schedule(plan)
     calls = []
     for launch in plan.launches:
@@ -251,9 +265,10 @@ def _result_type(spec, p: AttnProblem):
 
 def run(stage: str, p: AttnProblem, inputs: Dict[str, jax.Array], backend: str = "triton") -> Dict[str, jax.Array]:
     """Same contract as the callback path: every output and workspace of the stage's table."""
+    device = launch_device(inputs.get("q", next(iter(inputs.values()))))
     described = tuple(sorted((n, tuple(int(s) for s in x.shape), jnp.dtype(x.dtype).name)
                              for n, x in inputs.items()))
-    plan, steps, calls = native_program(stage, p, described, _capability(), backend, config())
+    plan, steps, calls = native_program(stage, p, described, _capability(device), backend, config(), device)
     current = dict(inputs)
     specs = plan.all_buffers
     for launch, step, call in zip(plan.launches, steps, calls):
