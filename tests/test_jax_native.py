@@ -258,10 +258,11 @@ def _stub_compiling(monkeypatch):
     monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
 
 
-def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool):
+def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool, mapped: bool = False):
     """The jitted forward + backward (Triton backend) lowered under the default launch: on the
     call's device taken for a CUDA sm_90 one when `cuda` (compiling stubbed out), else on CPU
-    arrays with the CPU the default device (a GPU host's too). Returns the program's text and the launch plans the native launch runs (one per stage:
+    arrays with the CPU the default device (a GPU host's too); `mapped`: under jax.vmap over two
+    draws. Returns the program's text and the launch plans the native launch runs (one per stage:
     a plan tuned at trace time, on a GPU host, is recorded twice, once untuned)."""
     launch_config(jax_launch=LaunchConfig().jax_launch, tma=tma)
     plans = []
@@ -275,7 +276,11 @@ def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool):
         case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
         with jax.default_device(None if cuda else _cpu()):
             inputs, args = _small_case_args(case)
-            return jax.jit(_grad_fn(case, inputs)).lower(*args).as_text(), plans
+            fn = _grad_fn(case, inputs)
+            if mapped:
+                args = [jnp.stack([x, x * 2]) for x in args]
+                fn = jax.vmap(fn)
+            return jax.jit(fn).lower(*args).as_text(), plans
     finally:
         native.native_program.cache_clear()
 
@@ -304,6 +309,58 @@ def test_the_default_program_on_cpu_is_the_callback(monkeypatch, launch_config):
     """On the CPU (CPU arrays, the CPU the default device: on a GPU host too) the default is the callback."""
     text, plans = _lowered_default_program(monkeypatch, launch_config, tma=False, cuda=False)
     assert f"@{native.FFI_TARGET}" not in text and "callback" in text and not plans
+
+
+def test_the_default_program_under_vmap_is_the_callback(monkeypatch, launch_config):
+    """Under jax.vmap the native launches are not mapped (one element at a time they gave wrong
+    results on the GPU): on a CUDA device the default launch runs the mapped forward and backward
+    through the callback, one element at a time (a loop), and no custom call of the plans."""
+    text, plans = _lowered_default_program(monkeypatch, launch_config, tma=False, cuda=True, mapped=True)
+    assert f"@{native.FFI_TARGET}" not in text and "callback" in text and "stablehlo.while" in text
+    assert [plan.stage for plan in plans] == ["forward", "backward"]  # recorded when traced, then not run
+
+
+def test_the_default_under_vmap_runs_each_element_as_the_callback_alone(monkeypatch, launch_config):
+    """Run, not only lowered: on a CUDA device (the call's device taken for one, the plans'
+    compiling stubbed out) the default launch under jax.vmap runs the callback for real, and each
+    element of the mapped forward + backward equals the callback's call on it alone, bit for bit."""
+    launch_config(jax_launch=LaunchConfig().jax_launch, tma=False)
+    monkeypatch.setattr(native, "_cuda_capability", lambda device: 90)
+    _stub_compiling(monkeypatch)
+    plans = []
+    tuned = native.tuned_plan
+    monkeypatch.setattr(native, "tuned_plan", lambda *args: plans.append(tuned(*args)) or plans[-1])
+    native.native_program.cache_clear()
+    try:
+        case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=3)
+        inputs, first = _small_case_args(case)
+        second = [x * 2 if i != 3 else x for i, x in enumerate(first)]  # the gate kept in [0, 1]
+        fn = _grad_fn(case, inputs)
+        mapped = jax.tree.leaves(jax.jit(jax.vmap(fn))(*(jnp.stack(xs) for xs in zip(first, second))))
+    finally:
+        native.native_program.cache_clear()
+    assert [plan.stage for plan in plans] == ["forward", "backward"]  # the native launch was chosen
+    launch_config(jax_launch="callback")
+    for j, args in enumerate((first, second)):
+        alone = jax.tree.leaves(jax.jit(fn)(*args))
+        assert len(alone) == len(mapped) == 5
+        for i, (got, want) in enumerate(zip(mapped, alone)):
+            assert np.array_equal(np.asarray(got[j]), np.asarray(want)), f"vmap element {j}, result {i}"
+
+
+def test_native_under_vmap_is_refused_naming_the_callback(monkeypatch, launch_config):
+    """launch="native" under jax.vmap: a NotImplementedError that says how to run it (the callback)."""
+    launch_config(jax_launch="native")
+    monkeypatch.setattr(native, "_cuda_capability", lambda device: 90)
+    _stub_compiling(monkeypatch)
+    native.native_program.cache_clear()
+    try:
+        case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
+        inputs, args = _small_case_args(case)
+        with pytest.raises(NotImplementedError, match=r"vmap.*set_launch\('callback'\)"):
+            jax.jit(jax.vmap(_grad_fn(case, inputs))).lower(*(jnp.stack([x, x]) for x in args))
+    finally:
+        native.native_program.cache_clear()
 
 
 def _small_case_args(case):

@@ -79,7 +79,9 @@ def test_inference_output_equals_training_forward():
 # ---- transformations ----------------------------------------------------------------------
 def test_vmap_over_a_leading_axis():
     """vmap over q, k, v, gate, dout and the counts themselves (different per element):
-    each slice equals the un-mapped call on that element, forward and gradients."""
+    each slice equals the un-mapped call on that element, forward and gradients. Under the
+    default launch on a GPU the mapped call runs the callback (the native launches are not
+    mapped: vsa_jax.native._not_under_vmap), each element alone the native launch."""
     case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=4)
     elems = [make_inputs(case, seed=s) for s in (21, 22)]
     assert not np.array_equal(elems[0]["kv_counts"], elems[1]["kv_counts"])

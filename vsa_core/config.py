@@ -23,9 +23,10 @@ Variables (field of `LaunchConfig` in brackets):
   "auto" (the default): as XLA custom calls (`vsa_jax.native`, no Python per call) for the
   backends that have them, Triton and sm90, on a CUDA device (the device of concrete arrays,
   else JAX's default device: `vsa_jax.native.launch_device`); a `buffer_callback` (Python per
-  call) for the cute and cudnn backends (no custom calls yet), on the CPU (the interpreter), and
-  for the Triton backend with TMA on (`tma`) where a custom call cannot pass its kernels the host
-  TMA descriptors torch's launch passes (jaxlib < 0.11.2; a GPU below sm_90).
+  call) for the cute and cudnn backends (no custom calls yet), on the CPU (the interpreter),
+  under jax.vmap (the native launches are not mapped), and for the Triton backend with TMA on
+  (`tma`) where a custom call cannot pass its kernels the host TMA descriptors torch's launch
+  passes (jaxlib < 0.11.2; a GPU below sm_90).
   "native": custom calls or an error saying why not; "callback": always the callback. Both
   launches run the same compiled kernels on the tile configs of the shared store
   (`vsa_core.autotune.TILES`), so they, and torch, agree bit for bit; a native launch traced
