@@ -358,3 +358,23 @@ def assert_close(case: Case, got: dict, ref: dict, tolerance: Optional[dict] = N
             f"{name}: relative error {rel:.2e} (bound {tol['rel']:.0e}), max error {max_rel:.2e} "
             f"(bound {tol['max_rel']:.0e}) for {case.id()}")
     return report
+
+
+class CompiledStandIn:
+    """Stands for a compiled CuTe DSL kernel in the host launchers' CPU tests (`compile_for_torch`
+    replaced by `record_compiles`): keeps what it was built from and records its calls (the
+    arguments after the tensors: scale, stream)."""
+
+    def __init__(self, kernel, examples, scalars):
+        self.kernel, self.examples, self.scalars, self.calls = kernel, examples, scalars, []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def record_compiles(compiled: list):
+    """A `compile_for_torch` that appends a `CompiledStandIn` to `compiled` instead of compiling."""
+    def compile_for_torch(kernel, examples, *scalars):
+        compiled.append(CompiledStandIn(kernel, examples, scalars))
+        return compiled[-1]
+    return compile_for_torch

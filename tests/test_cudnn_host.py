@@ -13,6 +13,7 @@ import sys
 import types
 
 import pytest
+from common import record_compiles
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
@@ -31,21 +32,10 @@ class _Kernel:
         self.kwargs = kwargs
 
 
-class _Compiled:
-    def __init__(self, kernel, examples, scalars):
-        self.kernel, self.examples, self.scalars, self.calls = kernel, examples, scalars, []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
 @pytest.fixture
 def stubbed(monkeypatch):
     compiled = []
-
-    def compile_for_torch(kernel, examples, *scalars):
-        compiled.append(_Compiled(kernel, examples, scalars))
-        return compiled[-1]
+    compile_for_torch = record_compiles(compiled)
 
     monkeypatch.setitem(sys.modules, "cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90",
                         types.SimpleNamespace(BlockSparseAttnForwardSm90Blk64=_Kernel))

@@ -15,6 +15,7 @@ are compiled once per configuration and dtype (their layouts are run-time values
 import types
 
 import pytest
+from common import record_compiles
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
@@ -25,24 +26,11 @@ B, H, S, D, E, K = 1, 2, 256, 128, 64, 2
 NB = S // E
 
 
-class _Compiled:
-    """Stands for a compiled kernel: records its calls (the arguments after the tensors: scale, stream)."""
-
-    def __init__(self, kernel, examples, scalars):
-        self.kernel, self.examples, self.scalars, self.calls = kernel, examples, scalars, []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
 @pytest.fixture
 def stubbed(monkeypatch):
     """Fresh caches, the compile recorded instead of run, torch's current stream a stand-in."""
     compiled = []
-
-    def compile_for_torch(kernel, examples, *scalars):
-        compiled.append(_Compiled(kernel, examples, scalars))
-        return compiled[-1]
+    compile_for_torch = record_compiles(compiled)
 
     for mod in (sm90_fwd64, sm90_bwd64):
         monkeypatch.setattr(mod, "_COMPILED", {})
