@@ -5,6 +5,10 @@ tile store (`vsa_core.autotune.TILES`) starts empty, torch's call times the atte
 candidates, and JAX's call of the same problem must run the tiles torch chose. The draw is the one
 that once gave torch != JAX (out, lse, dq, dk, dv): block_sparse_attn_from_indices, B2 H2 D128 E128,
 29 query blocks, 10 KV blocks, bf16, BSHD, backend "triton". Exits nonzero on any difference.
+
+JAX runs its default launch (native custom calls on the GPU: the check fails if it does not) or,
+with --callback, the buffer callback; --jax-first makes JAX's call the first of the problem (the
+native launch then tunes it at trace time, and torch's call must run its choice).
 """
 
 import os
@@ -21,6 +25,7 @@ import vsa_jax  # noqa: E402
 import vsa_torch  # noqa: E402
 from vsa_core.autotune import TILES  # noqa: E402
 from vsa_core.config import configure  # noqa: E402
+from vsa_jax import native  # noqa: E402
 
 B, H, D, E, NQ, NKV = 2, 2, 128, 128, 29, 10
 CAPACITY = 6
@@ -57,6 +62,7 @@ def run_torch(d, device: str = "cuda"):
 
 
 def run_jax(d):
+    """The call traced once under jit (what the launch path decides at trace time), run once."""
     q, k, v = (jnp.asarray(d[n], jnp.bfloat16) for n in ("q", "k", "v"))
 
     def attn(q, k, v):
@@ -64,8 +70,18 @@ def run_jax(d):
                                                       jnp.asarray(d["kv_counts"]), E, layout="bshd",
                                                       backend="triton")
 
-    (out, lse), vjp = jax.vjp(attn, q, k, v)
-    dq, dk, dv = vjp((jnp.asarray(d["dout"], jnp.bfloat16), jnp.zeros_like(lse)))
+    def out_and_grads(q, k, v, dout):
+        (out, lse), vjp = jax.vjp(attn, q, k, v)
+        return (out, lse) + vjp((dout, jnp.zeros_like(lse)))
+
+    fn = jax.jit(out_and_grads)
+    dout = jnp.asarray(d["dout"], jnp.bfloat16)
+    text = fn.lower(q, k, v, dout).as_text()
+    launch = "native" if native.FFI_TARGET in text and "callback" not in text else "callback"
+    out, lse, dq, dk, dv = fn(q, k, v, dout)
+    print(f"JAX launch: {launch}")
+    if launch != ("callback" if "--callback" in sys.argv else "native"):
+        raise SystemExit(f"JAX ran the {launch} launch")
     got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     return {n: bits(np.asarray(x.astype(jnp.float32))) for n, x in got.items()}
 
@@ -75,12 +91,16 @@ def main() -> int:
         print("SKIP: needs torch and JAX on a GPU")
         return 0
     configure(autotune=True)  # whatever VSA_AUTOTUNE says: this check is about tuned tiles
+    if "--callback" in sys.argv:
+        configure(jax_launch="callback")
     d = draw()
-    torch_got = run_torch(d)
+    first, second = (run_jax, run_torch) if "--jax-first" in sys.argv else (run_torch, run_jax)
+    got = {first: first(d)}
     tuned = TILES.entries()
-    jax_got = run_jax(d)
-    assert TILES.entries() == tuned, "JAX's call chose tiles of its own for a problem torch had tuned"
-    print(f"tile configs chosen (torch's call; JAX's reused them): {tuned}")
+    got[second] = second(d)
+    assert TILES.entries() == tuned, f"{second.__name__} chose tiles of its own for a problem already tuned"
+    print(f"tile configs chosen ({first.__name__}; {second.__name__} reused them): {tuned}")
+    torch_got, jax_got = got[run_torch], got[run_jax]
     bad = [n for n in torch_got if not np.array_equal(torch_got[n], jax_got[n])]
     for n in bad:
         print(f"{n}: {int((torch_got[n] != jax_got[n]).sum())} of {torch_got[n].size} elements differ")

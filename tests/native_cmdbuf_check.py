@@ -1,5 +1,7 @@
-"""GPU check run by tests/test_jax_native.py in a fresh process: the native path under XLA
-command buffers (CUDA graphs), replayed with new inputs, against the callback path.
+"""GPU check run by tests/test_jax_native.py in a fresh process: the default launch (native
+custom calls) under XLA command buffers (CUDA graphs), replayed with new inputs, against the
+callback path, both with the process's launch configuration (by default autotuned tiles, the
+native path tuning them when it is traced, and TMA).
 
 XLA reads XLA_FLAGS once, at backend start, hence a process of its own. Prints one line
 per replay and "ALL EQUAL" at the end when every result matched bit for bit; exits nonzero
@@ -25,10 +27,10 @@ import numpy as np  # noqa: E402
 
 import vsa_jax  # noqa: E402
 from common import Case, assert_close, make_inputs, reference  # noqa: E402
-from vsa_core.config import configure  # noqa: E402
+from vsa_core.config import LaunchConfig  # noqa: E402
 from vsa_jax import native  # noqa: E402
 
-configure(autotune=False, tma=False)  # the default tile config and pointer loads everywhere, as the plan runs
+MODES = {"native": LaunchConfig().jax_launch, "callback": "callback"}  # the default launch first: it tunes
 
 BACKEND = os.environ.get("VSA_CMDBUF_BACKEND", "triton")
 case = Case(batch=1) if BACKEND == "triton" else Case(batch=1, head_dim=128)
@@ -46,8 +48,8 @@ def arguments(inputs):
 
 
 fns = {}
-for mode in ("native", "callback"):
-    native.set_launch(mode)  # read when tracing: trace now
+for mode in MODES:
+    native.set_launch(MODES[mode])  # read when tracing: trace now
     fns[mode] = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
     fns[mode].lower(*arguments(make_inputs(case, seed=3))).compile()
     text = fns[mode].lower(*arguments(make_inputs(case, seed=3))).as_text()
@@ -57,8 +59,8 @@ ok = True
 for replay in range(3):
     inputs = make_inputs(case, seed=100 + replay)  # new values (and counts) on every replay
     res = {}
-    for mode in ("native", "callback"):
-        native.set_launch(mode)  # in case jit traces again
+    for mode in MODES:
+        native.set_launch(MODES[mode])  # in case jit traces again
         (dq, dk, dv, dgate), out = fns[mode](*arguments(inputs))
         res[mode] = {n: np.asarray(x, np.float32) for n, x in
                      {"out": out, "dq": dq, "dk": dk, "dv": dv, "dgate": dgate}.items()}

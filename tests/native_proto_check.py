@@ -1,8 +1,9 @@
 """Run by tests/test_jax_native.py in a process without TRITON_INTERPRET (needs jaxlib's CUDA
 Triton module, `jax_cuda1x_plugin._triton`, which imports without a GPU): every launch of a
 forward and backward plan compiled for sm_90 and wrapped into jaxlib's TritonKernelCall proto;
-the proto, decoded here from its wire format, carries the launch's kernel, grid and parameters.
-Prints "PROTOS OK"; exits 3 when jaxlib has no CUDA Triton support.
+the proto, decoded here from its wire format, carries the launch's kernel, grid and parameters
+(`native.kernel_params`: with TMA on, the attention kernels' host TMA descriptors). Prints
+"PROTOS OK"; exits 3 when jaxlib has no CUDA Triton support.
 """
 
 import sys
@@ -61,10 +62,26 @@ def one(msg, number, default=0):
     return found[-1] if found else default
 
 
+def _varints(data: bytes):
+    """The values of a packed repeated varint field."""
+    out, value, shift = [], 0, 0
+    for b in data:
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            out.append(value)
+            value = shift = 0
+    return tuple(out)
+
+
 def decode_param(msg):
     (number, wire, value), = fields(msg)
     if number == 1:
         return ("buffer", one(value, 2))
+    if number == 9:  # TensorDescriptor { nvidia: { elem_type, swizzle, shape, strides, block_shape, oob_fill } }
+        nvidia = one(value, 1)
+        return ("tma", one(nvidia, 1), one(nvidia, 2), _varints(one(nvidia, 3, b"")), _varints(one(nvidia, 4, b"")),
+                _varints(one(nvidia, 5, b"")), one(nvidia, 6))
     kind = {2: "i1", 3: "i32", 4: "u32", 5: "i64", 6: "u64", 7: "fp32", 8: "fp64"}[number]
     if kind == "fp32":
         value = struct.unpack("<f", value)[0]
@@ -75,9 +92,14 @@ def decode_param(msg):
     return (kind, value)
 
 
+if not native.jaxlib_takes_host_descriptors():  # jaxlib < 0.11.2: no host TMA descriptors
+    from vsa_core.config import configure
+    configure(tma=False)
+    print(f"jaxlib {native.jaxlib_version()} takes no host TMA descriptors: pointer loads")
+
 p = AttnProblem(batch=2, heads=3, q_len=384, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16", topk=2,
                 has_gate=True)
-count = 0
+count = tma_kernels = 0
 for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_inputs(p))):
     plan = P.record_plan(stage, p, inputs)
     for launch in plan.launches:
@@ -89,16 +111,23 @@ for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_
         assert one(kernel, 1).decode() == compiled.name
         assert one(kernel, 2) == compiled.num_warps and one(kernel, 3) == compiled.shared_mem_bytes
         assert one(kernel, 4).decode() == compiled.ptx and one(kernel, 6) == 90
+        assert one(kernel, 12, None) is None, launch.kernel_name  # no global scratch
         assert (one(call, 2), one(call, 3), one(call, 4)) == launch.grid
         params = [decode_param(v) for n, _, v in fields(call) if n == 5]
         want = []
-        for x in compiled.params:
-            if x[0] == "buffer":
-                want.append(("buffer", x[2]))
+        for x in native.kernel_params(compiled):
+            if x[0] == "array":
+                want.append(("buffer", x[1]))
+            elif x[0] == "tma":
+                _, elem_type, _, swizzle, shape, strides, box, oob_fill = x
+                want.append(("tma", elem_type, swizzle, shape, strides, box, oob_fill))
             else:
                 want.append((x[2], struct.unpack("<f", struct.pack("<f", x[1]))[0] if x[2] == "fp32" else x[1]))
         assert params == want, (launch.kernel_name, params, want)
+        tma_kernels += any(x[0] == "tma" for x in params)
         count += 1
         print(stage, launch.kernel_name, launch.grid, len(params), "parameters")
 assert count == 10  # forward: pool (q, k, v in one), coarse, top-k, fine; backward: 6
+# with TMA on: the fine forward, dQ and dK/dV kernels take two host descriptors each
+assert tma_kernels == (3 if native.jaxlib_takes_host_descriptors() else 0), tma_kernels
 print("PROTOS OK")

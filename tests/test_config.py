@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_defaults_without_variables():
     assert from_environment({}) == LaunchConfig()
     assert LaunchConfig() == LaunchConfig(autotune=True, tma=True, coarse_precision="ieee", backend="auto",
-                                          ulysses_chunks=None, jax_launch="callback", forced_tiles=())
+                                          ulysses_chunks=None, jax_launch="auto", forced_tiles=())
 
 
 def test_every_variable_is_read():

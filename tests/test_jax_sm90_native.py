@@ -303,7 +303,7 @@ LOWER = textwrap.dedent("""
 
     # no CUDA here: the Triton launches are stubbed (test_jax_native compiles them), the CuTe DSL
     # kernels compile for real (for sm_90a, CUTE_DSL_ARCH)
-    native._capability = lambda: 90
+    native._capability = lambda device: 90
     native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
     native._kernel_call = lambda compiled, cap: compiled.name.encode()
 
@@ -353,15 +353,11 @@ LOWER = textwrap.dedent("""
         if stage == "backward":
             assert f"tensor<1x2x4x{64 * D}xf32>" in line  # the dQ accumulator, handed in (zeroed)
         print("LOWERED", stage, padding, layout, n_triton)
-        if stage == "forward" and padding == "zeros" and not extra:
-            text = lowered(stage, p, inputs, mapped=True)
-            assert "stablehlo.while" in text and text.count("@CuteDSLRT_NvJaxCutlassCall_v2(") == 1
-            print("LOWERED under vmap")
-        if stage == "backward" and padding == "zeros" and not extra:
+        if padding == "zeros" and not extra:  # not mapped (native.run without the callback to fall back on)
             try:
                 lowered(stage, p, inputs, mapped=True)
             except NotImplementedError as e:
-                assert "vmap" in str(e), e
+                assert "vmap" in str(e) and "set_launch('callback')" in str(e), e
                 print("REFUSED under vmap")
     """)
 
@@ -382,8 +378,7 @@ def _run_no_torch(code: str, platform: str, extra_env=None) -> str:
 def test_native_stage_lowers_to_triton_calls_and_one_cute_call(stage):
     cases = [(stage, "zeros", "bhsd", {}), (stage, "ignore", "bshd", {})]
     out = _run_no_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
-    assert out.count("LOWERED") == 2 + (stage == "forward"), out
-    assert ("REFUSED under vmap" in out) == (stage == "backward"), out
+    assert out.count("LOWERED") == 2 and out.count("REFUSED under vmap") == 1, out
 
 
 VARIANTS = {  # each a specialization of the kernel classes the GPU tests run
@@ -416,7 +411,7 @@ SHARD_MAP = textwrap.dedent("""
     from vsa_jax import native, ops
     from vsa_jax.cute_call import compile_without_gpu
 
-    native._capability = lambda: 90
+    native._capability = lambda device: 90
     native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
     native._kernel_call = lambda compiled, cap: compiled.name.encode()
     native.set_launch("native")
@@ -454,6 +449,51 @@ def test_native_forward_lowers_inside_shard_map():
     out = _run_no_torch(SHARD_MAP, "cpu", {"CUTE_DSL_ARCH": "sm_90a",
                                            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert "LOWERED under shard_map" in out
+
+
+DEFAULT_LOWER = textwrap.dedent("""
+    import re, types
+    import jax, jax.numpy as jnp
+    import cutlass.jax
+    from vsa_core import plan as P
+    from vsa_core.backends import sm90_backend
+    from vsa_core.config import LaunchConfig, config
+    from vsa_core.problem import AttnProblem
+    from vsa_jax import native, ops
+    from vsa_jax.cute_call import compile_without_gpu
+
+    assert config().jax_launch == LaunchConfig().jax_launch  # the default launch, nothing set
+    # the default device as a CUDA sm_90 one; the Triton launches' compiling stubbed (no CUDA here)
+    native._cuda_capability = lambda device: 90
+    native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
+    native._kernel_call = lambda compiled, cap: compiled.name.encode()
+
+    p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16",
+                    topk=2, has_gate=True, fine_residual="float32")
+    for stage in ("forward", "backward"):
+        inputs = P.forward_inputs(p) if stage == "forward" else P.backward_inputs(p)
+        names = list(inputs)
+        args = [jax.ShapeDtypeStruct(s, jnp.dtype(p.dtype if d == "input" else d)) for s, d in inputs.values()]
+        fn = lambda *xs: ops._run(stage, p, sm90_backend, **dict(zip(names, xs)))  # where the launch is chosen
+        checks = [*cutlass.jax.get_export_disabled_safety_checks(),
+                  jax.export.DisabledSafetyCheck.custom_call(native.FFI_TARGET)]
+        with compile_without_gpu():
+            text = jax.export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args).mlir_module()
+        calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
+        n_triton = sum(l.kind == "triton" for l in P.record_plan(stage, p, inputs, sm90_backend).launches)
+        assert calls == [native.FFI_TARGET] * n_triton + ["CuteDSLRT_NvJaxCutlassCall_v2"], calls
+        assert "callback" not in text
+        print("DEFAULT LOWERED", stage, n_triton)
+    """)
+
+
+@pytest.mark.skipif(not HAS_CUTE_JAX, reason="needs jax and nvidia-cutlass-dsl 4.8.1")
+def test_the_default_launch_lowers_sm90_to_custom_calls_only():
+    """With no launch set (the default) on a CUDA device, the sm90 forward and backward lower for
+    CUDA to their Triton custom calls and one CuTe DSL custom call each, no Python callback."""
+    env = {"CUTE_DSL_ARCH": "sm_90a", "VSA_JAX_LAUNCH": ""}
+    out = _run_no_torch(DEFAULT_LOWER, "cpu", env)
+    assert out.count("DEFAULT LOWERED") == 2, out
 
 
 def test_native_selects_sm90_only_in_native_mode(launch_config):
@@ -642,33 +682,48 @@ def test_gpu_native_sm90_under_xla_command_buffers():
 
 
 @pytest.mark.gpu
-def test_gpu_native_under_vmap_equals_each_element(launch_config):
-    """jax.vmap over q, k, v, gate (two draws, shared counts): each element's out equals the
-    native call on it alone, bit for bit. The backward under vmap is refused with a reason (it
-    gave dk rows of zeros mapped: `sm90_call._NOT_UNDER_VMAP`), never answered wrongly."""
+def test_gpu_under_vmap_the_default_runs_the_callback(launch_config):
+    """jax.vmap over q, k, v, gate, dout (two draws, shared counts). The native launches are not
+    mapped (one element at a time the backward gave dk rows of zeros: `native._not_under_vmap`):
+    launch="native" refuses, forward and backward, naming the callback; the default ("auto") runs
+    the mapped stages through the callback, each element equal to the native call on it alone
+    (out, dk, dv, dgate bit for bit, dq within the atomics' reduction order)."""
     import jax
     import jax.numpy as jnp
     from frontends import jax_args, vsa_fn
+
+    from vsa_core.config import LaunchConfig
+    from vsa_jax import native
     case = Case(head_dim=128, batch=1)
     _require_sm90_jax(case)
-    launch_config(jax_launch="native")
+    launch_config(autotune=False)  # the plan runs the Triton stages' default tiles; so does the callback
     draws = [make_inputs(case, seed=40 + i, margin=None) for i in range(2)]
     for d in draws[1:]:
         d["kv_counts"], d["q_counts"] = draws[0]["kv_counts"], draws[0]["q_counts"]
     f = vsa_fn(case, draws[0]["kv_counts"], draws[0]["q_counts"], backend="sm90")
-    args = [jax_args(case, d)[:4] for d in draws]
-    batched = [jnp.stack(xs) for xs in zip(*args)]
-    together = np.asarray(jax.jit(jax.vmap(f))(*batched), np.float32)
-    for j, a in enumerate(args):
-        alone = np.asarray(jax.jit(f)(*a), np.float32)
-        _bitwise({"out": together[j]}, {"out": alone}, ("out",), f"vmap element {j} - alone")
 
     def out_and_grads(q, k, v, gate, dout):
         out, vjp = jax.vjp(f, q, k, v, gate)
         return (out, *vjp(dout))
     full = [jnp.stack(xs) for xs in zip(*[jax_args(case, d) for d in draws])]
-    with pytest.raises(NotImplementedError, match="vmap"):
-        jax.jit(jax.vmap(out_and_grads))(*full)
+    launch_config(jax_launch="native")
+    for fn, args in ((f, full[:4]), (out_and_grads, full)):
+        with pytest.raises(NotImplementedError, match=r"vmap.*set_launch\('callback'\)"):
+            jax.jit(jax.vmap(fn)).lower(*args)
+    launch_config(jax_launch=LaunchConfig().jax_launch)
+    mapped = jax.jit(jax.vmap(out_and_grads))
+    text = mapped.lower(*full).as_text()
+    assert "callback" in text and "CuteDSLRT_NvJaxCutlassCall_v2" not in text and native.FFI_TARGET not in text
+    together = mapped(*full)
+    names = ("out", "dq", "dk", "dv", "dgate")
+    alone_fn = jax.jit(out_and_grads)
+    for j, d in enumerate(draws):
+        args = jax_args(case, d)
+        assert "CuteDSLRT_NvJaxCutlassCall_v2" in alone_fn.lower(*args).as_text()  # alone: native
+        got = {n: np.asarray(x[j], np.float32) for n, x in zip(names, together)}
+        want = {n: np.asarray(x, np.float32) for n, x in zip(names, alone_fn(*args))}
+        _bitwise(got, want, ("out", "dk", "dv", "dgate"), f"vmap element {j} - alone")
+        assert_dq_within_reduction_order(case, got, want, f"vmap element {j} - alone")
 
 
 @pytest.mark.gpu

@@ -93,14 +93,17 @@ def test_the_first_choice_of_a_key_is_every_later_call_s():
 
 
 @pytest.mark.gpu
-def test_autotuned_torch_and_jax_agree_bitwise():
-    """A fresh process (an empty tile store, autotuning on): the draw that once differed,
-    through both frontends, equal bit for bit in out, lse, dq, dk and dv."""
+@pytest.mark.parametrize("how", ["native", "native-jax-first", "callback"])
+def test_autotuned_torch_and_jax_agree_bitwise(how):
+    """A fresh process (an empty tile store, autotuning on, TMA as by default): the draw that once
+    differed, through both frontends, equal bit for bit in out, lse, dq, dk and dv. JAX runs its
+    default launch (native custom calls; with JAX first it tunes the problem at trace time) or
+    the callback."""
     require_jax_gpu()
-    env = dict(os.environ)
-    env.pop("VSA_AUTOTUNE", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("VSA_AUTOTUNE", "VSA_TMA", "VSA_JAX_LAUNCH")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "autotune_parity_check.py")], env=env,
-                          capture_output=True, text=True, timeout=900)
+    flags = {"native": [], "native-jax-first": ["--jax-first"], "callback": ["--callback"]}[how]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "autotune_parity_check.py"), *flags],
+                          env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0 and "ALL EQUAL" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

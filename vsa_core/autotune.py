@@ -9,8 +9,9 @@ the config it chose. Triton's own `@triton.autotune` keys on the arguments' `str
 ("torch.bfloat16" for torch, "bfloat16" for a DeviceBuffer): each frontend then timed and
 chose on its own and the two could run different tiles, so bitwise different results.
 
-Without timing (autotune off, no GPU, the interpreter, a launcher that runs nothing) the
-caller runs the first candidate, the default, without asking the store.
+Without timing (autotune off, no GPU, the interpreter) the caller runs the first candidate,
+the default, without asking the store. A launcher that runs nothing (a recorded launch plan,
+`vsa_core.plan`) reads the store's choice, or takes the default and reports the key untuned.
 """
 
 from __future__ import annotations

@@ -19,8 +19,19 @@ Variables (field of `LaunchConfig` in brackets):
   measured order of `vsa_core.backends.auto_table`).
 - `VSA_ULYSSES_CHUNKS` [ulysses_chunks]: head chunks per device in the Ulysses sequence
   parallel ops (`vsa_core.sequence_parallel.DEFAULT_CHUNKS` when unset).
-- `VSA_JAX_LAUNCH` [jax_launch]: how vsa_jax launches the Triton and sm90 backends on a GPU,
-  "callback" (the default) or "native" (`vsa_jax.native`); read when a call is traced.
+- `VSA_JAX_LAUNCH` [jax_launch]: how vsa_jax launches a stage, read when a call is traced.
+  "auto" (the default): as XLA custom calls (`vsa_jax.native`, no Python per call) for the
+  backends that have them, Triton and sm90, on a CUDA device (the device of concrete arrays,
+  else JAX's default device: `vsa_jax.native.launch_device`); a `buffer_callback` (Python per
+  call) for the cute and cudnn backends (no custom calls yet), on the CPU (the interpreter),
+  under jax.vmap (the native launches are not mapped), and for the Triton backend with TMA on
+  (`tma`) where a custom call cannot pass its kernels the host TMA descriptors torch's launch
+  passes (jaxlib < 0.11.2; a GPU below sm_90).
+  "native": custom calls or an error saying why not; "callback": always the callback. Both
+  launches run the same compiled kernels on the tile configs of the shared store
+  (`vsa_core.autotune.TILES`), so they, and torch, agree bit for bit; a native launch traced
+  before any call of its problem was timed tunes it then, on the GPU
+  (`vsa_core.backends.triton_backend.tune`).
 
 `forced_tiles` and `replay` have no variable: benchmarks set them to run one tile config of an
 attention kernel regardless of tuning, and to time the stages' launch functions on every call.
@@ -38,7 +49,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 COARSE_PRECISIONS = ("ieee", "tf32")
-JAX_LAUNCH_MODES = ("callback", "native")
+JAX_LAUNCH_MODES = ("auto", "native", "callback")
 
 # the environment variable of each field read from it
 ENVIRONMENT = {
@@ -58,7 +69,7 @@ class LaunchConfig:
     coarse_precision: str = "ieee"
     backend: str = "auto"
     ulysses_chunks: Optional[int] = None  # None: sequence_parallel.DEFAULT_CHUNKS
-    jax_launch: str = "callback"
+    jax_launch: str = "auto"
     # ((kernel name, (BLOCK_M, BLOCK_N, num_warps, num_stages)), ...): tiles run regardless of tuning
     forced_tiles: Tuple[Tuple[str, Tuple[int, int, int, int]], ...] = ()
     # False: the torch eager operator runs every call through the stages' launch functions instead of
@@ -107,7 +118,7 @@ def from_environment(environ=None) -> LaunchConfig:
         raise ValueError(f"VSA_ULYSSES_CHUNKS must be an int >= 1, got {chunks!r}") from None
     values = dict(autotune=text("autotune") != "0", tma=text("tma") != "0",
                   coarse_precision=text("coarse_precision") or "ieee", backend=text("backend") or "auto",
-                  ulysses_chunks=ulysses_chunks, jax_launch=text("jax_launch") or "callback")
+                  ulysses_chunks=ulysses_chunks, jax_launch=text("jax_launch") or "auto")
     try:
         return LaunchConfig(**values)
     except (TypeError, ValueError) as e:  # name the variable the user set, not only the field

@@ -11,12 +11,13 @@ scratch buffers a backend needs beyond the stage's buffer table come from
 `launcher` argument. `eager_launcher` launches at once under the current
 configuration (`vsa_core.config`). Another launcher changes what a launch does without
 touching Triton or the kernels: `vsa_core.plan.RecordingLauncher` records the launches of a
-stage instead of running them, with its own configuration (default tiles, pointer loads),
-and hands out its own placeholders as the workspaces.
+stage instead of running them (the tile configs the shared store chose; a TMA descriptor as
+its buffer and geometry), and hands out its own placeholders as the workspaces.
 """
 
 from __future__ import annotations
 
+from .autotune import TILES
 from .backends import cute_step
 from .config import LaunchConfig, config
 
@@ -34,6 +35,12 @@ class Launcher:
     def runs_kernels(self) -> bool:
         """Whether a launch runs (so that tile candidates can be timed through it)."""
         return True
+
+    def stored_tile(self, key, candidates):
+        """For a launcher that runs nothing (so cannot time candidates): the tile config the shared
+        store (`vsa_core.autotune.TILES`) chose for `key`, else the default, candidates[0]."""
+        chosen = TILES.chosen(key)
+        return candidates[0] if chosen is None else chosen
 
     def triton(self, kernel, grid, *args, **meta) -> None:
         kernel[grid](*args, **meta)

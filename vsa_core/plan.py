@@ -5,19 +5,28 @@
 no memory) and a `RecordingLauncher` (`vsa_core.launch`), which records each Triton launch
 instead of running it: the kernel, its grid, each argument
 as a named buffer (an input, an output/workspace of the problem's buffer table, or a
-workspace of the backend's own table), a scalar or a constexpr, and num_warps/num_stages.
+workspace of the backend's own table), a host TMA descriptor over such a buffer (`Descriptor`),
+a scalar or a constexpr, and num_warps/num_stages.
 A backend's own CuTe DSL launches (`Launcher.cute`) are recorded as a `CuteLaunch`: the
 step's name, its buffers by argument name, its statics. The plan is built once per
 problem, at trace time; an executor (`vsa_jax.native`) replays it with no Python per call.
 
-The recording launcher's configuration turns autotuning off (the attention kernels take
-their fixed default tile config: a replay cannot time candidates) and TMA off (pointer
-loads: a host descriptor embeds the buffer's address, which only exists at run time);
-nothing of Triton is patched, so eager launches on other threads are unaffected.
+The recording launcher runs under the current configuration. It cannot time tile candidates
+(it runs nothing), so each attention kernel takes the tile config the shared store
+(`vsa_core.autotune.TILES`) holds for its key, the one every eager call of the same problem,
+torch's or JAX's, runs; a key with no choice yet takes the default and is listed in
+`LaunchPlan.untuned`, for a caller that can time to tune it (`triton_backend.tune`) and record
+again. With TMA on the attention kernels take host TMA descriptors, as in an eager launch; a
+descriptor's bytes embed its buffer's address, which only exists at run time, so the plan keeps
+its buffer and geometry (`Descriptor`) and the executor has it encoded at each launch (jaxlib's
+Triton call does, from the buffer it passes: `vsa_jax.native`). Nothing of Triton is patched, so
+eager launches on other threads are unaffected.
 
 `compile_launch` compiles one recorded launch for a CUDA target through Triton's own
 specialization (`JITFunction.warmup`), so the binary comes from the same Triton source,
-with the same signature and attributes, as an eager launch with the same arguments.
+with the same signature and attributes, as an eager launch with the same arguments: a
+descriptor argument compiles as the same `TensorDescriptor` torch passes, so both frontends run
+one binary.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Tuple
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .autotune import TILES
 from .config import LaunchConfig, config
 from .launch import Launcher
 from .problem import AttnProblem
@@ -39,12 +51,27 @@ _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 
 @dataclass(frozen=True)
 class Arg:
-    """One kernel parameter: kind "buffer" (value = buffer name), "scalar" (a Python int,
-    float or bool passed at run time) or "constexpr" (compiled in; None for an absent pointer)."""
+    """One kernel parameter: kind "buffer" (value = buffer name), "descriptor" (value = a
+    `Descriptor`), "scalar" (a Python int, float or bool passed at run time) or "constexpr"
+    (compiled in; None for an absent pointer)."""
 
     name: str
     kind: str
     value: Any
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """A host TMA descriptor argument (Triton's `TensorDescriptor`) of a recorded launch: over the
+    plan buffer `buffer` from its first element, with the descriptor's shape, strides (elements)
+    and block shape as the launcher set them, and its padding ("zero" or "nan": what a read past
+    the shape gives). The executor builds the descriptor itself from the buffer it passes."""
+
+    buffer: str
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    block_shape: Tuple[int, ...]
+    padding: str
 
 
 @dataclass(frozen=True)
@@ -60,8 +87,10 @@ class Launch:
 
     @property
     def buffers(self) -> Tuple[str, ...]:
-        """Buffer arguments in parameter order (the kernel's pointer parameters)."""
-        return tuple(a.value for a in self.args if a.kind == "buffer")
+        """The buffers of the pointer and descriptor arguments, in parameter order (what a custom
+        call hands the kernel, one buffer per such parameter)."""
+        return tuple(a.value if a.kind == "buffer" else a.value.buffer for a in self.args
+                     if a.kind in ("buffer", "descriptor"))
 
     def arg(self, name: str) -> Arg:
         return next(a for a in self.args if a.name == name)
@@ -116,6 +145,8 @@ class LaunchPlan:
     backend: str = "triton"
     # the backend's own workspaces (its `workspaces(stage, problem)`): born and used inside the plan only
     workspaces: Dict[str, Tuple[Tuple[int, ...], str]] = dataclasses.field(default_factory=dict)
+    # tile store keys that had no choice when recorded (their launches took the default config)
+    untuned: Tuple[Tuple, ...] = ()
 
     @property
     def all_buffers(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
@@ -143,15 +174,16 @@ class Step:
 # ---- recording ------------------------------------------------------------------------------
 class RecordingLauncher(Launcher):
     """A launcher that records each launch instead of running it (`record_plan` passes it to
-    `vsa_core.ops`). Its configuration is the current one without autotuning (a replay
-    cannot time candidates: the attention kernels take their default tile config) and with
-    pointer loads (a host TMA descriptor embeds the buffer's address, known only at run time)."""
+    `vsa_core.ops`), under the configuration current when it was made. The attention kernels
+    take the shared store's tile configs (a key without one: the default, listed in `untuned`);
+    a host TMA descriptor is recorded as a `Descriptor` (see the module doc)."""
 
     def __init__(self, names_by_id: Mapping[int, str], workspaces: Mapping[str, DeviceBuffer] = None):
         self.names_by_id = names_by_id
         self.workspaces = dict(workspaces or {})
         self.launches = []
-        self._config = dataclasses.replace(config(), autotune=False, tma=False)
+        self.untuned = []
+        self._config = config()
 
     @property
     def config(self) -> LaunchConfig:
@@ -160,6 +192,11 @@ class RecordingLauncher(Launcher):
     @property
     def runs_kernels(self) -> bool:
         return False
+
+    def stored_tile(self, key, candidates):
+        if TILES.chosen(key) is None and key not in self.untuned:
+            self.untuned.append(key)
+        return super().stored_tile(key, candidates)
 
     def triton(self, kernel, grid, *args, **kwargs) -> None:
         options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
@@ -172,20 +209,43 @@ class RecordingLauncher(Launcher):
             if name in constexpr_names:
                 recorded.append(Arg(name, "constexpr", value))
             elif isinstance(value, DeviceBuffer):
-                if id(value) not in self.names_by_id:
-                    raise RuntimeError(f"{kernel.fn.__name__}: argument {name} is not a buffer of the plan")
-                recorded.append(Arg(name, "buffer", self.names_by_id[id(value)]))
+                recorded.append(Arg(name, "buffer", self._buffer_name(kernel, name, value)))
+            elif isinstance(value, TensorDescriptor):
+                recorded.append(Arg(name, "descriptor", self._descriptor(kernel, name, value)))
             elif value is None:
                 recorded.append(Arg(name, "constexpr", None))  # Triton compiles an absent pointer in
             elif isinstance(value, (bool, int, float)):
                 recorded.append(Arg(name, "scalar", value))
             else:
                 raise NotImplementedError(f"{kernel.fn.__name__}: argument {name} of type {type(value).__name__} "
-                                          "cannot be replayed (a TMA descriptor? record with pointer loads)")
+                                          "cannot be replayed")
         if callable(grid):
             grid = grid(dict(bound.arguments))
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.launches.append(Launch(kernel, grid, tuple(recorded), tuple(sorted(options.items()))))
+
+    def _buffer_name(self, kernel, name: str, value: DeviceBuffer) -> str:
+        if id(value) not in self.names_by_id:
+            raise RuntimeError(f"{kernel.fn.__name__}: argument {name} is not a buffer of the plan")
+        return self.names_by_id[id(value)]
+
+    def _descriptor(self, kernel, name: str, desc: TensorDescriptor) -> Descriptor:
+        """`desc` as a `Descriptor`. A replay builds it from the address of the buffer the launch
+        gets, so it must start at a plan buffer's first element (its base is the buffer itself,
+        not a view) and stay inside that buffer."""
+        if not isinstance(desc.base, DeviceBuffer):
+            raise NotImplementedError(f"{kernel.fn.__name__}: descriptor {name} is over a "
+                                      f"{type(desc.base).__name__}, not a buffer of the plan")
+        buffer = self._buffer_name(kernel, name, desc.base)
+        if getattr(desc, "round_f32_to_tf32", False):
+            raise NotImplementedError(f"{kernel.fn.__name__}: descriptor {name} rounds to tf32, "
+                                      "which a plan does not carry")
+        shape, strides = tuple(int(s) for s in desc.shape), tuple(int(s) for s in desc.strides)
+        last = sum((n - 1) * s for n, s in zip(shape, strides))
+        if last >= desc.base.numel():
+            raise RuntimeError(f"{kernel.fn.__name__}: descriptor {name} reaches element {last} of {buffer}, "
+                               f"which has {desc.base.numel()}")
+        return Descriptor(buffer, shape, strides, tuple(int(b) for b in desc.block_shape), desc.padding)
 
     def cute(self, step: str, buffers: dict, **statics) -> None:
         """Records a `CuteLaunch`; every buffer must be one of the plan's."""
@@ -250,7 +310,8 @@ def record_plan(stage: str, problem: AttnProblem, inputs: Mapping[str, Tuple[Tup
                                  {n: placeholders[n] for n in workspaces})
     run = ops.forward if stage == "forward" else ops.backward
     run(problem, backend, placeholders, launcher=recorder)
-    return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches), backend.name, workspaces)
+    return LaunchPlan(stage, problem, inputs, dict(table), tuple(recorder.launches), backend.name, workspaces,
+                      tuple(recorder.untuned))
 
 
 # ---- scheduling onto custom calls -------------------------------------------------------------
@@ -337,15 +398,19 @@ class CompiledLaunch:
     shared_mem_bytes: int
     ptx: str
     cubin: bytes
-    # run-time parameters in order: ("buffer", name, ptr_divisibility) or ("scalar", value, type)
+    # run-time arguments in order: ("buffer", name, ptr_divisibility), ("scalar", value, type) or
+    # ("descriptor", Descriptor, tma) with tma the compiled kernel's metadata of that descriptor
+    # (Triton's `tensordesc_meta` entry: elem_type, elem_size, swizzle, block_size, ...)
     params: Tuple[Tuple, ...]
+    # bytes of global scratch per CTA the kernel needs (0: none; the native executor has none to give)
     global_scratch_size: int
 
 
 def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> CompiledLaunch:
     """Compiles `launch` for GPUTarget("cuda", capability, 32) (PTX and cubin, with
     Triton's ptxas) through `JITFunction.warmup`, as an eager launch of these arguments
-    would be (buffers stand in as 16-byte aligned pointers of their dtype)."""
+    would be (buffers stand in as 16-byte aligned pointers of their dtype, descriptors as
+    `TensorDescriptor`s over such pointers)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
@@ -354,17 +419,27 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
     if not isinstance(launch.kernel, JITFunction):
         raise RuntimeError("compiling needs Triton's compiler: unset TRITON_INTERPRET")
     shapes = plan.all_buffers
+
+    def pointer(buffer: str):
+        dtype = shapes[buffer][1]
+        return mock_pointer(Dtype(plan.problem.dtype if dtype == "input" else dtype))
+
     args = []
     for a in launch.args:
         if a.kind == "buffer":
-            shape, dtype = shapes[a.value]
-            args.append(mock_pointer(Dtype(plan.problem.dtype if dtype == "input" else dtype)))
+            args.append(pointer(a.value))
+        elif a.kind == "descriptor":
+            d = a.value
+            args.append(TensorDescriptor(pointer(d.buffer), list(d.shape), list(d.strides), list(d.block_shape),
+                                         d.padding))
         else:
             args.append(a.value)
     compiled = compile_for_target(launch.kernel, args, launch.grid, dict(launch.options),
                                   GPUTarget("cuda", capability, 32))
     signature = compiled.src.signature
     attrs = getattr(compiled.src, "attrs", {}) or {}
+    # one entry per descriptor argument, in order, where Triton lowered the descriptors to TMA (sm_90+)
+    tma_meta = list(getattr(compiled.metadata, "tensordesc_meta", None) or ())
     params = []
     for index, a in enumerate(launch.args):
         kind = signature[a.name] if a.name in signature else signature[index]
@@ -376,11 +451,19 @@ def compile_launch(launch: Launch, plan: LaunchPlan, capability: int = 90) -> Co
         elif a.kind == "scalar":
             value = bool(a.value) if kind == "i1" else float(a.value) if kind.startswith("fp") else int(a.value)
             params.append(("scalar", value, kind))
+        elif a.kind == "descriptor":
+            if not tma_meta:  # the pointer form's launch ABI differs between Triton versions
+                raise NotImplementedError(
+                    f"{launch.kernel_name}: descriptor {a.name} compiled without TMA for sm_{capability} (TMA needs "
+                    "sm_90 or newer); a plan replays TMA descriptors only: record it with VSA_TMA=0")
+            params.append(("descriptor", a.value, dict(tma_meta.pop(0))))
         else:
             raise RuntimeError(f"{launch.kernel_name}: constexpr {a.name} compiled as a run-time {kind}")
+    if tma_meta:
+        raise RuntimeError(f"{launch.kernel_name}: {len(tma_meta)} TMA descriptors of the kernel are not arguments")
     md = compiled.metadata
     return CompiledLaunch(launch, md.name, md.num_warps, getattr(md, "num_ctas", 1), md.shared, compiled.asm["ptx"],
-                          compiled.asm["cubin"], params, getattr(md, "global_scratch_size", 0) or 0)
+                          compiled.asm["cubin"], tuple(params), getattr(md, "global_scratch_size", 0) or 0)
 
 
 def forward_inputs(problem: AttnProblem) -> Dict[str, Tuple[Tuple[int, ...], str]]:

@@ -202,6 +202,17 @@ def mock_pointer(dtype):
     return MockTensor(dtype)
 
 
+def tma_host_dtype(elem_type: int) -> int:
+    """The host `CUtensorMapDataType` of a compiled kernel's TMA descriptor, from the element
+    type in its metadata (`tensordesc_meta`), which numbers a few types as the device code does.
+
+    Upstream gap: the map is Triton's own launcher's (`TMA_DTYPE_DEVICE_TO_HOST` of its nvidia
+    driver module, 3.6 - 3.9), not exported; a launcher of Triton kernels other than Triton's
+    (jaxlib's Triton call) needs it to encode the same descriptor."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    return TMA_DTYPE_DEVICE_TO_HOST[elem_type]
+
+
 # ---- a compiled kernel's launch without its per-launch runner ---------------------------------
 def _hooked(hook) -> bool:
     """Whether a launch hook of `triton.knobs.runtime` would be called: anything but None or an

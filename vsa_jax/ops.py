@@ -115,12 +115,13 @@ def _vary_alike(*xs):
 
 def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     """Runs one stage; returns every output and workspace of its buffer table, typed
-    as varying like its inputs (which vary alike, see _vary_alike). launch="native"
-    replays the stage's launch plan as XLA custom calls (no Python per call)."""
+    as varying like its inputs (which vary alike, see _vary_alike). The native launch
+    (`vsa_jax.native.selected`: by default on a CUDA device) replays the stage's launch plan as
+    XLA custom calls (no Python per call); under jax.vmap the default runs the callback."""
     inputs = {n: x for n, x in inputs.items() if x is not None}
     axes = frozenset().union(*(_vma(x) for x in inputs.values()))
-    if _native.selected(impl):
-        results = _native.run(stage, p, inputs, impl.name)
+    if _native.selected(impl, inputs["q"]):
+        results = _native.run(stage, p, inputs, impl.name, fallback=_callback(stage, p, impl))
     else:
         results = _callback(stage, p, impl)(inputs)
     return {n: _vary(x, axes) for n, x in results.items()}

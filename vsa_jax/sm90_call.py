@@ -149,38 +149,7 @@ def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tu
         in_arrays.append(jnp.full((n_q,), BLOCK, jnp.int32))
     fn = _callable(launch.step, launch.statics, tuple(in_args), tuple(out_args), tuple(arg_of[b] for b in step.results),
                    tuple((tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types), tuple(sorted(aliases)))
-    return _sequential_under_vmap(fn, launch.step)(*in_arrays)
-
-
-# Steps whose mapped form gave wrong results on the GPU: the backward under jax.vmap returned dk
-# rows of zeros where each element alone has values (tests/test_jax_sm90_native.py). Refused until
-# understood, rather than answered wrongly.
-_NOT_UNDER_VMAP = frozenset({"sm90_bwd64"})
-
-
-@functools.lru_cache(maxsize=None)
-def _sequential_under_vmap(fn, step: str):
-    """fn, mapped under jax.vmap one element at a time (a lax.map over the batched operands, the
-    others closed over): cutlass_call has no batching rule, and the kernels' shapes are the
-    plan's, so like the Triton custom calls (vmap_method="sequential") each element runs alone."""
-    @jax.custom_batching.custom_vmap
-    def mapped(*xs):
-        return tuple(fn(*xs))
-
-    @mapped.def_vmap
-    def rule(axis_size, in_batched, *xs):
-        if step in _NOT_UNDER_VMAP:
-            raise NotImplementedError(
-                f"vsa_jax: the sm90 backend's native launch does not run its {step} step under jax.vmap yet; "
-                "use launch='callback' (vsa_jax.set_launch, the default) or backend='triton' for a vmapped "
-                "backward")
-        def one(batched):
-            it = iter(batched)
-            return mapped(*[next(it) if b else x for x, b in zip(xs, in_batched)])
-        outs = jax.lax.map(one, [x for x, b in zip(xs, in_batched) if b])
-        return outs, tuple(True for _ in outs)
-
-    return mapped
+    return tuple(fn(*in_arrays))
 
 
 def lower_for_cuda(fn, *args):

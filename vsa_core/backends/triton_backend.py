@@ -111,9 +111,11 @@ class _TunedKernel:
         # a process without torch (vsa_jax alone) runs the default config; under a raw-stream
         # launch (JAX) torch's current stream is made that stream, so the timed kernels and the
         # events share it
-        if not (launcher.config.autotune and launcher.runs_kernels and torch_loaded()):
+        if not (launcher.config.autotune and torch_loaded()):
             return fitting[0]  # the default, even where a tuned entry exists (autotune switched off)
         key = self.store_key(p, {**dict(zip(self.kernel.arg_names, args)), **kwargs})
+        if not launcher.runs_kernels:  # nothing to time with: the store's choice (a recorded plan)
+            return launcher.stored_tile(key, fitting)
         with caller_stream():
             return TILES.choose(key, fitting, lambda tile: median_ms(
                 lambda: self._launch(launcher, self.kernel, grid, tile, args, kwargs)))
@@ -136,8 +138,10 @@ def _use_tma(launcher, *xs) -> bool:
 
 
 def _tiles(p: AttnProblem, x, seq_len: int, tma: bool):
-    """A descriptor over x's logical (B, H, S, D) view (block shape set per config), or x
-    itself for pointer loads."""
+    """A host descriptor over x's logical (B, H, S, D) view (block shape set per config), or x
+    itself for pointer loads. It covers exactly x's elements from x's first one (the kernels take
+    contiguous token tensors: `token_strides`), so a launch replayed on another buffer of x's
+    shape (a recorded plan: `vsa_core.plan`) rebuilds it from that buffer's address alone."""
     if not tma:
         return x
     return TensorDescriptor(x, [p.batch, p.heads, seq_len, p.head_dim], [*p.token_strides(seq_len), 1],
@@ -223,3 +227,51 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
                          a.kv_counts, a.dk_pool, a.dv_pool, a.q_counts)
 
 
+
+
+# ---- tuning ahead of a call ------------------------------------------------------------------
+def tune(p: AttnProblem, device_index: int) -> None:
+    """Times the attention kernels of `p` (the forward's; with p.training also dQ's and dK/dV's)
+    on CUDA device `device_index`, through the eager launcher, on buffers of its own, and leaves
+    the choices in the shared store (`TILES`), where every later call with the same keys, torch's
+    or JAX's, reads them. For a caller that fixes its kernels before it sees data: the JAX native
+    launch, at trace time. The buffers are what a VSA call of `p`'s shapes could run: q, k, v and
+    dout random, every block full, each query block's list its `select_capacity` next KV blocks.
+    Needs torch (Triton's benchmark times with it); a key chosen before is not timed again."""
+    import torch
+
+    from ..launch import eager_launcher
+    from ..ops import _fine_args
+
+    device = torch.device("cuda", device_index)
+    dtypes = {"input": getattr(torch, p.dtype), "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "float32": torch.float32, "int32": torch.int32, "int8": torch.int8}
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def normal(seq_len):
+        return torch.randn(p.token_shape(seq_len), generator=generator, device=device, dtype=torch.float32).to(
+            dtypes["input"])
+
+    tables = {**p.forward_buffers(), **(p.backward_buffers() if p.training else {})}
+    b = {n: torch.zeros(shape, dtype=dtypes[dtype], device=device) for n, (shape, dtype) in tables.items()}
+    b.update(q=normal(p.q_len), k=normal(p.kv_len), v=normal(p.kv_len), dout=normal(p.q_len),
+             kv_counts=torch.full((p.n_kv_blocks,), p.block_elems, dtype=torch.int32, device=device))
+    if p.is_vsa:  # the inputs only a VSA call has (the fine kernels' HAS_COARSE / HAS_GATE follow them)
+        b["q_counts"] = torch.full((p.n_q_blocks,), p.block_elems, dtype=torch.int32, device=device)
+        if p.has_gate:
+            b["gate"] = normal(p.q_len)
+    nq, nk = p.n_q_blocks, p.n_kv_blocks
+    n = min(b["sel_idx"].shape[-1], nk)
+    lists = ((torch.arange(nq)[:, None] + torch.arange(n)[None, :]) % nk).sort(dim=1).values
+    b["sel_idx"][..., :n] = lists.to(device=device, dtype=torch.int32)
+    b["sel_num"].fill_(n)
+    if p.training:  # the KV-owned lists of the same selection: each KV block's query blocks, ascending
+        taken = torch.zeros(nq, nk, dtype=torch.bool).scatter_(1, lists, True)
+        order = torch.sort((~taken).to(torch.int8), dim=0, stable=True).indices.t()
+        b["inv_idx"][...] = order.to(device=device, dtype=torch.int32)
+        b["inv_num"][...] = taken.sum(0).to(device=device, dtype=torch.int32)
+    with torch.cuda.device(device):
+        sparse_forward(eager_launcher, p, _fine_args(FineForward, b))
+        if p.training:
+            sparse_backward(eager_launcher, p, _fine_args(FineBackward, b))
+        torch.cuda.synchronize(device)
