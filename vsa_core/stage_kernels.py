@@ -801,8 +801,8 @@ def _counts_word(key, floor, tie_key, PREFIX_MODE: tl.constexpr, FIELD: tl.const
     always = key > floor
     if PREFIX_MODE != 0:
         always = always | (key == 1)
-    one: tl.constexpr = 1
-    return tl.where(always, one << FIELD, (key == tie_key).to(tl.int32)).to(tl.int32 if FIELD == 16 else tl.int64)
+    dtype: tl.constexpr = tl.int32 if FIELD == 16 else tl.int64
+    return tl.where(always, tl.full([], 1, dtype) << FIELD, (key == tie_key).to(dtype))
 
 
 @triton.jit
