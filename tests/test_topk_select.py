@@ -1,6 +1,8 @@
-"""The top-k selection kernel (one threshold pass over the scores' bit patterns) against a
-numpy reference of its semantics: per row the min(topk, finite scores) highest scores,
-ties to the lower index, -inf (empty KV blocks) never taken. CPU: Triton interpreter."""
+"""The top-k selection kernels (`stages.TOPK_ALGORITHMS`: "threshold", one counting pass per key
+bit over 32-bit keys; "packed", 16-bit keys two to a word) against a numpy reference of their
+semantics: per row the min(topk, finite scores) highest scores, ties to the lower index, -inf
+(empty KV blocks) never taken; and the packed kernel against the threshold kernel bit for bit,
+in every mode. CPU: Triton interpreter."""
 
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ def reference_topk(scores: np.ndarray, topk: int):
     return lists, k, mask
 
 
-def run_kernel(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32"):
+def run_kernel(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32", algorithm: str = None):
     rows, n = scores.shape
     p = AttnProblem(batch=1, heads=1, q_len=64 * rows, kv_len=64 * n, head_dim=64, block_elems=64,
                     dtype="bfloat16", topk=min(topk, n))
@@ -38,18 +40,22 @@ def run_kernel(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32"
     sel_num = torch.full((1, 1, rows), -7, dtype=torch.int32, device=DEV)
     sel_mask = torch.full((1, 1, rows, n), 7, dtype=torch.int8, device=DEV)
     s = torch.from_numpy(np.ascontiguousarray(scores, np.float32)).reshape(1, 1, rows, n).to(DEV)
-    stages.topk_select(eager_launcher, p, s, sel_idx, sel_num, sel_mask, scores_rounded_to=scores_rounded_to)
+    stages.topk_select(eager_launcher, p, s, sel_idx, sel_num, sel_mask, scores_rounded_to=scores_rounded_to,
+                       algorithm=algorithm)
     return sel_idx.cpu().numpy().reshape(rows, cap), sel_num.cpu().numpy().reshape(rows), \
         sel_mask.cpu().numpy().reshape(rows, n)
 
 
-def check(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32"):
+def check(scores: np.ndarray, topk: int, scores_rounded_to: str = "float32", algorithm: str = None):
+    """The kernel's lists, counts and mask rows are the sorting reference's; list slots past a
+    row's count are left as they were (-7)."""
     lists, k, mask = reference_topk(scores, topk)
-    idx, num, got_mask = run_kernel(scores, topk, scores_rounded_to)
+    idx, num, got_mask = run_kernel(scores, topk, scores_rounded_to, algorithm)
     np.testing.assert_array_equal(num, k)
     np.testing.assert_array_equal(got_mask, mask)
     for r, want in enumerate(lists):
         np.testing.assert_array_equal(idx[r, :num[r]], want, err_msg=f"row {r}")
+        assert (idx[r, num[r]:] == -7).all(), f"row {r}: a slot past the count was written"
 
 
 def _rows(rng, rows, n, kind):
@@ -71,16 +77,21 @@ def _rows(rng, rows, n, kind):
     raise ValueError(kind)
 
 
+ALGORITHMS = stages.TOPK_ALGORITHMS
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("kind", ["random", "ties", "signed-zero", "tiny", "extreme"])
 @pytest.mark.parametrize("n, topk", [(7, 3), (16, 16), (37, 9), (37, 40)])
-def test_topk_matches_sorting_reference(kind, n, topk):
+def test_topk_matches_sorting_reference(kind, n, topk, algorithm):
     rng = np.random.default_rng([n, topk, len(kind)])
-    check(_rows(rng, 6, n, kind), topk)
+    check(_rows(rng, 6, n, kind), topk, algorithm=algorithm)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["random", "ties", "signed-zero", "tiny", "extreme"])
-def test_topk_of_rounded_scores_skips_their_zero_bits(kind, dtype):
+def test_topk_of_rounded_scores_skips_their_zero_bits(kind, dtype, algorithm):
     """Scores that are values of a narrower dtype (what the coarse forward writes) ranked on
     their high bits only select what the sorting reference selects. Random scores rounded to
     the dtype tie far more often than fp32 ones, and one-ulp neighbours of the dtype must
@@ -92,13 +103,14 @@ def test_topk_of_rounded_scores_skips_their_zero_bits(kind, dtype):
     rounded = s.float().numpy()
     assert (rounded.view(np.uint32) & np.uint32((1 << {"bfloat16": 16, "float16": 13}[dtype]) - 1) == 0).all()
     for topk in (1, 9, 37):
-        check(rounded, topk, scores_rounded_to=dtype)
+        check(rounded, topk, scores_rounded_to=dtype, algorithm=algorithm)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("kind", ["random", "ties", "extreme"])
 @pytest.mark.parametrize("rounded_to", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n", [150, 624, 1030])
-def test_wide_rows_across_the_main_and_tail_tiles(n, rounded_to, kind):
+def test_wide_rows_across_the_main_and_tail_tiles(n, rounded_to, kind, algorithm):
     """Rows read as a power-of-two main tile and a tail tile (624: 512 + 128 columns, the tail
     part padding): picks on both sides of the seam, ties across it taken in index order."""
     rng = np.random.default_rng([n, len(rounded_to), len(kind)])
@@ -110,10 +122,11 @@ def test_wide_rows_across_the_main_and_tail_tiles(n, rounded_to, kind):
         s[0, [3, 200 % n, n - 1]] = 2.0
         s[0, [5, (n // 2) | 1, n - 2]] = 0.5
     for topk in (1, 5, 62):
-        check(s, topk, scores_rounded_to=rounded_to)
+        check(s, topk, scores_rounded_to=rounded_to, algorithm=algorithm)
 
 
-def test_empty_blocks_are_never_taken_and_k_is_clamped():
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_empty_blocks_are_never_taken_and_k_is_clamped(algorithm):
     rng = np.random.default_rng(3)
     s = rng.standard_normal((5, 12)).astype(np.float32)
     s[:, ::3] = -np.inf                 # 4 empty KV blocks per row: 8 finite scores
@@ -121,9 +134,191 @@ def test_empty_blocks_are_never_taken_and_k_is_clamped():
     s[2, :] = 0.25                      # a row of one value: the lowest indices of its 8 finite scores
     s[2, ::3] = -np.inf
     s[3, 5] = np.float32(-3.4e38)       # the most negative finite score is still taken before -inf
-    check(s, 10)
-    check(s, 8)
-    check(s, 3)
+    check(s, 10, algorithm=algorithm)
+    check(s, 8, algorithm=algorithm)
+    check(s, 3, algorithm=algorithm)
+
+
+# ---- the packed kernel: every width and mode --------------------------------------------------
+def _as_values_of(s: np.ndarray, dtype: str) -> np.ndarray:
+    """s rounded to `dtype` and back to fp32 (as the coarse forward writes the scores it ranks)."""
+    if dtype == "float32":
+        return s.astype(np.float32)
+    return torch.from_numpy(s.astype(np.float32)).to(getattr(torch, dtype)).float().numpy()
+
+
+def _three_rows(rng, n: int, dtype: str) -> np.ndarray:
+    """Values of `dtype`: random scores with a fifth of them -inf; five values (ties all over,
+    across the main / tail seam) with -inf and +inf among them; n consecutive values of the
+    dtype (one ulp apart) in random order, which a key that drops a bit of the dtype ties."""
+    a = rng.standard_normal(n).astype(np.float32) * 4
+    a[rng.random(n) < 0.2] = -np.inf
+    b = rng.integers(-2, 3, n).astype(np.float32) * 0.75
+    b[rng.random(n) < 0.1] = -np.inf
+    b[rng.random(n) < 0.02] = np.inf
+    steps = rng.permutation(n)
+    if dtype == "float16":
+        c = (steps + 0x3C00).astype(np.uint16).view(np.float16).astype(np.float32)
+    else:  # from 1.0 up, one ulp of bf16 (the 16th bit) or of fp32 apart
+        c = (0x3F800000 + (steps << (16 if dtype == "bfloat16" else 0))).astype(np.uint32).view(np.float32)
+    return np.stack([_as_values_of(a, dtype), _as_values_of(b, dtype), c])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_packed_selects_the_reference_set_at_every_width(dtype):
+    """Widths from 1 (one column, the rest of both tiles padding) to 2000 (several quads per thread,
+    a tail tile a quarter of the main one), k from 1 to past the finite count; scores of each
+    ranking dtype (fp32: a search of the keys' high 16 bits, then of the low 16 in its bucket),
+    neighbouring values of the dtype among them (`_three_rows`)."""
+    rng = np.random.default_rng([len(dtype), 3])
+    for n in (1, 2, 3, 5, 16, 17, 33, 64, 65, 100, 256, 624, 1025, 2000):
+        s = _three_rows(rng, n, dtype)
+        for topk in sorted({1, min(62, n), n}):
+            check(s, topk, scores_rounded_to=dtype, algorithm="packed")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["random", "ties", "extreme"])
+def test_packed_equals_threshold_bit_for_bit(kind, dtype):
+    """Both kernels leave the same buffers, list slots past the counts (not written) included: 624
+    columns (480p-64's row: a main tile of 512, a tail of 112 and 16 padding) and 37."""
+    rng = np.random.default_rng([len(kind), len(dtype)])
+    for n, topk in ((624, 62), (37, 9)):
+        s = _as_values_of(_rows(rng, 3, n, kind), dtype)
+        got, want = (run_kernel(s, topk, dtype, algorithm) for algorithm in ("packed", "threshold"))
+        for name, g, w in zip(("sel_idx", "sel_num", "sel_mask"), got, want):
+            np.testing.assert_array_equal(g, w, err_msg=f"{name}, {n} columns")
+
+
+def test_packed_takes_ties_in_index_order_past_2_16_columns():
+    """From 2^16 columns on the count word is int64 (a row's tie count no longer fits 16 bits):
+    70000 scores, 40 higher, 70 empty and the rest (more than 2^16) tied, take their ties from
+    the lowest index."""
+    rng = np.random.default_rng(16)
+    s = np.ones((1, 70000), np.float32)
+    s[0, rng.choice(70000, 40, replace=False)] = 2.0
+    s[0, ::1000] = -np.inf
+    check(s, 50, scores_rounded_to="bfloat16", algorithm="packed")
+
+
+def _select_prefix(scores, topk, P, mode, dtype, algorithm, seqs=None):
+    """(lists, counts, mask rows) of a prefix selection: `seqs` (packed sequences): their lengths
+    in blocks, P an int or one per sequence."""
+    n_q, n_kv = scores.shape
+    per_sequence = isinstance(P, (list, tuple))
+    p = AttnProblem(batch=1, heads=1, q_len=64 * n_q, kv_len=64 * n_kv, head_dim=64, block_elems=64,
+                    dtype="bfloat16", topk=min(topk, n_kv), prefix_blocks=0 if per_sequence else P,
+                    prefix_mode=mode, n_seqs=len(seqs) if seqs else 0, seq_prefix=per_sequence)
+    extra = {}
+    if seqs:
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(seqs)]) * 64, dtype=torch.int32, device=DEV)
+        extra = dict(q_seq=torch.tensor(np.repeat(np.arange(len(seqs)), seqs), dtype=torch.int32, device=DEV),
+                     cu_seqlens_q=cu, cu_seqlens_k=cu)
+        if per_sequence:
+            extra["seq_prefix"] = torch.tensor(P, dtype=torch.int32, device=DEV)
+    cap = p.select_capacity
+    sel_idx = torch.full((1, 1, n_q, cap), -7, dtype=torch.int32, device=DEV)
+    sel_num = torch.full((1, 1, n_q), -7, dtype=torch.int32, device=DEV)
+    sel_mask = torch.full((1, 1, n_q, n_kv), 7, dtype=torch.int8, device=DEV)
+    s = torch.from_numpy(np.ascontiguousarray(scores, np.float32)).reshape(1, 1, n_q, n_kv).to(DEV)
+    stages.topk_select(eager_launcher, p, s, sel_idx, sel_num, sel_mask, scores_rounded_to=dtype,
+                       algorithm=algorithm, **extra)
+    return sel_idx.cpu().numpy()[0, 0], sel_num.cpu().numpy()[0, 0], sel_mask.cpu().numpy()[0, 0]
+
+
+def _check_mask(got, want: np.ndarray, what: str):
+    idx, num, mask = got
+    np.testing.assert_array_equal(mask, want.astype(np.int8), err_msg=what)
+    np.testing.assert_array_equal(num, want.sum(-1), err_msg=what)
+    for r in range(want.shape[0]):
+        np.testing.assert_array_equal(idx[r, :num[r]], np.flatnonzero(want[r]), err_msg=f"{what}, row {r}")
+        assert (idx[r, num[r]:] == -7).all(), f"{what}, row {r}: a slot past the count was written"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["exempt", "compete"])
+def test_packed_prefix_selection_matches_the_reference(mode, dtype):
+    """Dense prefix rows, prefix columns forced in ("exempt") or ranked with P more taken
+    ("compete"), ties and -inf among them; P of every column, and k past the finite count."""
+    rng = np.random.default_rng([len(mode), len(dtype)])
+    for P, topk in ((3, 4), (21, 2), (1, 30)):
+        s = rng.integers(-2, 3, (8, 21)).astype(np.float32) * 0.5 + (rng.random((8, 21)) < 0.3)
+        s[:, rng.random(21) < 0.2] = -np.inf
+        s = _as_values_of(s, dtype)
+        want = R.prefix_topk_mask(s, min(topk, 21), min(P, 8), mode)
+        _check_mask(_select_prefix(s, topk, min(P, 8), mode, dtype, "packed"), want, f"P={P} topk={topk}")
+
+
+@pytest.mark.parametrize("per_sequence", [True, False], ids=["P-per-sequence", "P-int"])
+@pytest.mark.parametrize("mode", ["exempt", "compete"])
+def test_packed_prefix_of_packed_sequences(mode, per_sequence):
+    """Packed sequences of 5 and 3 blocks, the other sequence's blocks -inf (as the coarse forward
+    writes them): each query block's prefix is its own sequence's first P blocks. The reference
+    per sequence, and the threshold kernel's buffers bit for bit."""
+    rng = np.random.default_rng([len(mode), per_sequence])
+    seqs, P = (5, 3), ([2, 1] if per_sequence else 2)
+    s = np.full((8, 8), -np.inf, np.float32)
+    want = np.zeros((8, 8), bool)
+    for i, (a, b) in enumerate(((0, 5), (5, 8))):
+        s[a:b, a:b] = _as_values_of(rng.integers(-2, 3, (b - a, b - a)) * 0.5, "bfloat16")
+        want[a:b, a:b] = R.prefix_topk_mask(s[a:b, a:b], 2, P[i] if per_sequence else P, mode)
+    got = _select_prefix(s, 2, P, mode, "bfloat16", "packed", seqs=seqs)
+    _check_mask(got, want, "packed")
+    for g, w in zip(got, _select_prefix(s, 2, P, mode, "bfloat16", "threshold", seqs=seqs)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_bad_algorithm_and_dtype_are_refused():
+    p = AttnProblem(batch=1, heads=1, q_len=64, kv_len=64, head_dim=64, block_elems=64, dtype="bfloat16", topk=1)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        stages.topk_select(eager_launcher, p, None, None, None, None, algorithm="radix")
+    with pytest.raises(ValueError, match="scores_rounded_to must be one of"):
+        stages.topk_select(eager_launcher, p, None, None, None, None, scores_rounded_to="int8")
+
+
+_PACKED_COMPILE_SCRIPT = """
+import os, sys
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from coarse_fwd_bench import compile_stage, compile_figures
+from vsa_core import stages as S
+from vsa_core.problem import AttnProblem
+cases = [  # (problem arguments, ranking dtypes, spills allowed)
+    (dict(q_len=39936, kv_len=39936, block_elems=64, topk=62), ("bfloat16", "float16", "float32"), False),  # 480p-64
+    (dict(q_len=39936, kv_len=39936, block_elems=256, topk=20), ("bfloat16",), False),  # 480p-256
+    (dict(q_len=64 * 5, kv_len=64 * 8192, block_elems=64, topk=8), ("bfloat16",), False),  # 8 warps a row
+    # int64 count words: 256 keys a thread, which both kernels spill (the row is held in registers)
+    (dict(q_len=64 * 5, kv_len=64 * 70000, block_elems=64, topk=8), ("bfloat16",), True),
+    (dict(q_len=64 * 7, kv_len=64 * 7, block_elems=64, topk=2, prefix_blocks=2, prefix_mode="compete"),
+     ("bfloat16", "float32"), False),
+    (dict(q_len=64 * 8, kv_len=64 * 8, block_elems=64, topk=2, n_seqs=2, seq_prefix=True), ("float16",), False),
+]
+for kw, dtypes, may_spill in cases:
+    p = AttnProblem(batch=1, heads=12, head_dim=128, dtype="bfloat16", **kw)
+    for dtype in dtypes:
+        name, compiled = compile_stage(S.topk_select, p, algorithm="packed", scores_rounded_to=dtype)
+        assert name == "topk_select_packed_kernel" and compiled.asm["cubin"][:4] == b"\\x7fELF"
+        regs, spills, shared = compile_figures(compiled)
+        assert may_spill or spills == 0, (kw, dtype, regs, spills)
+        print(p.n_kv_blocks, dtype, "registers", regs, "spilled", spills, "shared", shared)
+print("OK")
+"""
+
+
+def test_packed_kernel_compiles_for_sm90_without_spills():
+    """480p-64 (every ranking dtype), 480p-256, rows of 8192 columns (8 warps), a prefix and packed
+    sequences with per-sequence prefixes: each compiles to an sm_90 cubin with no spilled
+    register; a row of 70000 (int64 count words) compiles. CPU, in a subprocess without the
+    interpreter."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", f"REPO = {repo!r}\n" + _PACKED_COMPILE_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 # ---- the whole selection path: ranked on the scores rounded to the input dtype ----------------

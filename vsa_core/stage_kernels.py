@@ -118,11 +118,11 @@ def _rows_or_zero(x, ok):
 # Block mean pooling
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
+def _block_mean(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s,
                 BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr):
-    """POOLED[b, h, block] = sum of the block's rows / COUNTS[block]: all BLOCK_ELEMS rows
-    (FastVideo's mean; the padded tail holds zeros), or with IGNORE_PADDING the valid rows
-    only (the padded tail is not read)."""
+    """The sum of block `block`'s rows / COUNTS[block], in POOLED's dtype: all BLOCK_ELEMS
+    rows (FastVideo's mean; the padded tail holds zeros), or with IGNORE_PADDING the valid
+    rows only (the padded tail is not read). Summed in fp32, ROWS rows at a time."""
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
@@ -141,7 +141,16 @@ def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
     if POOLED.dtype.element_ty == tl.bfloat16:  # rounded to nearest on the interpreter too (_round_to)
         mean = _round_to(mean, "bfloat16")
-    tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
+    return mean.to(POOLED.dtype.element_ty)
+
+
+@triton.jit
+def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
+                BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr):
+    """POOLED[b, h, block] = the block's mean (`_block_mean`)."""
+    mean = _block_mean(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, BLOCK_ELEMS, HEAD_DIM, ROWS,
+                       IGNORE_PADDING)
+    tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + tl.arange(0, HEAD_DIM), mean)
 
 
 @triton.jit
@@ -180,6 +189,49 @@ def block_mean_pool_qkv_kernel(
     else:
         _pool_block(V, KV_COUNTS, V_POOL, i - n_q - n_kv, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
                     BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
+
+
+@triton.jit
+def _pool_blocks(X, COUNTS, POOLED, first, bh, H, stride_b, stride_h, stride_s, n_blocks,
+                 BLOCKS: tl.constexpr, BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                 IGNORE_PADDING: tl.constexpr):
+    """`_pool_block` of blocks first .. first + BLOCKS - 1 (those < n_blocks), each block's
+    arithmetic exactly `_pool_block`'s (the same tiles, so the same fp32 sums). A block past
+    the last is read as the last one and not stored: the loads need no branch, so the
+    compiler may issue the next block's loads before this one's sum."""
+    d = tl.arange(0, HEAD_DIM)
+    for j in tl.static_range(BLOCKS):
+        block = tl.minimum(first + j, n_blocks - 1)
+        mean = _block_mean(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, BLOCK_ELEMS, HEAD_DIM,
+                           ROWS, IGNORE_PADDING)
+        tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean, mask=d < tl.where(first + j < n_blocks, HEAD_DIM, 0))
+
+
+@triton.jit
+def block_mean_pool_qkv_blocks_kernel(
+    Q, K, V, Q_COUNTS, KV_COUNTS, Q_POOL, K_POOL, V_POOL,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    H, n_q, n_kv,
+    BLOCKS: tl.constexpr, BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    IGNORE_PADDING: tl.constexpr = False,
+):
+    """`block_mean_pool_qkv_kernel` with BLOCKS consecutive blocks of one tensor per program
+    (`_pool_blocks`): the same means bit for bit, from a BLOCKS times smaller grid. Programs
+    i < cdiv(n_q, BLOCKS) pool query blocks, the next cdiv(n_kv, BLOCKS) key blocks, the rest
+    value blocks."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    q_programs = tl.cdiv(n_q, BLOCKS)
+    kv_programs = tl.cdiv(n_kv, BLOCKS)
+    if i < q_programs:
+        _pool_blocks(Q, Q_COUNTS, Q_POOL, i * BLOCKS, bh, H, stride_qb, stride_qh, stride_qs, n_q,
+                     BLOCKS, BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
+    elif i < q_programs + kv_programs:
+        _pool_blocks(K, KV_COUNTS, K_POOL, (i - q_programs) * BLOCKS, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
+                     BLOCKS, BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
+    else:
+        _pool_blocks(V, KV_COUNTS, V_POOL, (i - q_programs - kv_programs) * BLOCKS, bh, H, stride_kb, stride_kh,
+                     stride_ks, n_kv, BLOCKS, BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
 
 
 # --------------------------------------------------------------------------------------
@@ -480,6 +532,31 @@ def _emit(SEL_IDX, SEL_MASK, n_kv, cols, chosen, taken_before):
 
 
 @triton.jit
+def _row_prefix(row, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX, n_q, n_kv, topk, n_prefix, n_seqs,
+                PREFIX_MODE: tl.constexpr, VARLEN: tl.constexpr, PER_SEQ_PREFIX: tl.constexpr,
+                BLOCK_ELEMS: tl.constexpr):
+    """(how many columns the row ranks in, P, the first KV block of its sequence, whether it is a
+    prefix row) of score row `row` by the prefix rule of `topk_select_kernel`: topk, plus P in
+    "compete"; P from the offsets of the query's own sequence when VARLEN, clamped."""
+    k0 = 0
+    prefix_row = False
+    if PREFIX_MODE != 0:
+        q_block = (row % n_q).to(tl.int32)
+        q0 = 0
+        if VARLEN:
+            seq = tl.minimum(tl.maximum(tl.load(Q_SEQ + q_block), 0), n_seqs - 1)
+            q0 = tl.load(CU_Q + seq) // BLOCK_ELEMS
+            k0 = tl.load(CU_K + seq) // BLOCK_ELEMS
+            if PER_SEQ_PREFIX:
+                n_prefix = tl.load(SEQ_PREFIX + seq)
+        n_prefix = tl.minimum(tl.maximum(n_prefix, 0), tl.maximum(n_q, n_kv))
+        prefix_row = q_block - q0 < n_prefix
+        if PREFIX_MODE == 2:
+            topk = topk + n_prefix
+    return topk, n_prefix, k0, prefix_row
+
+
+@triton.jit
 def topk_select_kernel(
     SCORES, SEL_IDX, SEL_NUM, SEL_MASK, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX,
     n_q, n_kv, topk, idx_capacity, n_prefix, n_seqs,
@@ -528,21 +605,8 @@ def topk_select_kernel(
     s1, key1 = _order_keys(SCORES, c1, n_kv, KEY_SHIFT)
     s2, key2 = _order_keys(SCORES, c2, n_kv, KEY_SHIFT)
     s3, key3 = _order_keys(SCORES, c3, n_kv, KEY_SHIFT)
-    k0 = 0
-    prefix_row = False
-    if PREFIX_MODE != 0:
-        q_block = (row % n_q).to(tl.int32)
-        q0 = 0
-        if VARLEN:
-            seq = tl.minimum(tl.maximum(tl.load(Q_SEQ + q_block), 0), n_seqs - 1)
-            q0 = tl.load(CU_Q + seq) // BLOCK_ELEMS
-            k0 = tl.load(CU_K + seq) // BLOCK_ELEMS
-            if PER_SEQ_PREFIX:
-                n_prefix = tl.load(SEQ_PREFIX + seq)
-        n_prefix = tl.minimum(tl.maximum(n_prefix, 0), tl.maximum(n_q, n_kv))
-        prefix_row = q_block - q0 < n_prefix
-        if PREFIX_MODE == 2:
-            topk = topk + n_prefix
+    topk, n_prefix, k0, prefix_row = _row_prefix(row, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX, n_q, n_kv, topk, n_prefix,
+                                                 n_seqs, PREFIX_MODE, VARLEN, PER_SEQ_PREFIX, BLOCK_ELEMS)
     key0, forced0, n0 = _ranked_keys(s0, key0, c0, k0, n_prefix, prefix_row, PREFIX_MODE)
     key1, forced1, n1 = _ranked_keys(s1, key1, c1, k0, n_prefix, prefix_row, PREFIX_MODE)
     key2, forced2, n2 = _ranked_keys(s2, key2, c2, k0, n_prefix, prefix_row, PREFIX_MODE)
@@ -585,6 +649,289 @@ def topk_select_kernel(
     count = _emit(SEL_IDX, SEL_MASK, n_kv, c2, chosen2 | forced2, count)
     count = _emit(SEL_IDX, SEL_MASK, n_kv, c3, chosen3 | forced3, count)
     tl.store(SEL_NUM + row, count)
+
+
+# ---- the same selection on packed 16-bit keys ------------------------------------------------
+# `topk_select_packed_kernel` selects what `topk_select_kernel` selects with fewer instructions per
+# row (that kernel is bound by its instruction stream, one warp per row): the keys are 16 bits,
+# built and searched two to a word, the count above the threshold comes out of the search, and
+# a tile's list slots come from one prefix sum over groups of 4 columns.
+@triton.jit
+def _key_words(lo, hi, KEYS: tl.constexpr):
+    """The keys of two [n] tensors of scores, packed: lo's in the low 16 bits, hi's in the high.
+
+    A key has the order of the scores, for scores that are values of KEYS ("bfloat16",
+    "float16"): the dtype's bit pattern, sign s and 15-bit magnitude m, becomes 0x8000 + m,
+    or 0x8000 - m when s is set. -0.0 and +0.0 both get 0x8000 (they compare equal); every
+    key is in [1, 0xFFFF] (NaN too), so the lanes never borrow from each other; -inf gets
+    0x8000 - m(inf), below every finite score's key. Computed on both lanes at once."""
+    if KEYS == "bfloat16":  # a bf16 value's low 16 fp32 bits are 0
+        words = (lo.to(tl.uint32, bitcast=True) >> 16) | (hi.to(tl.uint32, bitcast=True) & 0xFFFF0000)
+    else:  # exact for a float16 value
+        words = (lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+                 | (hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+    negative = ((words >> 15) & 0x10001) * 0xFFFF  # 0xFFFF in the lanes whose sign is set
+    m = words & 0x7FFF7FFF
+    return 0x80008000 + m - 2 * (m & negative)
+
+
+@triton.jit
+def _key32(scores):
+    """The key of `_key_words` on the fp32 bit pattern (any fp32 scores): 2^31 + m, or 2^31 - m
+    when negative."""
+    bits = scores.to(tl.uint32, bitcast=True)
+    m = bits & 0x7FFFFFFF
+    half = tl.full([], 0x80000000, tl.uint32)
+    return tl.where(bits >= half, half - m, half + m)
+
+
+@triton.jit
+def _column_quads(SCORES, first, n_kv, k0, n_prefix, prefix_row, QUADS: tl.constexpr, PREFIX_MODE: tl.constexpr):
+    """(the scores of columns first + 4q + i (q < QUADS; -inf past n_kv), whether each is
+    forced in (a prefix row: every finite one; "exempt": the finite prefix columns)), each as
+    four [QUADS] tensors, i = 0..3. Read as [QUADS, 4] (16-byte loads) and split: each thread
+    then holds whole quads, one element per thread and repetition, as the list stores want
+    them (no layout conversion), and a quad's columns share one element of the prefix sum
+    (`_emit_quads`)."""
+    cols = first + 4 * tl.arange(0, QUADS)[:, None] + tl.arange(0, 4)[None, :]
+    scores = tl.load(SCORES + cols, mask=cols < n_kv, other=float("-inf"))
+    forced = cols < 0
+    if PREFIX_MODE != 0:
+        forced = (scores > float("-inf")) & prefix_row
+        if PREFIX_MODE == 1:
+            local = cols - k0
+            forced = forced | ((scores > float("-inf")) & (local >= 0) & (local < n_prefix))
+    return _quads(scores), _quads(forced)
+
+
+@triton.jit
+def _quads(x):
+    """x [QUADS, 4] as four [QUADS] tensors (columns 4q + 0 .. 4q + 3)."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # columns 4q + 2j and 4q + 2j + 1
+    x_0, x_2 = tl.split(even)
+    x_1, x_3 = tl.split(odd)
+    return x_0, x_1, x_2, x_3
+
+
+@triton.jit
+def _lanes(s):
+    """The number of lane flags in a sum of words that each hold two 0/1 flags (bits 0, 16)."""
+    return ((s & 0xFFFF) + (s >> 16)).to(tl.int32)
+
+
+@triton.jit
+def _relative_low(words, high):
+    """Packed 16-bit keys as 15-bit keys relative to the settled top bit `high`: the low 15
+    bits where the key's top bit is `high`, 0x7FFF where it is above, 0 where below; each
+    under a guard bit (bits 15 and 31) for `_kth_largest16`'s counting."""
+    top = ((words >> 15) & 0x10001) * 0x7FFF  # 0x7FFF in the lanes whose top bit is set
+    low = words & 0x7FFF7FFF
+    return tl.where(high, low & top, low | top) | 0x80008000
+
+
+@triton.jit
+def _flags(words):
+    """Bits 15 and 31 of each word moved to bits 0 and 16: g = bit15 * 2^15 + bit31 * 2^31 times
+    2^17 + 1 is the flags * 2^32 plus g (< 2^32, no carry), so the high half of the product is
+    the flags. The multiply-high runs on the FMA pipe, where a shift and a mask are two ALU
+    operations (the ALU pipe is the busy one here); the + 1 keeps the compiler from turning
+    it back into the shift."""
+    return tl.umulhi(words & 0x80008000, 0x20001)
+
+
+@triton.jit
+def _count_top(a, b):
+    """Lane flags of the keys packed in words a, b (same shape) with their top bit set, summed."""
+    return tl.sum(_flags(a) + _flags(b), axis=0)
+
+
+@triton.jit
+def _count_at_least16(a, b, both):
+    """Lane flags of the guarded 15-bit keys in words a, b that are >= the candidate (`both`:
+    it in each lane), summed: the guard of (0x8000 | key) - candidate stays set exactly when
+    key >= candidate, and no lane borrows from the other."""
+    return tl.sum(_flags(a - both) + _flags(b - both), axis=0)
+
+
+@triton.jit
+def _kth_largest16(main_a, main_b, tail_a, tail_b, k):
+    """(T, above): the k-th largest of the 16-bit keys packed two to a word in the four word
+    tensors, and how many keys are above T (T = 0 when there are fewer than k keys).
+
+    Bit by bit from the top (one counting pass per bit: a bit is kept when at least k keys
+    are >= the threshold with it set). The top bit is counted from the keys as they are,
+    the other 15 on keys relative to it (`_relative_low`). Each rejected candidate counts
+    the keys above the threshold so far, and the last one is T + 1: `above` needs no pass of
+    its own."""
+    at_least = _lanes(_count_top(main_a, main_b) + _count_top(tail_a, tail_b))
+    high = at_least >= k
+    above = tl.where(high, 0, at_least)
+    main_a = _relative_low(main_a, high)
+    main_b = _relative_low(main_b, high)
+    tail_a = _relative_low(tail_a, high)
+    tail_b = _relative_low(tail_b, high)
+    low = tl.full([], 0, tl.uint32)
+    step = tl.full([], 0x4000, tl.uint32)
+    for _ in range(0, 15):
+        candidate = low | step
+        both = candidate | (candidate << 16)
+        at_least = _lanes(_count_at_least16(main_a, main_b, both) + _count_at_least16(tail_a, tail_b, both))
+        keep = at_least >= k
+        low = tl.where(keep, candidate, low)
+        above = tl.where(keep, above, at_least)
+        step = step >> 1
+    return tl.where(high, 0x8000, 0).to(tl.uint32) | low, above
+
+
+@triton.jit
+def _pack(lo, hi):
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _bucket_low(key, t_high):
+    """The low 16 bits of the 32-bit keys whose high 16 bits are t_high, 0 for the others."""
+    return tl.where((key >> 16) == t_high, key & 0xFFFF, 0)
+
+
+@triton.jit
+def _counts_word(key, floor, tie_key, PREFIX_MODE: tl.constexpr, FIELD: tl.constexpr):
+    """1 << FIELD if the column is always taken (above `floor`; forced: key 1), else 1 if it
+    is a tie (== tie_key), else 0: the prefix sum of these words counts both at once."""
+    always = key > floor
+    if PREFIX_MODE != 0:
+        always = always | (key == 1)
+    dtype: tl.constexpr = tl.int32 if FIELD == 16 else tl.int64
+    return tl.where(always, tl.full([], 1, dtype) << FIELD, (key == tie_key).to(dtype))
+
+
+@triton.jit
+def _taken_through(counts, need, FIELD: tl.constexpr):
+    """The columns taken up to a column, from the count word through it: the always-taken ones
+    and the first `need` ties."""
+    return ((counts >> FIELD) + tl.minimum(counts & ((1 << FIELD) - 1), need)).to(tl.int32)
+
+
+@triton.jit
+def _emit_quads(SEL_IDX, SEL_MASK, n_kv, first, k_0, k_1, k_2, k_3, floor, tie_key, need, before,
+                QUADS: tl.constexpr, PREFIX_MODE: tl.constexpr, FIELD: tl.constexpr):
+    """Writes the list entries and mask bytes of columns [first, first + 4 QUADS) (keys as
+    `_quads` splits them) and returns `before` plus this tile's count word.
+
+    Taken: the keys above `floor` (the threshold, or the -inf key when fewer finite keys than
+    k are ranked), the forced columns (key 1), and in index order the first `need` keys equal
+    to `tie_key` (the threshold when it is a finite key, else 0, which no key is). One prefix
+    sum over the quads counts both (`_counts_word`; FIELD 16 and int32 while a row has fewer
+    than 2^16 columns, else int64); a column is taken when the taken count through it is
+    above the count through the column before it, and that count is its list slot + 1."""
+    v_0 = _counts_word(k_0, floor, tie_key, PREFIX_MODE, FIELD)
+    v_1 = _counts_word(k_1, floor, tie_key, PREFIX_MODE, FIELD)
+    v_2 = _counts_word(k_2, floor, tie_key, PREFIX_MODE, FIELD)
+    v_3 = _counts_word(k_3, floor, tie_key, PREFIX_MODE, FIELD)
+    through_3 = tl.cumsum(v_0 + v_1 + v_2 + v_3, axis=0) + before
+    through_2 = through_3 - v_3
+    through_1 = through_2 - v_2
+    through_0 = through_1 - v_1
+    n_before = _taken_through(through_0 - v_0, need, FIELD)
+    n_0 = _taken_through(through_0, need, FIELD)
+    n_1 = _taken_through(through_1, need, FIELD)
+    n_2 = _taken_through(through_2, need, FIELD)
+    n_3 = _taken_through(through_3, need, FIELD)
+    col = first + 4 * tl.arange(0, QUADS)
+    SEL_IDX -= 1  # slot = taken through the column - 1
+    tl.store(SEL_IDX + n_0, col, mask=n_0 > n_before)
+    tl.store(SEL_IDX + n_1, col + 1, mask=n_1 > n_0)
+    tl.store(SEL_IDX + n_2, col + 2, mask=n_2 > n_1)
+    tl.store(SEL_IDX + n_3, col + 3, mask=n_3 > n_2)
+    taken = tl.join(tl.join(n_0 - n_before, n_2 - n_1), tl.join(n_1 - n_0, n_3 - n_2))  # [QUADS, 2, 2]: 4q + 2j + i
+    cols = col[:, None] + tl.arange(0, 4)[None, :]
+    tl.store(SEL_MASK + cols, tl.reshape(taken, (QUADS, 4)).to(tl.int8), mask=cols < n_kv)
+    return before + tl.sum(v_0 + v_1 + v_2 + v_3, axis=0)
+
+
+@triton.jit
+def topk_select_packed_kernel(
+    SCORES, SEL_IDX, SEL_NUM, SEL_MASK, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX,
+    n_q, n_kv, topk, idx_capacity, n_prefix, n_seqs,
+    HALF: tl.constexpr, TAIL_HALF: tl.constexpr, PREFIX_MODE: tl.constexpr = 0, VARLEN: tl.constexpr = False,
+    PER_SEQ_PREFIX: tl.constexpr = False, BLOCK_ELEMS: tl.constexpr = 64, KEYS: tl.constexpr = "float32",
+):
+    """`topk_select_kernel`'s selection (the same lists, counts and mask rows, every mode) with
+    fewer instructions per row; its arguments, KEYS naming the dtype every score is a value of
+    ("bfloat16", "float16"; "float32": any fp32 scores) instead of KEY_SHIFT.
+
+    - Keys are 16 bits (`_key_words`: the score's bf16 / fp16 bit pattern, order-mapped), built
+      and searched two to a 32-bit word; fp32 scores search their keys' high 16 bits, then the
+      low 16 bits of the keys in the high bits' bucket (2 x 16 passes).
+    - Every column is searched, the unranked ones (-inf, forced) with keys below every ranked
+      one (forced: key 1): no count of the ranked columns is needed first, and fewer than k
+      ranked ones give a threshold below them (all taken, no ties).
+    - The count above the threshold comes from the search itself (`_kth_largest16`).
+    - Columns are grouped in quads (4q .. 4q + 3) held by one thread, so that a tile's list
+      slots come from one prefix sum over quads (`_emit_quads`).
+    Rows are read as the main tile (2 HALF columns) and the tail tile (2 TAIL_HALF) of
+    `stages.topk_tiles`."""
+    row = tl.program_id(0).to(tl.int64)
+    SCORES += row * n_kv
+    k, n_prefix, k0, prefix_row = _row_prefix(row, Q_SEQ, CU_Q, CU_K, SEQ_PREFIX, n_q, n_kv, topk, n_prefix, n_seqs,
+                                              PREFIX_MODE, VARLEN, PER_SEQ_PREFIX, BLOCK_ELEMS)
+    MAIN: tl.constexpr = HALF // 2  # quads
+    TAIL: tl.constexpr = TAIL_HALF // 2
+    (m_0, m_1, m_2, m_3), (m_f0, m_f1, m_f2, m_f3) = _column_quads(SCORES, 0, n_kv, k0, n_prefix, prefix_row,
+                                                                   MAIN, PREFIX_MODE)
+    (t_0, t_1, t_2, t_3), (t_f0, t_f1, t_f2, t_f3) = _column_quads(SCORES, 2 * HALF, n_kv, k0, n_prefix,
+                                                                   prefix_row, TAIL, PREFIX_MODE)
+    FIELD: tl.constexpr = 16 if 2 * (HALF + TAIL_HALF) < 65536 else 32
+    SEL_IDX += row * idx_capacity
+    SEL_MASK += row * n_kv
+    if KEYS == "float32":
+        m_0, m_1, m_2, m_3 = _key32(m_0), _key32(m_1), _key32(m_2), _key32(m_3)
+        t_0, t_1, t_2, t_3 = _key32(t_0), _key32(t_1), _key32(t_2), _key32(t_3)
+        if PREFIX_MODE != 0:
+            m_0, m_1, m_2, m_3 = tl.where(m_f0, 1, m_0), tl.where(m_f1, 1, m_1), tl.where(m_f2, 1, m_2), \
+                tl.where(m_f3, 1, m_3)
+            t_0, t_1, t_2, t_3 = tl.where(t_f0, 1, t_0), tl.where(t_f1, 1, t_1), tl.where(t_f2, 1, t_2), \
+                tl.where(t_f3, 1, t_3)
+        t_high, above = _kth_largest16(_pack(m_0 >> 16, m_1 >> 16), _pack(m_2 >> 16, m_3 >> 16),
+                                       _pack(t_0 >> 16, t_1 >> 16), _pack(t_2 >> 16, t_3 >> 16), k)
+        t_low, above_low = _kth_largest16(
+            _pack(_bucket_low(m_0, t_high), _bucket_low(m_1, t_high)),
+            _pack(_bucket_low(m_2, t_high), _bucket_low(m_3, t_high)),
+            _pack(_bucket_low(t_0, t_high), _bucket_low(t_1, t_high)),
+            _pack(_bucket_low(t_2, t_high), _bucket_low(t_3, t_high)), k - above)
+        threshold = (t_high << 16) | t_low
+        need = k - above - above_low
+        neg_inf_key = _key32(tl.full([], float("-inf"), tl.float32))
+        floor = tl.maximum(threshold, neg_inf_key)
+        tie_key = tl.where(threshold > neg_inf_key, threshold, 0)
+        counts = _emit_quads(SEL_IDX, SEL_MASK, n_kv, 0, m_0, m_1, m_2, m_3, floor, tie_key, need, 0, MAIN,
+                             PREFIX_MODE, FIELD)
+        counts = _emit_quads(SEL_IDX, SEL_MASK, n_kv, 2 * HALF, t_0, t_1, t_2, t_3, floor, tie_key, need, counts,
+                             TAIL, PREFIX_MODE, FIELD)
+    else:
+        m_a, m_b = _key_words(m_0, m_1, KEYS), _key_words(m_2, m_3, KEYS)
+        t_a, t_b = _key_words(t_0, t_1, KEYS), _key_words(t_2, t_3, KEYS)
+        if PREFIX_MODE != 0:
+            m_a, m_b = _force(m_a, m_f0, m_f1), _force(m_b, m_f2, m_f3)
+            t_a, t_b = _force(t_a, t_f0, t_f1), _force(t_b, t_f2, t_f3)
+        threshold, above = _kth_largest16(m_a, m_b, t_a, t_b, k)
+        need = k - above
+        neg_inf = tl.full([], float("-inf"), tl.float32)
+        neg_inf_key = _key_words(neg_inf, neg_inf, KEYS) & 0xFFFF
+        floor = tl.maximum(threshold, neg_inf_key)
+        tie_key = tl.where(threshold > neg_inf_key, threshold, 0)
+        counts = _emit_quads(SEL_IDX, SEL_MASK, n_kv, 0, m_a & 0xFFFF, m_a >> 16, m_b & 0xFFFF, m_b >> 16, floor,
+                             tie_key, need, 0, MAIN, PREFIX_MODE, FIELD)
+        counts = _emit_quads(SEL_IDX, SEL_MASK, n_kv, 2 * HALF, t_a & 0xFFFF, t_a >> 16, t_b & 0xFFFF, t_b >> 16,
+                             floor, tie_key, need, counts, TAIL, PREFIX_MODE, FIELD)
+    tl.store(SEL_NUM + row, _taken_through(counts, need, FIELD))
+
+
+@triton.jit
+def _force(words, lo, hi):
+    """Key 1 in the lanes of the forced columns (lo: the low lanes', hi: the high lanes')."""
+    words = tl.where(lo, (words & 0xFFFF0000) | 1, words)
+    return tl.where(hi, (words & 0xFFFF) | 0x10000, words)
 
 
 @triton.jit

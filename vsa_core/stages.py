@@ -96,16 +96,30 @@ def block_mean_pool(launcher, p: AttnProblem, x, counts, pooled, seq_len: int):
 # Pooling: (token rows per load, num_warps). It reads q, k and v once: few warps per block with
 # many blocks in flight reach the memory bandwidth (benchmarks/coarse_sweep.py measures it)
 POOL_CONFIG = (64, 2)
+# Blocks per pooling program (`block_mean_pool_qkv`'s `blocks`): 1 runs block_mean_pool_qkv_kernel
+# (a program per block); more run block_mean_pool_qkv_blocks_kernel (the same means bit for bit
+# from a smaller grid; benchmarks/coarse_fwd_bench.py times both)
+POOL_BLOCKS = 1
 
 
-def block_mean_pool_qkv(launcher, p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
-    """block_mean_pool of q, k and v in one launch."""
+def block_mean_pool_qkv(launcher, p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool,
+                        blocks: int = None):
+    """block_mean_pool of q, k and v in one launch; `blocks` blocks per program (None:
+    POOL_BLOCKS)."""
     rows, warps = POOL_CONFIG
-    launcher.triton(kernels_for(q).block_mean_pool_qkv_kernel, (p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p)),
-        q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
-        *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks,
-        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems), IGNORE_PADDING=_ignore(p),
-        num_warps=warps)
+    blocks = POOL_BLOCKS if blocks is None else blocks
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
+    args = (q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
+            *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks)
+    meta = dict(BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems),
+                IGNORE_PADDING=_ignore(p), num_warps=warps)
+    kernels = kernels_for(q)
+    if blocks == 1:
+        launcher.triton(kernels.block_mean_pool_qkv_kernel, (p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p)), *args, **meta)
+    else:
+        grid = (triton.cdiv(p.n_q_blocks, blocks) + 2 * triton.cdiv(p.n_kv_blocks, blocks), _bh(p))
+        launcher.triton(kernels.block_mean_pool_qkv_blocks_kernel, grid, *args, BLOCKS=blocks, **meta)
 
 
 def coarse_forward(launcher, p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
@@ -162,26 +176,45 @@ _PREFIX_MODES = {"exempt": 1, "compete": 2}
 _ROUNDED_ZERO_BITS = {"bfloat16": 16, "float16": 13, "float32": 0}
 
 
+# The top-k selection kernels (`topk_select`'s `algorithm`); both select the same set:
+# "threshold" (`topk_select_kernel`): 32-bit keys, the high bits one unpacked pass each, the low 15 packed;
+# "packed" (`topk_select_packed_kernel`): 16-bit keys packed from the first pass, one prefix sum per tile.
+TOPK_ALGORITHMS = ("threshold", "packed")
+TOPK_ALGORITHM = "threshold"
+
+
 def topk_select(launcher, p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None, q_seq=None,
-                cu_seqlens_q=None, cu_seqlens_k=None, seq_prefix=None, scores_rounded_to: str = "float32"):
+                cu_seqlens_q=None, cu_seqlens_k=None, seq_prefix=None, scores_rounded_to: str = "float32",
+                algorithm: str = None):
     """Query-owned lists of the top-k selection; with a prefix (p.has_prefix) the dense prefix
     rows and the prefix columns too. Packed sequences with a prefix need the query blocks'
     sequence ids and the offsets (each sequence's prefix starts at its first block), and
     p.seq_prefix the per-sequence counts. `scores_rounded_to`: the dtype every score is a
     value of (`coarse_forward` writes them rounded to p.dtype): the ranking then skips the
-    bits such values leave zero; "float32" ranks any fp32 scores."""
+    bits such values leave zero; "float32" ranks any fp32 scores. `algorithm`: one of
+    TOPK_ALGORITHMS (None: TOPK_ALGORITHM), the same selection by another kernel."""
+    algorithm = TOPK_ALGORITHM if algorithm is None else algorithm
+    if algorithm not in TOPK_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {TOPK_ALGORITHMS}, got {algorithm!r}")
+    if scores_rounded_to not in _ROUNDED_ZERO_BITS:
+        raise ValueError(f"scores_rounded_to must be one of {tuple(_ROUNDED_ZERO_BITS)}, got {scores_rounded_to!r}")
     half, tail_half = topk_tiles(p.n_kv_blocks)
     varlen = p.has_prefix and p.varlen
     if varlen and (q_seq is None or cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("a packed prefix selection needs q_seq, cu_seqlens_q and cu_seqlens_k")
     if p.seq_prefix and seq_prefix is None:
         raise ValueError("this problem takes per-sequence prefix counts: seq_prefix is required")
-    launcher.triton(kernels_for(scores).topk_select_kernel, (_bh(p) * p.n_q_blocks,),
+    kernels = kernels_for(scores)
+    if algorithm == "packed":
+        kernel, keys = kernels.topk_select_packed_kernel, dict(KEYS=scores_rounded_to)
+    else:
+        kernel, keys = kernels.topk_select_kernel, dict(KEY_SHIFT=_ROUNDED_ZERO_BITS[scores_rounded_to])
+    launcher.triton(kernel, (_bh(p) * p.n_q_blocks,),
         scores, sel_idx, sel_num, sel_mask, q_seq if varlen else None, cu_seqlens_q if varlen else None,
         cu_seqlens_k if varlen else None, seq_prefix if p.seq_prefix else None,
         p.n_q_blocks, p.n_kv_blocks, p.topk, p.select_capacity, p.prefix_blocks, max(p.n_seqs, 1),
         HALF=half, TAIL_HALF=tail_half, PREFIX_MODE=_PREFIX_MODES[p.prefix_mode] if p.has_prefix else 0, VARLEN=varlen,
-        PER_SEQ_PREFIX=p.seq_prefix, BLOCK_ELEMS=p.block_elems, KEY_SHIFT=_ROUNDED_ZERO_BITS[scores_rounded_to],
+        PER_SEQ_PREFIX=p.seq_prefix, BLOCK_ELEMS=p.block_elems, **keys,
         num_warps=num_warps or select_warps(2 * (half + tail_half)))
 
 
