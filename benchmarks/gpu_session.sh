@@ -2,7 +2,7 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -168,6 +168,16 @@ case $step in
     rm -f "$out/fwd64_top16.ncu-rep"
     t 100 python3 benchmarks/stage_breakdown.py --shape 480p-64 --backends sm90 --iters 5 --out "$out"
     t 120 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager --backends sm90,cudnn \
+      --peers cudnn --out "$out/bench"
+    ;;
+  merge)  # before merging JAX's native default launch and the coarse forward's kernels: their GPU tests,
+          # the host cost per call, the coarse kernels old against new, and the 480p-64 table on both frontends
+    t 200 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -q -rfEs -n 4 --dist loadgroup \
+      tests/test_jax_native.py tests/test_jax_vsa.py tests/test_jax_sm90_native.py tests/test_shared_tiles.py \
+      tests/test_import_boundaries.py tests/test_config.py tests/test_pooling.py tests/test_topk_select.py
+    t 60 python3 benchmarks/coarse_fwd_bench.py --pool-blocks 2,4,8
+    t 80 python3 benchmarks/host_cost.py --backends triton,sm90,cudnn,auto
+    t 200 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager,jax --backends sm90,cudnn \
       --peers cudnn --out "$out/bench"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
