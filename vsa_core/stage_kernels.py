@@ -118,11 +118,11 @@ def _rows_or_zero(x, ok):
 # Block mean pooling
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _block_mean(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s,
+def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
                 BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr):
-    """The sum of block `block`'s rows / COUNTS[block], in POOLED's dtype: all BLOCK_ELEMS
-    rows (FastVideo's mean; the padded tail holds zeros), or with IGNORE_PADDING the valid
-    rows only (the padded tail is not read). Summed in fp32, ROWS rows at a time."""
+    """POOLED[b, h, block] = sum of the block's rows / COUNTS[block]: all BLOCK_ELEMS rows
+    (FastVideo's mean; the padded tail holds zeros), or with IGNORE_PADDING the valid rows
+    only (the padded tail is not read)."""
     b = bh // H
     h = bh % H
     d = tl.arange(0, HEAD_DIM)
@@ -141,16 +141,7 @@ def _block_mean(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s,
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
     if POOLED.dtype.element_ty == tl.bfloat16:  # rounded to nearest on the interpreter too (_round_to)
         mean = _round_to(mean, "bfloat16")
-    return mean.to(POOLED.dtype.element_ty)
-
-
-@triton.jit
-def _pool_block(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, n_blocks,
-                BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, IGNORE_PADDING: tl.constexpr):
-    """POOLED[b, h, block] = the block's mean (`_block_mean`)."""
-    mean = _block_mean(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, BLOCK_ELEMS, HEAD_DIM, ROWS,
-                       IGNORE_PADDING)
-    tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + tl.arange(0, HEAD_DIM), mean)
+    tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean.to(POOLED.dtype.element_ty))
 
 
 @triton.jit
@@ -189,49 +180,6 @@ def block_mean_pool_qkv_kernel(
     else:
         _pool_block(V, KV_COUNTS, V_POOL, i - n_q - n_kv, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
                     BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
-
-
-@triton.jit
-def _pool_blocks(X, COUNTS, POOLED, first, bh, H, stride_b, stride_h, stride_s, n_blocks,
-                 BLOCKS: tl.constexpr, BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                 IGNORE_PADDING: tl.constexpr):
-    """`_pool_block` of blocks first .. first + BLOCKS - 1 (those < n_blocks), each block's
-    arithmetic exactly `_pool_block`'s (the same tiles, so the same fp32 sums). A block past
-    the last is read as the last one and not stored: the loads need no branch, so the
-    compiler may issue the next block's loads before this one's sum."""
-    d = tl.arange(0, HEAD_DIM)
-    for j in tl.static_range(BLOCKS):
-        block = tl.minimum(first + j, n_blocks - 1)
-        mean = _block_mean(X, COUNTS, POOLED, block, bh, H, stride_b, stride_h, stride_s, BLOCK_ELEMS, HEAD_DIM,
-                           ROWS, IGNORE_PADDING)
-        tl.store(POOLED + (bh * n_blocks + block) * HEAD_DIM + d, mean, mask=d < tl.where(first + j < n_blocks, HEAD_DIM, 0))
-
-
-@triton.jit
-def block_mean_pool_qkv_blocks_kernel(
-    Q, K, V, Q_COUNTS, KV_COUNTS, Q_POOL, K_POOL, V_POOL,
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    H, n_q, n_kv,
-    BLOCKS: tl.constexpr, BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-    IGNORE_PADDING: tl.constexpr = False,
-):
-    """`block_mean_pool_qkv_kernel` with BLOCKS consecutive blocks of one tensor per program
-    (`_pool_blocks`): the same means bit for bit, from a BLOCKS times smaller grid. Programs
-    i < cdiv(n_q, BLOCKS) pool query blocks, the next cdiv(n_kv, BLOCKS) key blocks, the rest
-    value blocks."""
-    i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    q_programs = tl.cdiv(n_q, BLOCKS)
-    kv_programs = tl.cdiv(n_kv, BLOCKS)
-    if i < q_programs:
-        _pool_blocks(Q, Q_COUNTS, Q_POOL, i * BLOCKS, bh, H, stride_qb, stride_qh, stride_qs, n_q,
-                     BLOCKS, BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
-    elif i < q_programs + kv_programs:
-        _pool_blocks(K, KV_COUNTS, K_POOL, (i - q_programs) * BLOCKS, bh, H, stride_kb, stride_kh, stride_ks, n_kv,
-                     BLOCKS, BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
-    else:
-        _pool_blocks(V, KV_COUNTS, V_POOL, (i - q_programs - kv_programs) * BLOCKS, bh, H, stride_kb, stride_kh,
-                     stride_ks, n_kv, BLOCKS, BLOCK_ELEMS, HEAD_DIM, ROWS, IGNORE_PADDING)
 
 
 # --------------------------------------------------------------------------------------

@@ -96,30 +96,16 @@ def block_mean_pool(launcher, p: AttnProblem, x, counts, pooled, seq_len: int):
 # Pooling: (token rows per load, num_warps). It reads q, k and v once: few warps per block with
 # many blocks in flight reach the memory bandwidth (benchmarks/coarse_sweep.py measures it)
 POOL_CONFIG = (64, 2)
-# Blocks per pooling program (`block_mean_pool_qkv`'s `blocks`): 1 runs block_mean_pool_qkv_kernel
-# (a program per block); more run block_mean_pool_qkv_blocks_kernel (the same means bit for bit
-# from a smaller grid; benchmarks/coarse_fwd_bench.py times both)
-POOL_BLOCKS = 1
 
 
-def block_mean_pool_qkv(launcher, p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool,
-                        blocks: int = None):
-    """block_mean_pool of q, k and v in one launch; `blocks` blocks per program (None:
-    POOL_BLOCKS)."""
+def block_mean_pool_qkv(launcher, p: AttnProblem, q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool):
+    """block_mean_pool of q, k and v in one launch."""
     rows, warps = POOL_CONFIG
-    blocks = POOL_BLOCKS if blocks is None else blocks
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
-    args = (q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
-            *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks)
-    meta = dict(BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems),
-                IGNORE_PADDING=_ignore(p), num_warps=warps)
-    kernels = kernels_for(q)
-    if blocks == 1:
-        launcher.triton(kernels.block_mean_pool_qkv_kernel, (p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p)), *args, **meta)
-    else:
-        grid = (triton.cdiv(p.n_q_blocks, blocks) + 2 * triton.cdiv(p.n_kv_blocks, blocks), _bh(p))
-        launcher.triton(kernels.block_mean_pool_qkv_blocks_kernel, grid, *args, BLOCKS=blocks, **meta)
+    launcher.triton(kernels_for(q).block_mean_pool_qkv_kernel, (p.n_q_blocks + 2 * p.n_kv_blocks, _bh(p)),
+        q, k, v, q_counts, kv_counts, q_pool, k_pool, v_pool, *p.token_strides(p.q_len),
+        *p.token_strides(p.kv_len), p.heads, p.n_q_blocks, p.n_kv_blocks,
+        BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(rows, p.block_elems), IGNORE_PADDING=_ignore(p),
+        num_warps=warps)
 
 
 def coarse_forward(launcher, p: AttnProblem, q_pool, k_pool, v_pool, kv_counts, scores, out_coarse, lse_coarse,
