@@ -1,26 +1,25 @@
-"""The coarse forward's pooling and top-k selection, old kernels against new (issue 21 stage 1).
+"""The coarse forward's top-k selection, old kernel against new, with the pooling and coarse
+attention around it for the stage's total (issue 21 stage 1).
 
     PYTHONPATH=. python3 benchmarks/coarse_fwd_bench.py                        # H200: 480p-64, 480p-256
-    PYTHONPATH=. python3 benchmarks/coarse_fwd_bench.py --pool-blocks 2,4,8 --dtype float16
+    PYTHONPATH=. python3 benchmarks/coarse_fwd_bench.py --dtype float16
     PYTHONPATH=. python3 benchmarks/coarse_fwd_bench.py --compile              # CPU: sm_90 registers / spills
     TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/coarse_fwd_bench.py --device cpu --tiny   # plumbing
 
 Per shape (bf16 or fp16, BHSD, x16 q / k activations as benchmarks/coarse_bench.py, full blocks):
-- pooling (`stages.block_mean_pool_qkv`): blocks=1 (`block_mean_pool_qkv_kernel`, a program per
-  block) against each --pool-blocks value (`block_mean_pool_qkv_blocks_kernel`); GB/s = the bytes
-  of q, k and v read once over the time;
+- pooling (`stages.block_mean_pool_qkv`); GB/s = the bytes of q, k and v read once over the time
+  (several blocks per program were tried and measured slower: benchmarks/results/2026-12-03-h200-session13);
 - top-k selection (`stages.topk_select`, scores rounded to the input dtype as `vsa_core.ops`
   ranks them): algorithm "threshold" (`topk_select_kernel`) against "packed"
   (`topk_select_packed_kernel`);
 - the coarse attention between them (the scores the selection ranks), for the stage's total.
-Times are triton.testing.do_bench medians (ms). Every new result must equal the old one bit for
-bit (pooled q / k / v; index lists, slots past the counts included, counts and mask rows): a
-row that differs says so, and the exit status is 1.
+Times are triton.testing.do_bench medians (ms). The new selection must equal the old one bit for
+bit (index lists, slots past the counts included, counts and mask rows): a row that differs says
+so, and the exit status is 1.
 A table goes to stdout and, with $OUT set, to $OUT/coarse_fwd_bench.log.
 
 --compile (no GPU) compiles the same launches for sm_90 and prints registers, spilled bytes and
-shared memory of each kernel; tests/test_topk_select.py and tests/test_pooling.py use its
-`compile_stage`.
+shared memory of each kernel; tests/test_topk_select.py uses its `compile_stage`.
 """
 
 from __future__ import annotations
@@ -100,14 +99,14 @@ def problem_of(shape: str, dtype: str, device: str = "meta"):
     return AttnProblem(batch=B, heads=H, q_len=S, kv_len=S, head_dim=D, block_elems=E, dtype=dtype, topk=topk)
 
 
-def compile_table(shapes, dtype, pool_blocks):
+def compile_table(shapes, dtype):
     from vsa_core import stages as ST
     say(f"sm_90 compile (no GPU), {dtype}: registers / spilled bytes / shared bytes")
     say(f"{'shape':9s} {'kernel':38s} {'variant':10s} {'regs':>5s} {'spills':>7s} {'shared':>7s}")
     ok = True
     for shape in shapes:
         p = problem_of(shape, dtype)
-        rows = [(ST.block_mean_pool_qkv, dict(blocks=n), f"blocks={n}") for n in [1] + pool_blocks]
+        rows = [(ST.block_mean_pool_qkv, {}, "")]
         rows += [(ST.topk_select, dict(algorithm=a, scores_rounded_to=dtype), a) for a in ST.TOPK_ALGORITHMS]
         for stage, kwargs, label in rows:
             name, compiled = compile_stage(stage, p, **kwargs)
@@ -138,28 +137,12 @@ def bench_shape(shape, args, do_bench, device):
         shape_, kind = p.forward_buffers()[name]
         return torch.empty(shape_, device=device, dtype=dt if kind == "input" else getattr(torch, kind))
 
-    def pools():
-        return [empty(n) for n in ("q_pool", "k_pool", "v_pool")]
-
     ok = True
     read_bytes = (q.numel() + k.numel() + v.numel()) * q.element_size()
-    # pooling: blocks=1 (the old kernel) first, its results the reference
-    base = pools()
-    ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *base, blocks=1)
-    t_pool_old = do_bench(lambda: ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *base, blocks=1))
-    say(f"{shape:9s} {'pool':6s} {'blocks=1':10s} {t_pool_old:8.4f} {'':>8s} {'':>7s} {read_bytes / t_pool_old / 1e6:7.0f}")
-    best_pool = t_pool_old
-    for n in args.pool_blocks:
-        out = pools()
-        for t in out:
-            t.fill_(7)
-        ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *out, blocks=n)
-        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(base, out))
-        ok &= same
-        t = do_bench(lambda: ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *out, blocks=n))
-        best_pool = min(best_pool, t)
-        say(f"{shape:9s} {'pool':6s} {f'blocks={n}':10s} {t:8.4f} {t_pool_old / t:7.2f}x {str(same):>7s} "
-            f"{read_bytes / t / 1e6:7.0f}")
+    base = [empty(n) for n in ("q_pool", "k_pool", "v_pool")]
+    ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *base)
+    t_pool = do_bench(lambda: ST.block_mean_pool_qkv(eager_launcher, p, q, k, v, counts, counts, *base))
+    say(f"{shape:9s} {'pool':6s} {'':10s} {t_pool:8.4f} {'':>8s} {'':>7s} {read_bytes / t_pool / 1e6:7.0f}")
     # coarse attention: the scores the selection ranks
     scores, out_c, lse_c = empty("scores"), empty("out_coarse"), empty("lse_coarse")
     ST.coarse_forward(eager_launcher, p, *base, counts, scores, out_c, lse_c)
@@ -183,8 +166,8 @@ def bench_shape(shape, args, do_bench, device):
     ok &= bool((results[new][1] == p.topk).all())  # every block full: exactly topk per row
     say(f"{shape:9s} {'top-k':6s} {old:10s} {times[old]:8.4f}")
     say(f"{shape:9s} {'top-k':6s} {new:10s} {times[new]:8.4f} {times[old] / times[new]:7.2f}x {str(same):>7s}")
-    before = t_pool_old + t_coarse + times[old]
-    after = best_pool + t_coarse + min(times.values())
+    before = t_pool + t_coarse + times[old]
+    after = t_pool + t_coarse + min(times.values())
     say(f"{shape:9s} {'total':6s} {'fastest':10s} {after:8.4f} {before / after:7.2f}x          (was {before:.4f})")
     return ok
 
@@ -193,18 +176,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="480p-64,480p-256", help=f"comma-separated, of {list(SHAPES)}")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--pool-blocks", default="2,4", help="blocks per pooling program to time against 1")
     parser.add_argument("--rep-ms", type=float, default=200)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape only (with --device cpu: plumbing)")
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 and report (no GPU)")
     args = parser.parse_args()
-    args.pool_blocks = [int(n) for n in args.pool_blocks.split(",") if n]
     shapes = ["tiny"] if args.tiny else args.shapes.split(",")
     if args.compile:
         if os.environ.get("TRITON_INTERPRET") == "1":
             sys.exit("--compile compiles the kernels: unset TRITON_INTERPRET")
-        ok = compile_table(shapes, args.dtype, args.pool_blocks)
+        ok = compile_table(shapes, args.dtype)
     else:
         import torch
         if args.device == "cuda" and not torch.cuda.is_available():

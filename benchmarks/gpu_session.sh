@@ -170,15 +170,13 @@ case $step in
     t 120 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager --backends sm90,cudnn \
       --peers cudnn --out "$out/bench"
     ;;
-  merge)  # before merging JAX's native default launch and the coarse forward's kernels: their GPU tests,
-          # the host cost per call, the coarse kernels old against new, and the 480p-64 table on both frontends
-    t 200 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -q -rfEs -n 4 --dist loadgroup \
+  merge)  # before merging JAX's native default launch and the packed top-k: their GPU tests (-v: a
+          # failure is named even if the run times out), the top-k kernels old against new
+    t 330 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -v -rfEs -n 6 --dist loadgroup \
       tests/test_jax_native.py tests/test_jax_vsa.py tests/test_jax_sm90_native.py tests/test_shared_tiles.py \
-      tests/test_import_boundaries.py tests/test_config.py tests/test_pooling.py tests/test_topk_select.py
-    t 60 python3 benchmarks/coarse_fwd_bench.py --pool-blocks 2,4,8
-    t 80 python3 benchmarks/host_cost.py --backends triton,sm90,cudnn,auto
-    t 200 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager,jax --backends sm90,cudnn \
-      --peers cudnn --out "$out/bench"
+      tests/test_import_boundaries.py tests/test_config.py tests/test_topk_select.py tests/test_prefix.py
+    grep -E "FAILED|ERROR" "$out/$step.log" | head -20
+    t 60 python3 benchmarks/coarse_fwd_bench.py
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -25,7 +25,7 @@ import torch
 import vsa_jax
 import vsa_torch
 from common import Case, assert_close, from_layout, make_inputs, reference, skip_unavailable, to_layout
-from vsa_core import plan as core_plan
+from vsa_core import plan as core_plan, stages
 from vsa_core.backends import triton_backend as T
 from vsa_core.config import LaunchConfig, config, from_environment, overridden
 from vsa_core.problem import AttnProblem
@@ -34,8 +34,8 @@ from vsa_jax import native
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-POOL, COARSE_FWD, TOPK, SPARSE_FWD = ("block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", "topk_select_kernel",
-                                      "sparse_attn_fwd_kernel")
+POOL, COARSE_FWD, SPARSE_FWD = "block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", "sparse_attn_fwd_kernel"
+TOPK = stages.TOPK_KERNELS[stages.TOPK_ALGORITHM]
 BACKWARD_KERNELS = ["columns_to_lists_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
                     "coarse_attn_bwd_grads_kernel", "sparse_attn_bwd_dq_kernel", "sparse_attn_bwd_dkdv_kernel"]
 

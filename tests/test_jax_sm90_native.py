@@ -30,7 +30,7 @@ import pytest
 
 from common import Case, assert_close, make_inputs, reference, require_jax_gpu
 from test_import_boundaries import NO_TORCH, TORCH_NEVER_LOADED
-from vsa_core import plan as core_plan
+from vsa_core import plan as core_plan, stages
 from vsa_core.backends import sm90_backend
 from vsa_core.launch import Launcher
 from vsa_core.problem import AttnProblem
@@ -39,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUTE_JAX = all(importlib.util.find_spec(m) is not None for m in ("jax", "cutlass"))
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
-FORWARD_TRITON = ["block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", "topk_select_kernel"]
+FORWARD_TRITON = ["block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", stages.TOPK_KERNELS[stages.TOPK_ALGORITHM]]
 BACKWARD_TRITON = ["columns_to_lists_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
                    "coarse_attn_bwd_grads_kernel"]
 

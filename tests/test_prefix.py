@@ -370,7 +370,7 @@ def test_native_plan_records_the_prefix_selection(varlen):
     if varlen:
         inputs.update(cu_seqlens_q=((3,), "int32"), cu_seqlens_k=((3,), "int32"), seq_prefix=((2,), "int32"))
     topk = next(l for l in core_plan.record_plan("forward", p, inputs).launches
-                if l.kernel_name == "topk_select_kernel")
+                if l.kernel_name == stages.TOPK_KERNELS[stages.TOPK_ALGORITHM])
     extra = ("q_seq", "cu_seqlens_q", "cu_seqlens_k", "seq_prefix") if varlen else ()
     assert topk.buffers == ("scores", "sel_idx", "sel_num", "sel_mask") + extra
     assert topk.arg("PREFIX_MODE").value == 2 and topk.arg("VARLEN").value is varlen
@@ -409,7 +409,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 # ---- the selection kernel compiles for sm_90 (CPU, in a subprocess without the interpreter) -------
 _COMPILE_SCRIPT = """
-from vsa_core import plan as P
+from vsa_core import plan as P, stages
 from vsa_core.problem import AttnProblem
 for kw in (dict(prefix_blocks=1, prefix_mode="exempt"), dict(prefix_blocks=2, prefix_mode="compete", topk=1),
            dict(seq_prefix=True, n_seqs=2, prefix_mode="exempt"), dict(prefix_blocks=1, n_seqs=1, prefix_mode="compete")):
@@ -422,7 +422,7 @@ for kw in (dict(prefix_blocks=1, prefix_mode="exempt"), dict(prefix_blocks=2, pr
         if p.seq_prefix:
             inputs["seq_prefix"] = ((p.n_seqs,), "int32")
     plan = P.record_plan("forward", p, inputs)
-    launch = next(l for l in plan.launches if l.kernel_name == "topk_select_kernel")
+    launch = next(l for l in plan.launches if l.kernel_name == stages.TOPK_KERNELS[stages.TOPK_ALGORITHM])
     c = P.compile_launch(launch, plan, 90)
     assert c.cubin[:4] == b"\x7fELF"
     print(kw, "ok", len(c.cubin))

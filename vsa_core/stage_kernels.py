@@ -635,9 +635,9 @@ def _key32(scores):
 
 @triton.jit
 def _column_quads(SCORES, first, n_kv, k0, n_prefix, prefix_row, QUADS: tl.constexpr, PREFIX_MODE: tl.constexpr):
-    """(the scores of columns first + 4q + i (q < QUADS; -inf past n_kv), whether each is
-    forced in (a prefix row: every finite one; "exempt": the finite prefix columns)), each as
-    four [QUADS] tensors, i = 0..3. Read as [QUADS, 4] (16-byte loads) and split: each thread
+    """The scores of columns first + 4q + i (q < QUADS; -inf past n_kv), then whether each is
+    forced in (a prefix row: every finite one; "exempt": the finite prefix columns): eight
+    [QUADS] tensors, i = 0..3 of each (flat: older Triton cannot unpack nested tuples). Read as [QUADS, 4] (16-byte loads) and split: each thread
     then holds whole quads, one element per thread and repetition, as the list stores want
     them (no layout conversion), and a quad's columns share one element of the prefix sum
     (`_emit_quads`)."""
@@ -649,7 +649,9 @@ def _column_quads(SCORES, first, n_kv, k0, n_prefix, prefix_row, QUADS: tl.const
         if PREFIX_MODE == 1:
             local = cols - k0
             forced = forced | ((scores > float("-inf")) & (local >= 0) & (local < n_prefix))
-    return _quads(scores), _quads(forced)
+    s_0, s_1, s_2, s_3 = _quads(scores)
+    f_0, f_1, f_2, f_3 = _quads(forced)
+    return s_0, s_1, s_2, s_3, f_0, f_1, f_2, f_3
 
 
 @triton.jit
@@ -825,10 +827,10 @@ def topk_select_packed_kernel(
                                               PREFIX_MODE, VARLEN, PER_SEQ_PREFIX, BLOCK_ELEMS)
     MAIN: tl.constexpr = HALF // 2  # quads
     TAIL: tl.constexpr = TAIL_HALF // 2
-    (m_0, m_1, m_2, m_3), (m_f0, m_f1, m_f2, m_f3) = _column_quads(SCORES, 0, n_kv, k0, n_prefix, prefix_row,
-                                                                   MAIN, PREFIX_MODE)
-    (t_0, t_1, t_2, t_3), (t_f0, t_f1, t_f2, t_f3) = _column_quads(SCORES, 2 * HALF, n_kv, k0, n_prefix,
-                                                                   prefix_row, TAIL, PREFIX_MODE)
+    m_0, m_1, m_2, m_3, m_f0, m_f1, m_f2, m_f3 = _column_quads(SCORES, 0, n_kv, k0, n_prefix, prefix_row,
+                                                                 MAIN, PREFIX_MODE)
+    t_0, t_1, t_2, t_3, t_f0, t_f1, t_f2, t_f3 = _column_quads(SCORES, 2 * HALF, n_kv, k0, n_prefix,
+                                                                 prefix_row, TAIL, PREFIX_MODE)
     FIELD: tl.constexpr = 16 if 2 * (HALF + TAIL_HALF) < 65536 else 32
     SEL_IDX += row * idx_capacity
     SEL_MASK += row * n_kv

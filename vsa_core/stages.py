@@ -165,7 +165,8 @@ _ROUNDED_ZERO_BITS = {"bfloat16": 16, "float16": 13, "float32": 0}
 # The top-k selection kernels (`topk_select`'s `algorithm`); both select the same set:
 # "threshold" (`topk_select_kernel`): 32-bit keys, the high bits one unpacked pass each, the low 15 packed;
 # "packed" (`topk_select_packed_kernel`): 16-bit keys packed from the first pass, one prefix sum per tile.
-TOPK_ALGORITHMS = ("threshold", "packed")
+TOPK_KERNELS = {"threshold": "topk_select_kernel", "packed": "topk_select_packed_kernel"}
+TOPK_ALGORITHMS = tuple(TOPK_KERNELS)
 TOPK_ALGORITHM = "threshold"
 
 
@@ -191,10 +192,11 @@ def topk_select(launcher, p: AttnProblem, scores, sel_idx, sel_num, sel_mask, nu
     if p.seq_prefix and seq_prefix is None:
         raise ValueError("this problem takes per-sequence prefix counts: seq_prefix is required")
     kernels = kernels_for(scores)
+    kernel = getattr(kernels, TOPK_KERNELS[algorithm])
     if algorithm == "packed":
-        kernel, keys = kernels.topk_select_packed_kernel, dict(KEYS=scores_rounded_to)
+        keys = dict(KEYS=scores_rounded_to)
     else:
-        kernel, keys = kernels.topk_select_kernel, dict(KEY_SHIFT=_ROUNDED_ZERO_BITS[scores_rounded_to])
+        keys = dict(KEY_SHIFT=_ROUNDED_ZERO_BITS[scores_rounded_to])
     launcher.triton(kernel, (_bh(p) * p.n_q_blocks,),
         scores, sel_idx, sel_num, sel_mask, q_seq if varlen else None, cu_seqlens_q if varlen else None,
         cu_seqlens_k if varlen else None, seq_prefix if p.seq_prefix else None,
