@@ -67,6 +67,15 @@ def skip_unavailable(name: str, reason: Optional[str]) -> None:
     pytest.skip(reason)
 
 
+def skip_if_interpreter_broken() -> None:
+    """Skips a test that runs CPU arrays under Triton's interpreter where it cannot run here
+    (triton 3.6 with numpy >= 2.4: the GPU machine's versions), with the backend's reason."""
+    from vsa_core.backends.triton_backend import _interpreter_broken
+    reason = _interpreter_broken()
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def require_jax_gpu() -> None:
     """Skips unless JAX runs on the GPU (fails in strict mode with `jax` required)."""
     skip_unavailable("jax", missing("jax"))

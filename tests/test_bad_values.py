@@ -18,7 +18,7 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import Case, assert_close, make_inputs
+from common import Case, assert_close, make_inputs, skip_if_interpreter_broken
 from vsa_core import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,9 +230,8 @@ def test_torch_host_values_are_checked_every_call():
     through numpy (torch's version counter does not see it). CPU tensors on purpose (they
     alias numpy), on a GPU machine too: they run under the interpreter there
     (vsa_core.interpreter), with or without TRITON_INTERPRET."""
-    from vsa_core.backends.triton_backend import _interpreter_broken
-    if not INTERPRETING and _interpreter_broken():
-        pytest.skip(_interpreter_broken())
+    if not INTERPRETING:
+        skip_if_interpreter_broken()
     inputs = make_inputs(Case(batch=1, heads=1, n_q_blocks=1, n_kv_blocks=2), seed=84)
     q, k, v = (torch.from_numpy(inputs[n]).to(BF16) for n in ("q", "k", "v"))
     counts = np.array([E, 5])

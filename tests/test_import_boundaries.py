@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from conftest import HAS_CUDA
+from common import skip_if_interpreter_broken
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,20 +97,12 @@ NO_JAX = NO_TORCH.replace('name == "torch" or name.startswith("torch.")',
                          'name.split(".")[0] in ("torch", "jax", "jaxlib")').replace("NoTorch", "NoFramework")
 
 
-def _skip_if_interpreter_broken():
-    """The CPU runs need Triton's interpreter, which triton 3.6 with numpy >= 2.4 cannot run
-    (the GPU machine's versions): the backend names that reason, and these tests skip on it."""
-    from vsa_core.backends.triton_backend import _interpreter_broken
-    reason = _interpreter_broken()
-    if reason is not None:
-        pytest.skip(reason)
-
 
 def test_core_alone_runs_on_numpy_buffers():
     """No frontend at all (torch and JAX blocked): the core's forward and backward launch the
     real kernels (Triton's interpreter) on numpy float16 arrays handed over as DeviceBuffers,
     equal to the float64 reference."""
-    _skip_if_interpreter_broken()
+    skip_if_interpreter_broken()
     _run(NO_JAX + textwrap.dedent("""
         import dataclasses
         import numpy as np
@@ -147,7 +140,7 @@ def test_demo_runs_without_torch():
     """demo.py where torch is missing (CI runs this file in a vsa[jax] venv too): the JAX
     frontend, its default there, against the numpy float64 reference; `--frontend torch` is a
     usage error that says why."""
-    _skip_if_interpreter_broken()
+    skip_if_interpreter_broken()
     out = _run(textwrap.dedent(f"""
         import contextlib, io, runpy
 
@@ -187,7 +180,7 @@ def test_native_plan_records_and_compiles_without_torch():
 def test_jax_jit_grad_on_cpu_without_torch(interpret):
     """jit + grad through the Triton kernels under the interpreter, torch blocked: both ways the
     CPU runs them (a process that imported triton normally, and TRITON_INTERPRET=1)."""
-    _skip_if_interpreter_broken()
+    skip_if_interpreter_broken()
     out = _run("BACKEND = 'triton'\n" + JIT_GRAD, "cpu", interpret)
     assert "JIT GRAD OK on cpu" in out
 

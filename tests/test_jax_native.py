@@ -24,7 +24,8 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import Case, assert_close, from_layout, make_inputs, reference, skip_unavailable, to_layout
+from common import (Case, assert_close, from_layout, make_inputs, reference, skip_if_interpreter_broken,
+                    skip_unavailable, to_layout)
 from vsa_core import plan as core_plan, stages
 from vsa_core.backends import triton_backend as T
 from vsa_core.config import LaunchConfig, config, from_environment, overridden
@@ -307,6 +308,7 @@ def test_the_default_program_on_cuda_is_custom_calls_only(tma, jaxlib, monkeypat
 
 def test_the_default_program_on_cpu_is_the_callback(monkeypatch, launch_config):
     """On the CPU (CPU arrays, the CPU the default device: on a GPU host too) the default is the callback."""
+    skip_if_interpreter_broken()
     text, plans = _lowered_default_program(monkeypatch, launch_config, tma=False, cuda=False)
     assert f"@{native.FFI_TARGET}" not in text and "callback" in text and not plans
 
@@ -383,6 +385,7 @@ def _grad_fn(case, inputs, backend="triton"):
 
 def test_native_on_cpu_raises_a_clear_error(launch_config):
     """launch="native" on the CPU (CPU arrays, the CPU the default device: on a GPU host too)."""
+    skip_if_interpreter_broken()
     launch_config(jax_launch="native")
     case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=2)
     with jax.default_device(_cpu()):

@@ -10,6 +10,7 @@ import torch
 from vsa_core import reference as R
 from vsa_core import stages
 from vsa_core.launch import eager_launcher
+from common import skip_if_interpreter_broken
 
 
 def _lists(seed, B, H, nq, nkv, cap, bad):
@@ -60,9 +61,7 @@ def test_shared_kv_lists_match_reference(group, case):
 def test_check_script_lists_step_on_cpu(monkeypatch):
     """benchmarks/sm90_fwd64_check.py imports without a GPU, and its check of the union step
     (the GPU run's first section) passes on CPU tensors (the interpreter)."""
-    from vsa_core.backends.triton_backend import _interpreter_broken
-    if _interpreter_broken():  # triton 3.6 with numpy >= 2.4 (the GPU machine's versions)
-        pytest.skip(_interpreter_broken())
+    skip_if_interpreter_broken()
     import importlib.util
     import os
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "sm90_fwd64_check.py")

@@ -11,6 +11,7 @@ import torch
 import vsa_jax
 import vsa_torch
 from vsa_core import build_vsa_metadata
+from common import skip_if_interpreter_broken
 
 FRONTENDS = {"torch": (vsa_torch, lambda a: torch.from_numpy(np.ascontiguousarray(a))),
              "jax": (vsa_jax, jnp.asarray)}
@@ -195,9 +196,7 @@ def test_cpu_warning_points_at_the_callers_line(frontend, words, tmp_path):
     import pathlib
     import subprocess
     import sys
-    from vsa_core.backends.triton_backend import _interpreter_broken
-    if _interpreter_broken():
-        pytest.skip(_interpreter_broken())
+    skip_if_interpreter_broken()
     script = tmp_path / "user_script.py"
     script.write_text(WARNING_SCRIPTS[frontend])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

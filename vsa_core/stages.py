@@ -167,7 +167,7 @@ _ROUNDED_ZERO_BITS = {"bfloat16": 16, "float16": 13, "float32": 0}
 # "packed" (`topk_select_packed_kernel`): 16-bit keys packed from the first pass, one prefix sum per tile.
 TOPK_KERNELS = {"threshold": "topk_select_kernel", "packed": "topk_select_packed_kernel"}
 TOPK_ALGORITHMS = tuple(TOPK_KERNELS)
-TOPK_ALGORITHM = "threshold"
+TOPK_ALGORITHM = "packed"
 
 
 def topk_select(launcher, p: AttnProblem, scores, sel_idx, sel_num, sel_mask, num_warps=None, q_seq=None,
