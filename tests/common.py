@@ -67,6 +67,24 @@ def skip_unavailable(name: str, reason: Optional[str]) -> None:
     pytest.skip(reason)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compile_in_subprocess(script: str, timeout: int = 1200, unset=(), **env_vars):
+    """`script` run by this Python in a process of its own without Triton's interpreter (the
+    compiler cannot run under TRITON_INTERPRET), with the repository importable and `REPO` set;
+    `unset`: more variables it runs without, `env_vars`: variables it runs with. Returns the
+    finished process (its stdout and stderr as text)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", *unset)}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env.update(env_vars)
+    return subprocess.run([sys.executable, "-c", f"REPO = {REPO!r}\n" + script], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def skip_if_interpreter_broken() -> None:
     """Skips a test that runs CPU arrays under Triton's interpreter where it cannot run here
     (triton 3.6 with numpy >= 2.4: the GPU machine's versions), with the backend's reason."""

@@ -10,6 +10,7 @@ GPU: native == callback == torch bit for bit (out and grads, under jit), also un
 command buffers (CUDA graphs) with fresh inputs on every replay.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -24,8 +25,8 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import (Case, assert_close, from_layout, make_inputs, reference, skip_if_interpreter_broken,
-                    skip_unavailable, to_layout)
+from common import (Case, assert_close, compile_in_subprocess, from_layout, make_inputs, reference,
+                    skip_if_interpreter_broken, skip_unavailable, to_layout)
 from vsa_core import plan as core_plan, stages
 from vsa_core.backends import triton_backend as T
 from vsa_core.config import LaunchConfig, config, from_environment, overridden
@@ -253,10 +254,13 @@ def test_the_default_launch_is_native_on_cuda_only_for_triton_and_sm90(monkeypat
 
 
 def _stub_compiling(monkeypatch):
-    """Compiling the Triton launches stubbed out (no CUDA here): each kernel call's opaque is its name."""
+    """Compiling the Triton launches stubbed out (no CUDA here): each kernel call's opaque is its
+    name. The native programs go to a cache of the test's own, so none built here outlives it and
+    none built before answers it."""
     monkeypatch.setattr(native.core_plan, "compile_launch",
                         lambda launch, plan, capability: types.SimpleNamespace(name=launch.kernel_name))
     monkeypatch.setattr(native, "_kernel_call", lambda compiled, capability: compiled.name.encode())
+    monkeypatch.setattr(native, "native_program", functools.lru_cache(maxsize=None)(native.native_program.__wrapped__))
 
 
 def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool, mapped: bool = False):
@@ -272,18 +276,14 @@ def _lowered_default_program(monkeypatch, launch_config, tma: bool, cuda: bool, 
     if cuda:
         monkeypatch.setattr(native, "_cuda_capability", lambda device: 90)
     _stub_compiling(monkeypatch)
-    native.native_program.cache_clear()
-    try:
-        case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
-        with jax.default_device(None if cuda else _cpu()):
-            inputs, args = _small_case_args(case)
-            fn = _grad_fn(case, inputs)
-            if mapped:
-                args = [jnp.stack([x, x * 2]) for x in args]
-                fn = jax.vmap(fn)
-            return jax.jit(fn).lower(*args).as_text(), plans
-    finally:
-        native.native_program.cache_clear()
+    case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
+    with jax.default_device(None if cuda else _cpu()):
+        inputs, args = _small_case_args(case)
+        fn = _grad_fn(case, inputs)
+        if mapped:
+            args = [jnp.stack([x, x * 2]) for x in args]
+            fn = jax.vmap(fn)
+        return jax.jit(fn).lower(*args).as_text(), plans
 
 
 @pytest.mark.parametrize("jaxlib", ["host-tma", "no-host-tma"])
@@ -332,15 +332,11 @@ def test_the_default_under_vmap_runs_each_element_as_the_callback_alone(monkeypa
     plans = []
     tuned = native.tuned_plan
     monkeypatch.setattr(native, "tuned_plan", lambda *args: plans.append(tuned(*args)) or plans[-1])
-    native.native_program.cache_clear()
-    try:
-        case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=3)
-        inputs, first = _small_case_args(case)
-        second = [x * 2 if i != 3 else x for i, x in enumerate(first)]  # the gate kept in [0, 1]
-        fn = _grad_fn(case, inputs)
-        mapped = jax.tree.leaves(jax.jit(jax.vmap(fn))(*(jnp.stack(xs) for xs in zip(first, second))))
-    finally:
-        native.native_program.cache_clear()
+    case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=3)
+    inputs, first = _small_case_args(case)
+    second = [x * 2 if i != 3 else x for i, x in enumerate(first)]  # the gate kept in [0, 1]
+    fn = _grad_fn(case, inputs)
+    mapped = jax.tree.leaves(jax.jit(jax.vmap(fn))(*(jnp.stack(xs) for xs in zip(first, second))))
     assert [plan.stage for plan in plans] == ["forward", "backward"]  # the native launch was chosen
     launch_config(jax_launch="callback")
     for j, args in enumerate((first, second)):
@@ -355,14 +351,10 @@ def test_native_under_vmap_is_refused_naming_the_callback(monkeypatch, launch_co
     launch_config(jax_launch="native")
     monkeypatch.setattr(native, "_cuda_capability", lambda device: 90)
     _stub_compiling(monkeypatch)
-    native.native_program.cache_clear()
-    try:
-        case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
-        inputs, args = _small_case_args(case)
-        with pytest.raises(NotImplementedError, match=r"vmap.*set_launch\('callback'\)"):
-            jax.jit(jax.vmap(_grad_fn(case, inputs))).lower(*(jnp.stack([x, x]) for x in args))
-    finally:
-        native.native_program.cache_clear()
+    case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
+    inputs, args = _small_case_args(case)
+    with pytest.raises(NotImplementedError, match=r"vmap.*set_launch\('callback'\)"):
+        jax.jit(jax.vmap(_grad_fn(case, inputs))).lower(*(jnp.stack([x, x]) for x in args))
 
 
 def _small_case_args(case):
@@ -401,13 +393,9 @@ def test_native_program_is_one_custom_call_per_launch(monkeypatch, launch_config
     launch_config(jax_launch="native")
     monkeypatch.setattr(native, "_capability", lambda device: 90)
     _stub_compiling(monkeypatch)
-    native.native_program.cache_clear()
-    try:
-        case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
-        inputs, (q, k, v, gate, dout) = _small_case_args(case)
-        text = jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout).as_text()
-    finally:
-        native.native_program.cache_clear()
+    case = Case(batch=1, heads=2, n_q_blocks=2, n_kv_blocks=3)
+    inputs, (q, k, v, gate, dout) = _small_case_args(case)
+    text = jax.jit(_grad_fn(case, inputs)).lower(q, k, v, gate, dout).as_text()
     assert text.count(f"@{native.FFI_TARGET}") == 10, text.count(f"@{native.FFI_TARGET}")
     for name in [POOL, COARSE_FWD, TOPK, SPARSE_FWD] + BACKWARD_KERNELS:
         assert name in text
@@ -432,16 +420,12 @@ def test_native_program_under_shard_map_is_typed_and_lowers(monkeypatch, launch_
     record = native.core_plan.record_plan
     monkeypatch.setattr(native.core_plan, "record_plan", lambda stage, p, inputs, *backend: seen.append(p) or
                         record(stage, p, inputs, *backend))
-    native.native_program.cache_clear()
-    try:
-        case = Case(batch=1, heads=4, n_q_blocks=2, n_kv_blocks=3)
-        inputs, args = _small_case_args(case)
-        fn = out_and_grads_fn(case, inputs["kv_counts"], inputs["q_counts"], backend="triton")
-        mesh, spec = mesh_of(), P(None, "x")
-        sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 5))
-        text = sharded.lower(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in args)).as_text()
-    finally:
-        native.native_program.cache_clear()
+    case = Case(batch=1, heads=4, n_q_blocks=2, n_kv_blocks=3)
+    inputs, args = _small_case_args(case)
+    fn = out_and_grads_fn(case, inputs["kv_counts"], inputs["q_counts"], backend="triton")
+    mesh, spec = mesh_of(), P(None, "x")
+    sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 5))
+    text = sharded.lower(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in args)).as_text()
     assert text.count(f"@{native.FFI_TARGET}") == 10, text.count(f"@{native.FFI_TARGET}")
     assert "callback" not in text
     assert seen and all(p.heads == case.heads // 2 for p in seen), [p.heads for p in seen]
@@ -501,11 +485,7 @@ _COMPILE_SCRIPT = _PTX_ABI + textwrap.dedent(r"""
 
 def _compiling(script: str) -> subprocess.CompletedProcess:
     """`script` run in a process without the interpreter (Triton compiles there) and with JAX on the CPU."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VSA_TMA")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
+    return compile_in_subprocess(script, unset=("VSA_TMA",), JAX_PLATFORMS="cpu")
 
 
 def test_every_launch_compiles_to_a_cubin_for_sm90():
@@ -751,11 +731,7 @@ def test_native_plan_runs_torch_s_tiles_and_tma():
     any choice the default with the key listed for tuning; with TMA on they compile to TMA loads
     from host descriptors (no global scratch), with it off to pointer loads. In a subprocess: the
     compiler cannot run under TRITON_INTERPRET, which also leaves one candidate only."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VSA_AUTOTUNE", "VSA_TMA")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", _TILES_SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
+    proc = compile_in_subprocess(_TILES_SCRIPT, unset=("VSA_AUTOTUNE", "VSA_TMA"), JAX_PLATFORMS="cpu")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("TILE") == 6
 

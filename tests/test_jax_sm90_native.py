@@ -28,7 +28,7 @@ import zlib
 import numpy as np
 import pytest
 
-from common import Case, assert_close, make_inputs, reference, require_jax_gpu
+from common import Case, assert_close, compile_in_subprocess, make_inputs, reference, require_jax_gpu
 from test_import_boundaries import NO_TORCH, TORCH_NEVER_LOADED
 from vsa_core import plan as core_plan, stages
 from vsa_core.backends import sm90_backend
@@ -186,11 +186,7 @@ _COMPILE_TRITON = textwrap.dedent("""
 def test_sm90_plans_triton_launches_compile_for_sm90():
     """The Triton launches of the sm90 plans (padding="ignore": the valid-rows copies on the
     backend's workspaces too) compile to sm_90 cubins (a subprocess without the interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_TRITON], env=env, capture_output=True, text=True,
-                          timeout=1200)
+    proc = compile_in_subprocess(_COMPILE_TRITON)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("COMPILED forward") == 5 and proc.stdout.count("COMPILED backward") == 8, proc.stdout
 

@@ -25,7 +25,7 @@ import torch
 
 import vsa_jax
 import vsa_torch
-from common import Case, assert_close, make_inputs, selection_is_clear
+from common import Case, assert_close, compile_in_subprocess, make_inputs, selection_is_clear
 from frontends import run_jax_vjp, run_torch
 from vsa_core import reference as R
 from vsa_core.backends import BackendUnavailableError
@@ -433,13 +433,5 @@ print("OK")
 def test_selection_kernel_compiles_for_sm90():
     """prefix 1 (Triton compiles an int argument equal to 1 in as a constant), compete, packed
     with per-sequence counts and with an int: each specialization compiles to a cubin."""
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=1200)
+    proc = compile_in_subprocess(_COMPILE_SCRIPT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]

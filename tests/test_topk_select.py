@@ -309,15 +309,8 @@ def test_packed_kernel_compiles_for_sm90_without_spills():
     sequences with per-sequence prefixes: each compiles to an sm_90 cubin with no spilled
     register; a row of 70000 (int64 count words) compiles. CPU, in a subprocess without the
     interpreter."""
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", f"REPO = {repo!r}\n" + _PACKED_COMPILE_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=900)
+    from common import compile_in_subprocess
+    proc = compile_in_subprocess(_PACKED_COMPILE_SCRIPT, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -446,15 +439,8 @@ def test_columns_to_lists_kernel_compiles_for_sm90():
     """The tile kernel compiles to an sm_90 cubin without spills for a few blocks, nKV a
     multiple of 16 (16-byte row loads) and nQ in the thousands (many row steps). CPU, in a
     subprocess without the interpreter."""
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", f"REPO = {repo!r}\n" + _COLUMNS_COMPILE_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=600)
+    from common import compile_in_subprocess
+    proc = compile_in_subprocess(_COLUMNS_COMPILE_SCRIPT, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
