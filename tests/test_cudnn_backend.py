@@ -99,7 +99,7 @@ def test_auto_table_keys_name_registered_backends():
 
 
 def test_auto_order_per_key_and_default():
-    assert auto_table.auto_order(_problem(), H200) == ("cudnn", "sm90", "triton")
+    assert auto_table.auto_order(_problem(), H200) == ("sm90", "cudnn", "triton")
     assert auto_table.auto_order(_problem(block_elems=256, q_len=512), H200)[0] == "cute"
     # no entry (another arch, dtype, head dim, or no GPU): the order before the table
     for p, dev in ((_problem(), DeviceInfo("cuda", 0, (10, 0))), (_problem(dtype="float16"), H200),
@@ -107,14 +107,14 @@ def test_auto_order_per_key_and_default():
         assert auto_table.auto_order(p, dev) == auto_table.DEFAULT_ORDER
 
 
-def test_auto_takes_cudnn_where_measured_fastest_and_falls_through(monkeypatch):
+def test_auto_takes_sm90_where_measured_fastest_and_falls_through(monkeypatch):
     from vsa_core.backends import sm90_backend
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
-    assert resolve_backend("auto", _problem(), H200) is cudnn_backend
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: "ModuleNotFoundError: No module named 'cudnn'")
     monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: None)
-    assert resolve_backend("auto", _problem(), H200) is sm90_backend  # not installed: the next one
+    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
+    assert resolve_backend("auto", _problem(), H200) is sm90_backend
     monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
+    assert resolve_backend("auto", _problem(), H200) is cudnn_backend  # not installed: the next one
+    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: "ModuleNotFoundError: No module named 'cudnn'")
     assert resolve_backend("auto", _problem(), H200) is triton_backend
 
 
@@ -124,7 +124,7 @@ def test_auto_error_lists_every_reason(monkeypatch):
     monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
     monkeypatch.setattr(triton_backend, "unavailable_reason", lambda p, d: "not here")
     with pytest.raises(BackendUnavailableError,
-                       match=r"cudnn: .*No module named 'cudnn'.*; sm90: .*No module named 'cutlass'.*; triton: not here"):
+                       match=r"sm90: .*No module named 'cutlass'.*; cudnn: .*No module named 'cudnn'.*; triton: not here"):
         resolve_backend("auto", _problem(), H200)
 
 
@@ -297,11 +297,14 @@ def check_current_stream(backend: str):
 
 
 @pytest.mark.gpu
-def test_auto_takes_cudnn_at_64_token_blocks_on_h200():
+def test_auto_takes_sm90_at_64_token_blocks_on_h200():
+    from vsa_core.backends import sm90_backend
     case = Case(head_dim=128)
     _require_cudnn(case)
+    if sm90_backend.library_error() is not None:
+        pytest.fail(f"sm90 is missing: {sm90_backend.library_error()}")
     p = _problem(block_elems=64, head_dim=128)
-    assert resolve_backend("auto", p, device_info(torch.empty(0, device="cuda"))) is cudnn_backend
+    assert resolve_backend("auto", p, device_info(torch.empty(0, device="cuda"))) is sm90_backend
 
 
 @pytest.mark.gpu

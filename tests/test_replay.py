@@ -40,17 +40,51 @@ def test_capture_places_buffers_and_views_and_refuses_ambiguity():
     assert cap._place(fake(0x30000 + 4, 2)) is None             # a view of the shared object: inside both names
 
 
-def test_capture_refuses_stages_with_launches_it_cannot_keep(monkeypatch):
-    """A CuTe DSL launch or a backend's own workspace is run (the eager launcher's work) but
-    makes the stage unreplayable, whatever the backend declares."""
+def test_capture_keeps_cute_steps_and_workspaces_and_replays_them_on_views(monkeypatch):
+    """A CuTe DSL launch is run (the eager launcher's work) and kept as a step: each buffer as
+    (name, byte offset, geometry), a scratch buffer from `launcher.workspace` placed in the
+    replay's workspace allocation. The replay calls the step's function again on views of
+    the new buffers: the buffer itself where the capture saw it whole, else a view at the
+    same offset, with the captured statics."""
     from vsa_core.backends import sm90_backend
-    ran = []
-    monkeypatch.setitem(sm90_backend.CUTE_STEPS, "sm90_fwd64", lambda buffers, **statics: ran.append(statics))
-    cap = CapturingLauncher({"a": fake(0x10000, 64)})
-    cap.cute("sm90_fwd64", {"a": fake(0x10000, 64)}, head_dim=64)
-    assert ran == [{"head_dim": 64}]
+    seen = []
+
+    def step(buffers, **statics):
+        seen.append(({n: t if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t)
+                      for n, t in buffers.items()}, statics))
+    monkeypatch.setitem(sm90_backend.CUTE_STEPS, "sm90_fwd64", step)
+    a, b = torch.randn(64), torch.randn(4, 16)
+    cap = CapturingLauncher({"a": a, "b": b, "gone": None})
+    w = cap.workspace("w", (4, 8), "float32", a)
+    cap.cute("sm90_fwd64", {"x": a, "y": b[1:3, ::2], "ws": w, "absent": None}, head_dim=64, config={"k_stages": 1})
+    assert len(seen) == 1
     replay, why = cap.replay()
-    assert replay is None and "sm90_fwd64" in why
+    assert why is None and replay.needs_views
+    assert replay.buffers == ("a", "b") and replay.workspace == (("w", 0),) and replay.workspace_bytes == 128
+    with pytest.raises(ValueError, match="needs a view"):
+        replay.run({"a": a, "b": b}, stream=0)
+
+    new_a, new_b = torch.randn(64), torch.randn(4, 16)
+    space = torch.empty(replay.workspace_bytes, dtype=torch.uint8)
+    view = torch_ops._viewer({"a": (new_a, 0), "b": (new_b, 0), "w": (space, 0)})
+    replay.run({"a": new_a, "b": new_b}, stream=0, workspace=space.data_ptr(), view=view)
+    got, statics = seen[1]
+    assert statics == {"head_dim": 64, "config": {"k_stages": 1}}
+    assert set(got) == {"x", "y", "ws", "absent"} and got["absent"] is None
+    assert got["x"][4] is new_a
+    assert got["y"][:4] == (new_b.data_ptr() + 16 * 4, (2, 8), (16, 2), torch.float32)
+    assert torch.equal(got["y"][4], new_b[1:3, ::2])
+    assert got["ws"][:4] == (space.data_ptr(), (4, 8), (8, 1), torch.float32)
+
+
+def test_capture_refuses_a_cute_step_on_memory_outside_the_buffers(monkeypatch):
+    from vsa_core.backends import sm90_backend
+    monkeypatch.setitem(sm90_backend.CUTE_STEPS, "sm90_fwd64", lambda buffers, **statics: None)
+    a, elsewhere = torch.randn(8), torch.randn(8)
+    cap = CapturingLauncher({"a": a})
+    cap.cute("sm90_fwd64", {"x": elsewhere}, head_dim=64)
+    replay, why = cap.replay()
+    assert replay is None and "sm90_fwd64's x" in why
 
 
 def test_capture_refuses_overlapping_buffers():
@@ -325,11 +359,11 @@ def _gpu_inputs(case, inputs, requires_grad=True, misalign=False, shared_counts=
     return x
 
 
-def _step(case, x, layout="bhsd", padding="zeros"):
+def _step(case, x, layout="bhsd", padding="zeros", backend="triton"):
     fn = vsa_torch.video_sparse_attn if layout == "bhsd" else vsa_torch.video_sparse_attn_bshd
     q, k, v, gate = (x[n] for n in ("q", "k", "v", "gate"))
     out = fn(q, k, v, x["kv_counts"], x["q_counts"], case.topk, case.block, gate if case.gate else None,
-             backend="triton", padding=padding)
+             backend=backend, padding=padding)
     grads = torch.autograd.grad(out, (q, k, v, gate) if case.gate else (q, k, v), x["dout"])
     names = ("out", "dq", "dk", "dv", "dgate")
     from common import from_layout
@@ -430,3 +464,46 @@ def test_gpu_replay_off_runs_every_call_through_the_stages(monkeypatch):
     assert not _replays() and len(pooled) == 3
     ref = reference(case, inputs, padding=padding)
     assert_close(case, got, {n: ref[n] for n in got})
+
+
+# backends whose own launches are CuTe DSL steps (`vsa_core.replay.CuteStep`), with the gradients
+# their kernels do not form bitwise the same run to run (fp32 reductions in varying order)
+STEP_BACKENDS = {"sm90": ("dq",)}
+STEP_CASES = {
+    "vsa-bhsd-gate": (Case(head_dim=128, n_q_blocks=5, n_kv_blocks=6, topk=3), "bhsd", "zeros"),
+    "vsa-bshd-ignore": (Case(head_dim=64, n_q_blocks=4, n_kv_blocks=5, gate=False, layout="bshd"), "bshd", "ignore"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", list(STEP_CASES))
+@pytest.mark.parametrize("backend", list(STEP_BACKENDS))
+def test_gpu_step_backend_replay_equals_the_plain_call(backend, case_name):
+    """A backend with CuTe DSL steps and workspaces (padding="ignore"'s copies, the dQ
+    accumulator) is captured and replayed like the Triton backend: the replay equals the
+    plain call (bitwise where the kernels are deterministic) and float64 on new values."""
+    from common import missing, skip_unavailable
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the step backends' kernels here are sm_90 code")
+    skip_unavailable(backend, missing(backend))
+    case, layout, padding = STEP_CASES[case_name]
+    torch_ops._REPLAYS.clear()
+    inputs = make_inputs(case, seed=21)
+    first = _step(case, _gpu_inputs(case, inputs), layout, padding, backend)  # plain
+    _step(case, _gpu_inputs(case, inputs), layout, padding, backend)          # captured
+    assert len(_replays()) == 2, torch_ops._REPLAYS                            # forward and backward
+    assert all(r.needs_views for r in _replays())
+    for seed in (21, 22):
+        fresh = make_inputs(case, seed=seed)
+        got = _step(case, _gpu_inputs(case, fresh), layout, padding, backend)
+        if seed == 21:
+            for n in got:
+                if n in STEP_BACKENDS[backend]:
+                    np.testing.assert_allclose(got[n], first[n], rtol=1e-2, atol=1e-2)
+                else:
+                    assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
+        ref = reference(case, fresh, padding=padding)
+        assert_close(case, got, {n: ref[n] for n in got})
+    assert len(_replays()) == 2  # replayed, not captured again

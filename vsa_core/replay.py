@@ -6,17 +6,22 @@ problem seen before all of that gives the same result except the buffers' addres
 `CapturingLauncher` runs a stage's launches exactly as the eager launcher does and keeps
 each one as a `TritonStep`: the compiled kernel Triton returned, the grid, and every
 argument as a constant or as (buffer name, byte offset) into the call's named buffers
-(a TMA descriptor as its base's buffer and its geometry). `Replay.run` then launches
-those binaries on another call's buffers with one Python call per launch.
+(a TMA descriptor as its base's buffer and its geometry). A backend's own CuTe DSL launch
+(`launcher.cute`) is kept as a `CuteStep`: the step, its statics, and each buffer as
+(buffer name, byte offset, geometry); its scratch buffers (`launcher.workspace`) become
+workspaces of the replay. `Replay.run` then launches those binaries on another call's
+buffers with one Python call per launch, and calls each CuTe DSL step's function again on
+views of the new buffers (the step does its per-call host work itself: its checks, its
+compiled kernel's lookup).
 
 A capture is valid only for calls that would make the same launches: the same problem and
 statics, the same buffer shapes, strides and dtypes, the same 16-byte alignment of every
 buffer (Triton specializes pointers on it), the same device and launch configuration, the same
 buffers being one object (a launch's pointer is named by the first name of its object). The
 frontend keys its replays on exactly that (`vsa_torch.ops`). A stage is captured only when
-every launch went through this launcher to memory the call's buffers hold (`Replay` is then
-returned; otherwise the reason it cannot be): a backend that launches anything else (a
-library call, its own allocation) is never replayed, only run.
+every launch went through this launcher to memory the call's buffers (or its workspaces)
+hold (`Replay` is then returned; otherwise the reason it cannot be): a backend that launches
+anything else (a library call outside `launcher.cute`) is never replayed, only run.
 
 Autotuning times candidate tiles through the launcher the first time a problem is seen; a
 frontend therefore captures on a later call, when the tile store already answers.
@@ -28,6 +33,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
+from .backends import cute_step
 from .launch import Launcher
 from .triton_shim import compiled_launcher
 
@@ -69,6 +75,25 @@ class TritonStep:
         self.runner(*args, stream=stream)
 
 
+@dataclass(frozen=True)
+class CuteStep:
+    """One of a backend's CuTe DSL launches (`Launcher.cute`): the step's eager function
+    (`vsa_core.backends.cute_step`) called with `statics` on buffers built by the replay's
+    `view` from `args`: (argument, buffer name, byte offset, shape, strides, dtype) each (the
+    name None for an argument passed as None)."""
+
+    name: str
+    statics: Tuple[Tuple[str, Any], ...]
+    args: Tuple[Tuple[str, str, int, tuple, tuple, Any], ...]
+
+    def launch(self, addresses: Mapping[str, int], stream: int, view=None) -> None:
+        if view is None:
+            raise ValueError(f"replaying CuTe DSL step {self.name} needs a view of the buffers (Replay.needs_views)")
+        buffers = {arg: None if name is None else view(name, offset, shape, strides, dtype)
+                   for arg, name, offset, shape, strides, dtype in self.args}
+        cute_step(self.name)(buffers, **dict(self.statics))
+
+
 def _rebased(desc, base):
     """desc on another base of the same alignment, without re-running its constructor's
     checks (they passed at capture, and nothing they read has changed: the replay's key holds
@@ -86,7 +111,7 @@ class Replay:
     workspace allocation instead (`workspace_bytes` long), whose contents do not outlive the
     stage."""
 
-    steps: Tuple[TritonStep, ...]
+    steps: Tuple[Any, ...]  # TritonStep, CuteStep
     buffers: Tuple[str, ...]
     workspace: Tuple[Tuple[str, int], ...] = ()
     workspace_bytes: int = 0
@@ -95,20 +120,31 @@ class Replay:
     def workspace_names(self) -> frozenset:
         return frozenset(n for n, _ in self.workspace)
 
-    def run(self, buffers: Mapping[str, Any], stream: int, workspace: int = 0) -> None:
+    @property
+    def needs_views(self) -> bool:
+        """Whether a step needs framework views of the buffers (a CuTe DSL step), not only
+        their addresses."""
+        return any(isinstance(s, CuteStep) for s in self.steps)
+
+    def run(self, buffers: Mapping[str, Any], stream: int, workspace: int = 0, view=None) -> None:
         """Launches every step on `buffers` (name -> anything with `data_ptr()`) and the
         workspace allocation at address `workspace`, on `stream`."""
         addresses = {n: buffers[n].data_ptr() for n in self.buffers}
         for name, offset in self.workspace:
             addresses[name] = workspace + offset
-        self.launch(addresses, stream)
+        self.launch(addresses, stream, view)
 
-    def launch(self, addresses: Mapping[str, int], stream: int) -> None:
+    def launch(self, addresses: Mapping[str, int], stream: int, view=None) -> None:
         """Launches every step on buffers given by address (name -> int; the workspace's
         names included): for a frontend that knows addresses without an object per buffer
-        (buffers placed in one allocation of its own)."""
+        (buffers placed in one allocation of its own). `view(name, byte offset, shape,
+        strides, dtype)`: a framework buffer over that memory, for the CuTe DSL steps
+        (`needs_views`)."""
         for step in self.steps:
-            step.launch(addresses, stream)
+            if isinstance(step, CuteStep):
+                step.launch(addresses, stream, view)
+            else:
+                step.launch(addresses, stream)
 
 
 class CapturingLauncher(Launcher):
@@ -127,6 +163,7 @@ class CapturingLauncher(Launcher):
                 self._regions.append((start, start + _nbytes(b), name))
                 self._names.setdefault(id(b), name)
         self._steps = []
+        self._held = []  # the workspaces this capture allocated: alive until the stage is done
         self._unreplayable: Optional[str] = None
 
     def triton(self, kernel, grid, *args, **meta) -> None:
@@ -136,17 +173,38 @@ class CapturingLauncher(Launcher):
 
     def cute(self, step: str, buffers: dict, **statics) -> None:
         super().cute(step, buffers, **statics)
-        self._refuse(f"the stage runs a CuTe DSL launch ({step}), which a replay does not keep")
+        if self._unreplayable is not None:
+            return
+        args = []
+        for arg, x in buffers.items():
+            if x is None:
+                args.append((arg, None, 0, None, None, None))
+                continue
+            place = self._place(x)
+            if place is None:
+                return self._refuse(f"{step}'s {arg} is memory outside the call's buffers")
+            strides = x.stride() if callable(getattr(x, "stride", None)) else None
+            args.append((arg, *place, tuple(x.shape), None if strides is None else tuple(strides), x.dtype))
+        self._steps.append(CuteStep(step, tuple(statics.items()), tuple(args)))
 
     def workspace(self, name: str, shape, dtype: str, like):
-        self._refuse(f"the stage allocates a workspace of its own ({name}), outside the call's buffers")
-        return super().workspace(name, shape, dtype, like)
+        """The eager workspace, which the replay places in its workspace allocation."""
+        x = super().workspace(name, shape, dtype, like)
+        if any(r[2] == name for r in self._regions):
+            self._refuse(f"workspace {name} is asked for twice")
+            return x
+        start = x.data_ptr()
+        self._workspaces[name] = _nbytes(x)
+        self._regions.append((start, start + _nbytes(x), name))
+        self._names.setdefault(id(x), name)
+        self._held.append(x)
+        return x
 
     def replay(self) -> Tuple[Optional[Replay], Optional[str]]:
         """(the replay, None), or (None, why the stage cannot be replayed)."""
         if self._unreplayable is not None:
             return None, self._unreplayable
-        used = sorted({n for s in self._steps for n in [p[1] for p in s.pointers] + [d[1] for d in s.descriptors]})
+        used = sorted({n for s in self._steps for n in _buffer_names(s)})
         workspace, size = [], 0
         for name in used:
             if name in self._workspaces:
@@ -202,6 +260,12 @@ class CapturingLauncher(Launcher):
         end = ptr + _nbytes(x)
         inside = [(name, ptr - start) for start, stop, name in self._regions if start <= ptr and end <= stop]
         return inside[0] if len(inside) == 1 else None
+
+
+def _buffer_names(step):
+    if isinstance(step, CuteStep):
+        return [a[1] for a in step.args if a[1] is not None]
+    return [p[1] for p in step.pointers] + [d[1] for d in step.descriptors]
 
 
 def _nbytes(x) -> int:

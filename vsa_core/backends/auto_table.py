@@ -28,7 +28,10 @@ TABLE = {
     # Our sm90 kernels, whole VSA (benchmarks/bench.py --quick, benchmarks/results/2026-12-02-h200-session5):
     # fwd / bwd ms cudnn 1.983 / 6.354, sm90 1.996 / 6.252, triton 2.345 / 6.349 (fine stage cudnn
     # 574 / 405 TFLOPS, sm90 562 / 402, triton 468 / 394): a tie with cuDNN, ahead of triton.
-    ("sm_90", 64, 128, "bfloat16"): ("cudnn", "sm90", "triton"),
+    # Whole VSA since the sm90 forward mixes in its epilogue and launches through TVM-FFI
+    # (benchmarks/bench.py --quick, benchmarks/results/2026-12-03-h200-session13, eager):
+    # fwd / bwd ms sm90 1.926 / 6.118, cudnn 1.981 / 6.265: sm90 first.
+    ("sm_90", 64, 128, "bfloat16"): ("sm90", "cudnn", "triton"),
     # H200 (sm_90), bf16, D=128, benchmarks/bench.py, 2026-11-29 (benchmarks/results/
     # 2026-11-29-h200): 480p-256 (top-20) fine cute 705 / 522, triton 425 / 392; 720p-256
     # (B1 H40 S92160, top-45) cute 635 / 527, triton 431 / 374. The cudnn backend does not take

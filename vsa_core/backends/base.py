@@ -94,9 +94,10 @@ class FineStageBackend(Protocol):
     """What a fine-stage backend provides (a module satisfies it structurally).
 
     Optional: `replayable = True` when every launch of its fine stage goes through the
-    launcher passed in and touches only the call's named buffers (no library call, no
-    allocation of its own), so that a captured stage can be replayed (`vsa_core.replay`);
-    absent means False. `CUTE_STEPS`: the CuTe DSL launches it runs through `launcher.cute(step,
+    launcher passed in (`launcher.triton`, `launcher.cute`) and touches only the call's named
+    buffers and the scratch buffers it got from `launcher.workspace` (no library call outside a
+    step, no allocation of its own), so that a captured stage can be replayed
+    (`vsa_core.replay`); absent means False. `CUTE_STEPS`: the CuTe DSL launches it runs through `launcher.cute(step,
     buffers, **statics)`, step -> the function that runs the step eagerly on the buffers
     (`vsa_core.backends.cute_step` finds it there)."""
 

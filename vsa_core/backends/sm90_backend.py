@@ -56,6 +56,7 @@ from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
 name = "sm90"
+replayable = True  # its launches: Triton copies and two CuTe DSL steps, on the call's buffers and workspaces
 INSTALL_HINT = "pip install 'vsa[sm90]' (nvidia-cutlass-dsl==4.8.1, apache-tvm-ffi)"
 
 BLOCK_ELEMS = 64
