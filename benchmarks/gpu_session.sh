@@ -2,7 +2,7 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -177,6 +177,16 @@ case $step in
       tests/test_import_boundaries.py tests/test_config.py tests/test_topk_select.py tests/test_prefix.py
     grep -E "FAILED|ERROR" "$out/$step.log" | head -20
     t 60 python3 benchmarks/coarse_fwd_bench.py
+    ;;
+  replay)  # the sm90 backend's stages replayed (CuTe DSL steps and workspaces): their GPU tests (-v), the
+           # torch eager host cost per backend and per layer, and the 480p-64 table (auto takes sm90 first)
+    t 200 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -v -rfEs -n 4 tests/test_replay.py \
+      tests/test_cudnn_backend.py::test_auto_takes_sm90_at_64_token_blocks_on_h200 tests/test_torch_cuda_graph.py
+    grep -E "FAILED|ERROR" "$out/$step.log" | head -20
+    t 100 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
+    t 60 python3 benchmarks/host_cost.py --backends sm90 --layers sm90
+    t 150 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager --backends sm90,cudnn \
+      --peers cudnn --out "$out/bench"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
