@@ -184,7 +184,7 @@ case $step in
       tests/test_cudnn_backend.py::test_auto_takes_sm90_at_64_token_blocks_on_h200 tests/test_torch_cuda_graph.py
     grep -E "FAILED|ERROR" "$out/$step.log" | head -20
     t 100 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
-    t 60 python3 benchmarks/host_cost.py --backends sm90 --layers sm90
+    t 90 python3 benchmarks/host_cost.py --backends sm90 --layers sm90 --profile sm90
     t 150 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager --backends sm90,cudnn \
       --peers cudnn --out "$out/bench"
     ;;
