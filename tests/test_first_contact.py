@@ -159,6 +159,27 @@ def test_torch_compile_fullgraph_accepts_numpy_counts():
         assert torch.equal(comp, eager), f"{name}: max |compiled - eager| = {(comp - eager).abs().max().item():.3e}"
 
 
+def test_torch_compile_at_new_shapes_recompiles_for_each():
+    """A compiled model called at a second shape: torch.compile then traces the shapes as symbols
+    (automatic dynamic shapes; dynamic=True does so from the first call). The op's statics need
+    concrete shapes, so each shape gets its own graph, equal bit for bit to the eager call."""
+    meta = vsa_torch.build_vsa_metadata((4, 4, 8), (4, 4, 4))
+    torch.manual_seed(2)
+
+    def attn(q, k, v):
+        return vsa_torch.video_sparse_attn(q, k, v, meta.variable_block_sizes, meta.variable_block_sizes, 1,
+                                           meta.tile_size, backend="triton")
+
+    backend = "aot_eager" if DEVICE == "cpu" else "inductor"
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(attn, fullgraph=True, backend=backend, dynamic=dynamic)
+        for batch in (1, 2):
+            q, k, v = (vsa_torch.to_tiled(torch.randn(batch, 2, meta.num_tokens, 64), meta).to(DEVICE, BF16)
+                       for _ in range(3))
+            assert torch.equal(compiled(q, k, v), attn(q, k, v)), (dynamic, batch)
+
+
 # ---- errors that name the argument --------------------------------------------------------
 def _small():
     case = Case(batch=1, heads=1, n_q_blocks=2, n_kv_blocks=3, gate=False)

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 from typing import List, Optional, Tuple
 
 import torch
@@ -486,9 +487,19 @@ def _training(named: dict) -> bool:
 
 
 def _resolved(p: AttnProblem, backend: str, q: Tensor, training: bool) -> Tuple[str, float]:
-    fields = dataclasses.astuple(p)
+    fields = tuple(_concrete(f) for f in dataclasses.astuple(p))
     fields = fields[:_SCALE_FIELD] + (None,) + fields[_SCALE_FIELD + 1:]  # resolved to 1/sqrt(D) there
     return _statics_text(fields, backend, q.device.type, q.device.index, training), p.softmax_scale
+
+
+def _concrete(field):
+    """A problem field as a constant. torch.compile traces shapes as symbols once a compiled
+    function has seen a second shape (or with dynamic=True); the statics hold concrete shapes,
+    so a symbolic one is specialised here (operator.index: a guard on its value, so each shape
+    gets its own graph)."""
+    if field is None or isinstance(field, (str, bool, float, tuple)):
+        return field
+    return operator.index(field)
 
 
 def statics_for(p: AttnProblem, backend: str, named: dict) -> Tuple[str, float]:
