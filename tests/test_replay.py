@@ -15,6 +15,7 @@ import torch
 
 import vsa_torch
 from common import Case, assert_close, make_inputs, reference
+from vsa_core.launch import Launcher
 from vsa_core.replay import CapturingLauncher, Replay
 from vsa_core.runtime import DeviceBuffer, DeviceInfo
 from vsa_torch import ops as torch_ops
@@ -466,29 +467,35 @@ def test_gpu_replay_off_runs_every_call_through_the_stages(monkeypatch):
     assert_close(case, got, {n: ref[n] for n in got})
 
 
-# backends whose own launches are CuTe DSL steps (`vsa_core.replay.CuteStep`), with the gradients
-# their kernels do not form bitwise the same run to run (fp32 reductions in varying order)
-STEP_BACKENDS = {"sm90": ("dq",)}
-STEP_CASES = {
-    "vsa-bhsd-gate": (Case(head_dim=128, n_q_blocks=5, n_kv_blocks=6, topk=3), "bhsd", "zeros"),
-    "vsa-bshd-ignore": (Case(head_dim=64, n_q_blocks=4, n_kv_blocks=5, gate=False, layout="bshd"), "bshd", "ignore"),
+# backends whose own launches are steps (`vsa_core.replay.CuteStep`): a case that keeps the default
+# padding and one of padding="ignore" (its copies are workspaces), and the gradients their kernels do
+# not form bitwise the same run to run (fp32 reductions in varying order)
+STEP_BACKENDS = {
+    "sm90": ((Case(head_dim=128, n_q_blocks=5, n_kv_blocks=6, topk=3), "bhsd", "zeros"),
+             (Case(head_dim=64, n_q_blocks=4, n_kv_blocks=5, gate=False, layout="bshd"), "bshd", "ignore"), ("dq",)),
+    "cudnn": ((Case(head_dim=128, n_q_blocks=5, n_kv_blocks=6, topk=3), "bhsd", "zeros"),
+              (Case(head_dim=128, n_q_blocks=4, n_kv_blocks=5, gate=False, layout="bshd"), "bshd", "ignore"),
+              ("dq", "dk", "dv")),
+    "cute": ((Case(block=128, head_dim=128, n_q_blocks=3, n_kv_blocks=4, batch=1), "bhsd", "zeros"),
+             (Case(block=256, head_dim=64, n_q_blocks=2, n_kv_blocks=3, batch=1, gate=False, layout="bshd"), "bshd",
+              "ignore"), ("dq",)),
 }
+STEP_CASES = {f"{b}-{i}": (b, *cases[i], cases[2]) for b, cases in STEP_BACKENDS.items() for i in (0, 1)}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case_name", list(STEP_CASES))
-@pytest.mark.parametrize("backend", list(STEP_BACKENDS))
-def test_gpu_step_backend_replay_equals_the_plain_call(backend, case_name):
-    """A backend with CuTe DSL steps and workspaces (padding="ignore"'s copies, the dQ
-    accumulator) is captured and replayed like the Triton backend: the replay equals the
+@pytest.mark.parametrize("name", list(STEP_CASES))
+def test_gpu_step_backend_replay_equals_the_plain_call(name):
+    """A backend with steps and workspaces (padding="ignore"'s copies, its lists and
+    accumulators) is captured and replayed like the Triton backend: the replay equals the
     plain call (bitwise where the kernels are deterministic) and float64 on new values."""
     from common import missing, skip_unavailable
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the step backends' kernels here are sm_90 code")
+    backend, case, layout, padding, unordered = STEP_CASES[name]
     skip_unavailable(backend, missing(backend))
-    case, layout, padding = STEP_CASES[case_name]
     torch_ops._REPLAYS.clear()
     inputs = make_inputs(case, seed=21)
     first = _step(case, _gpu_inputs(case, inputs), layout, padding, backend)  # plain
@@ -500,10 +507,69 @@ def test_gpu_step_backend_replay_equals_the_plain_call(backend, case_name):
         got = _step(case, _gpu_inputs(case, fresh), layout, padding, backend)
         if seed == 21:
             for n in got:
-                if n in STEP_BACKENDS[backend]:
+                if n in unordered:
                     np.testing.assert_allclose(got[n], first[n], rtol=1e-2, atol=1e-2)
                 else:
                     assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
         ref = reference(case, fresh, padding=padding)
         assert_close(case, got, {n: ref[n] for n in got})
     assert len(_replays()) == 2  # replayed, not captured again
+
+
+# ---- CPU: what the step backends ask of the launcher -------------------------------------------
+class _Recorder(Launcher):  # records, runs nothing
+    def __init__(self):
+        self.asked, self.steps = {}, []
+
+    @property
+    def runs_kernels(self) -> bool:
+        return False
+
+    def triton(self, kernel, grid, *args, **meta) -> None:
+        pass
+
+    def cute(self, step, buffers, **statics) -> None:
+        self.steps.append((step, {n for n, b in buffers.items() if b is not None}))
+
+    def workspace(self, name, shape, dtype, like):
+        assert name not in self.asked, f"workspace {name} asked for twice"
+        self.asked[name] = (tuple(shape), dtype)
+        return torch.empty(shape, dtype=like.dtype if dtype == "input" else getattr(torch, dtype))
+
+
+STEP_PROBLEMS = {"sm90": dict(block_elems=64, head_dim=128), "cudnn": dict(block_elems=64, head_dim=128),
+                 "cute": dict(block_elems=256, head_dim=64)}
+
+
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
+@pytest.mark.parametrize("backend", list(STEP_PROBLEMS))
+def test_step_backends_ask_for_their_declared_workspaces_and_run_two_steps(backend, padding):
+    """Each stage of a step backend asks `launcher.workspace` only for what its `workspaces(stage,
+    problem)` table declares, in the declared shape and dtype (the copies of padding="ignore" only
+    under "ignore"), and hands its library one step per stage."""
+    from vsa_core import ops as core_ops
+    from vsa_core.backends import backend_named
+    from vsa_core.problem import AttnProblem
+    impl = backend_named(backend)
+    E = STEP_PROBLEMS[backend]["block_elems"]
+    p = AttnProblem(batch=1, heads=2, q_len=3 * E, kv_len=4 * E, dtype="bfloat16", topk=2, has_gate=True,
+                    padding=padding, **STEP_PROBLEMS[backend])
+    inputs = {n: torch.randn(p.token_shape(p.q_len if n in ("q", "gate") else p.kv_len)).to(torch.bfloat16)
+              for n in ("q", "k", "v", "gate")}
+    inputs["q_counts"] = torch.full((p.n_q_blocks,), E, dtype=torch.int32)
+    inputs["kv_counts"] = torch.full((p.n_kv_blocks,), E, dtype=torch.int32)
+    fwd = {**inputs, **torch_ops._alloc(p.forward_buffers(), inputs["q"])}
+    rec = _Recorder()
+    core_ops.forward(p, impl, fwd, adapter=torch_ops.TORCH_BUFFERS, launcher=rec)
+    bwd = {**fwd, "dout": torch.randn_like(inputs["q"]), **torch_ops._alloc(p.backward_buffers(), inputs["q"])}
+    rec_b = _Recorder()
+    core_ops.backward(p, impl, bwd, adapter=torch_ops.TORCH_BUFFERS, launcher=rec_b)
+    for stage, r in (("forward", rec), ("backward", rec_b)):
+        table = impl.workspaces(stage, p)
+        assert r.asked == {n: table[n] for n in r.asked}, stage
+        copies = {n for n in r.asked if n.endswith("_valid")}
+        want = {"k_valid", "v_valid"} | ({"q_valid", "dout_valid"} if stage == "backward" else set())
+        assert copies == (want if padding == "ignore" else set()), (stage, copies)
+        assert len(r.steps) == 1, r.steps
+        step, names = r.steps[0]
+        assert names >= {"q", "k", "v", "lse"}, names

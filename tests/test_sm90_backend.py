@@ -52,11 +52,17 @@ def test_missing_cutlass_names_what_to_install(monkeypatch):
 
 
 def test_its_cute_steps_are_found_through_the_registry():
-    """The eager launcher runs a CuTe DSL step by the function its backend module declares."""
-    from vsa_core.backends import cute_step
+    """The eager launcher runs a step by the function its backend module declares (every backend
+    with steps: sm90, cute, cudnn); an unknown step names the known ones."""
+    from vsa_core.backends import cudnn_backend, cute_backend, cute_step
     assert cute_step("sm90_fwd64") is sm90_backend.launch_forward64
     assert cute_step("sm90_bwd64") is sm90_backend.launch_backward64
-    with pytest.raises(ValueError, match=r"unknown CuTe DSL launch step 'sm90_fwd32' \(known: \['sm90_bwd64', 'sm90_fwd64'\]\)"):
+    assert cute_step("fa4_fwd") is cute_backend.launch_fa4_forward
+    assert cute_step("fa4_bwd") is cute_backend.launch_fa4_backward
+    assert cute_step("cudnn_fwd") is cudnn_backend.launch_cudnn_forward
+    assert cute_step("cudnn_bwd") is cudnn_backend.launch_cudnn_backward
+    known = "'cudnn_bwd', 'cudnn_fwd', 'fa4_bwd', 'fa4_fwd', 'sm90_bwd64', 'sm90_fwd64'"
+    with pytest.raises(ValueError, match=rf"unknown CuTe DSL launch step 'sm90_fwd32' \(known: \[{known}\]\)"):
         cute_step("sm90_fwd32")
 
 

@@ -307,6 +307,37 @@ def valid_rows_copy(launcher, p: AttnProblem, x, counts, seq_len: int, out=None)
     return y
 
 
+# The token inputs that the backends whose kernels multiply padded rows by zero weights (sm90,
+# cute, cudnn) read as `valid_rows_copy`s under padding="ignore", per stage: name -> the sequence
+# it spans. The query side only with the coarse branch (VSA), whose q_counts say which rows are padded.
+VALID_ROW_COPIES = {"forward": {"k": "kv", "v": "kv"}, "backward": {"q": "q", "dout": "q", "k": "kv", "v": "kv"}}
+
+
+def _valid_rows_copied(stage: str, p: AttnProblem, name: str) -> bool:
+    side = VALID_ROW_COPIES[stage].get(name)
+    return _ignore(p) and side is not None and (p.is_vsa or side == "kv")
+
+
+def _valid_rows_len(stage: str, p: AttnProblem, name: str) -> int:
+    return p.q_len if VALID_ROW_COPIES[stage][name] == "q" else p.kv_len
+
+
+def valid_rows_workspaces(stage: str, p: AttnProblem) -> dict:
+    """The workspaces `valid_rows_input` asks for in `stage` (name -> (shape, dtype)): "<input>_valid"."""
+    return {f"{n}_valid": (p.token_shape(_valid_rows_len(stage, p, n)), "input") for n in VALID_ROW_COPIES[stage]
+            if _valid_rows_copied(stage, p, n)}
+
+
+def valid_rows_input(launcher, p: AttnProblem, stage: str, name: str, x, counts):
+    """Input `name` of `stage` as such a backend's kernels read it: x, or under padding="ignore" its
+    `valid_rows_copy` in workspace "<name>_valid" (`launcher.workspace`)."""
+    if not _valid_rows_copied(stage, p, name):
+        return x
+    seq_len = _valid_rows_len(stage, p, name)
+    out = launcher.workspace(f"{name}_valid", p.token_shape(seq_len), "input", x)
+    return valid_rows_copy(launcher, p, x, counts, seq_len, out=out)
+
+
 # ---- the shared-KV lists of sm90_fwd64 (not an AttnProblem stage: the kernel is not a backend yet)
 def shared_kv_lists(launcher, sel_idx, sel_num, n_kv_blocks: int, group: int, union_idx, union_num, own_pos, own_num):
     """For groups of `group` neighbouring query blocks (the CTAs of sm90_fwd64's shared_kv

@@ -11,20 +11,9 @@ DLPack (zero-copy), and the launches go to the raw stream of the caller's
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..runtime import DeviceBuffer, caller_stream, current_raw_launch
-
-
-def as_torch(args):
-    """The FineForward / FineBackward `args` with every DeviceBuffer viewed as a torch tensor
-    (the same object when there is none)."""
-    if not isinstance(args.q, DeviceBuffer):  # one adapter made them all: torch tensors already
-        return args
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    return type(args)(**{n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in fields.items()})
 
 
 def as_torch_buffers(buffers: dict, frontends: str) -> dict:

@@ -66,12 +66,15 @@ refused where the backward cannot run, so training never mixes two backends; inf
 (torch.no_grad or no input requiring grad) of fp16 or head dim 64 runs the forward here.
 256-token blocks are not handled (the CuTe backend is faster there).
 
-Allocation: unlike the Triton backend, this backend and cuDNN's wrappers allocate (on the
-current stream, torch's caching allocator): the clamped block sizes and their [B, H, nKV]
-copy per forward, the K-to-Q lists and an fp32 workspace (dQ/dK/dV accumulators) per
-backward, plus our O copy; with a static prefix also a copy of the counts and the prefix
-rows' lists, out and lse per forward; none of it is declared in the buffer tables, which
-stay backend-independent.
+Launches and allocation: cuDNN's forward and backward run as the steps "cudnn_fwd" / "cudnn_bwd"
+(`launcher.cute`, declared in `CUTE_STEPS`), each on torch views of its buffers; the copies of
+padding="ignore" and the coarse mix are Triton launches (the copies into scratch buffers from
+`launcher.workspace`, declared in `workspaces(stage, problem)`), so a captured stage replays
+(`vsa_core.replay`) like the Triton backend's. Inside its steps this backend and cuDNN's wrappers
+allocate (on the current stream, torch's caching allocator): the clamped block sizes and their
+[B, H, nKV] copy per forward, the K-to-Q lists and an fp32 workspace (dQ/dK/dV accumulators) per
+backward; with a static prefix also a copy of the counts and the prefix rows' lists, out and lse
+per forward.
 """
 
 from __future__ import annotations
@@ -81,11 +84,12 @@ from typing import Optional
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
-from ..stages import add_block_grad, mix_coarse, valid_rows_copy
+from ..stages import add_block_grad, mix_coarse, valid_rows_input, valid_rows_workspaces
 from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
 name = "cudnn"
+replayable = True  # its launches: Triton copies and mixes, two steps calling cuDNN BSA, on the call's buffers
 TESTED_VERSION = "1.32.0"
 INSTALL_HINT = "pip install 'vsa[cudnn]' (nvidia-cudnn-frontend[cutedsl]==1.32.0, nvidia-cutlass-dsl==4.8.1)"
 
@@ -150,23 +154,32 @@ def _block_sizes(p: AttnProblem, kv_counts):
 
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(launcher, p: AttnProblem, a: FineForward):
-    from ._torch_views import as_torch  # torch loads with this backend's first call
+    """The padding copies (Triton launches into workspaces), cuDNN's forward (step "cudnn_fwd"),
+    then the coarse mix."""
+    # padding="ignore": the kernel multiplies the padded V rows by P = 0 (0 * inf = NaN)
+    k, v = (valid_rows_input(launcher, p, "forward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
+    launcher.cute("cudnn_fwd", dict(q=a.q, k=k, v=v, out=a.out, lse=a.lse, sel_idx=a.sel_idx, sel_num=a.sel_num,
+                                    kv_counts=a.kv_counts), problem=p)
+    if a.out_coarse is not None:
+        mix_coarse(launcher, p, a.out, a.lse, a.out_coarse, a.q_counts, gate=a.gate, out_fine=a.out_fine)
+
+
+def launch_cudnn_forward(buffers: dict, *, problem: AttnProblem):
+    """The "cudnn_fwd" launch on framework buffers (`CUTE_STEPS`): cuDNN BSA's forward of q, k, v into
+    out and lse with the lists sel_idx / sel_num and the clamped kv_counts, on the caller's stream
+    (the prefix rows on a stream of their own: `_prefix_first_forward`). Checks the 128-byte
+    alignment of q, k, v and out on every call (a replay's key holds only 16)."""
+    from ._torch_views import as_torch_buffers  # torch loads with this backend's first call
+    p = problem
     with caller_stream():
-        _sparse_forward(launcher, p, as_torch(a))
-
-
-def _sparse_forward(launcher, p: AttnProblem, a: FineForward):
-    q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
-    gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
-    _check_aligned(q=q, k=k, v=v, out=out)
-    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))  # padding="ignore" only
-    block_sizes = _block_sizes(p, kv_counts)
-    if p.prefix_blocks and not p.varlen and p.prefix_blocks < p.n_q_blocks:
-        _prefix_first_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
-    else:
-        _bsa_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
-    if out_coarse is not None:
-        mix_coarse(launcher, p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
+        b = as_torch_buffers(buffers, "lse")
+        q, k, v, out, lse, sel_idx, sel_num = (b[n] for n in ("q", "k", "v", "out", "lse", "sel_idx", "sel_num"))
+        _check_aligned(q=q, k=k, v=v, out=out)
+        block_sizes = _block_sizes(p, b["kv_counts"])
+        if p.prefix_blocks and not p.varlen and p.prefix_blocks < p.n_q_blocks:
+            _prefix_first_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
+        else:
+            _bsa_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
 
 
 def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):
@@ -196,7 +209,7 @@ def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_size
 # passes the same tensors (permuted views of ours, the contiguous lists, block_sizes expanded to
 # [B, H, nKV]), only with our lse written directly. One build per dtype, head dims and broadcast dims
 # (shapes and strides are run-time values); the argument checks run once per problem, except the
-# 128-byte alignment of q, k, v, out: `_sparse_forward` checks it per call, and so does the build.
+# 128-byte alignment of q, k, v, out: `launch_cudnn_forward` checks it per call, and so does the build.
 _BLK64_BUILDS = {}  # (dtype, head dim, broadcast dims) -> compiled function
 _BLK64_PLANS = {}   # `layout_key` of the arguments -> the compiled function (the checks passed)
 # The CuTe DSL keeps per-compile state on a process-wide singleton (see sm90_backend): a build holds this,
@@ -319,32 +332,48 @@ def _prefix_first_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, b
 
 
 def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
-    from ._torch_views import as_torch
-    with caller_stream():
-        _sparse_backward(launcher, p, as_torch(a))
-
-
-def _sparse_backward(launcher, p: AttnProblem, a: FineBackward):
-    """dq, dk, dv of the fine stage by cuDNN (from the query-owned lists: it builds its own
-    K-to-Q lists), then the pooling gradients. `delta`, `inv_idx`, `inv_num` are not used."""
-    q, k, v, out, lse, dout, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.dq, a.dk, a.dv
-    sel_idx, sel_num, kv_counts, q_counts = a.sel_idx, a.sel_num, a.kv_counts, a.q_counts
-    out_coarse, out_fine, dq_pool, dk_pool, dv_pool = a.out_coarse, a.out_fine, a.dq_pool, a.dk_pool, a.dv_pool
-    _, bsa_bwd = _cudnn()
-    if q_counts is not None:  # padding="ignore": what cuDNN multiplies by zero weights is read as 0
-        q, dout = (valid_rows_copy(launcher, p, x, q_counts, p.q_len) for x in (q, dout))
-    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))
-    if out_coarse is not None:
-        if out_fine is None:
+    """dq, dk, dv of the fine stage by cuDNN (step "cudnn_bwd", from the query-owned lists: it
+    builds its own K-to-Q lists), then the pooling gradients. `delta`, `inv_idx`, `inv_num` are
+    not used."""
+    # padding="ignore": what cuDNN multiplies by zero weights is read as 0
+    q, dout = (valid_rows_input(launcher, p, "backward", n, x, a.q_counts) for n, x in (("q", a.q), ("dout", a.dout)))
+    k, v = (valid_rows_input(launcher, p, "backward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
+    if a.out_coarse is not None:
+        if a.out_fine is None:
             raise ValueError("the cudnn backend's VSA backward needs the forward's fine output `out_fine`")
-        o = out_fine  # the fine output's own values (q's dtype), for cuDNN's delta = rowsum(O * dO)
+        o = a.out_fine  # the fine output's own values (q's dtype), for cuDNN's delta = rowsum(O * dO)
     else:
-        if out is None:
+        if a.out is None:
             raise ValueError("the cudnn backend's backward needs the forward output `out`")
-        o = out
-    bsa_bwd(dout, q, k, v, o, lse, sel_idx, None, _block_sizes(p, kv_counts), sel_num, softmax_scale=p.softmax_scale,
-            dq_tensor=dq, dk_tensor=dk, dv_tensor=dv, sparse_block_size=p.block_elems, layout=p.layout)
-    if dq_pool is not None:
-        add_block_grad(launcher, p, dq, dq_pool, q_counts, p.q_len)
-        add_block_grad(launcher, p, dk, dk_pool, kv_counts, p.kv_len)
-        add_block_grad(launcher, p, dv, dv_pool, kv_counts, p.kv_len)
+        o = a.out
+    launcher.cute("cudnn_bwd", dict(q=q, k=k, v=v, o=o, lse=a.lse, dout=dout, dq=a.dq, dk=a.dk, dv=a.dv,
+                                    sel_idx=a.sel_idx, sel_num=a.sel_num, kv_counts=a.kv_counts), problem=p)
+    if a.dq_pool is not None:
+        add_block_grad(launcher, p, a.dq, a.dq_pool, a.q_counts, p.q_len)
+        add_block_grad(launcher, p, a.dk, a.dk_pool, a.kv_counts, p.kv_len)
+        add_block_grad(launcher, p, a.dv, a.dv_pool, a.kv_counts, p.kv_len)
+
+
+def launch_cudnn_backward(buffers: dict, *, problem: AttnProblem):
+    """The "cudnn_bwd" launch on framework buffers (`CUTE_STEPS`): cuDNN BSA's backward into dq, dk, dv
+    from o (the fine output), lse and dout, on the caller's stream; cuDNN's wrapper allocates its
+    K-to-Q lists and fp32 accumulators there."""
+    from ._torch_views import as_torch_buffers
+    p = problem
+    _, bsa_bwd = _cudnn()
+    with caller_stream():
+        b = as_torch_buffers(buffers, "lse")
+        bsa_bwd(b["dout"], b["q"], b["k"], b["v"], b["o"], b["lse"], b["sel_idx"], None,
+                _block_sizes(p, b["kv_counts"]), b["sel_num"], softmax_scale=p.softmax_scale, dq_tensor=b["dq"],
+                dk_tensor=b["dk"], dv_tensor=b["dv"], sparse_block_size=p.block_elems, layout=p.layout)
+
+
+def workspaces(stage: str, p: AttnProblem) -> dict:
+    """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
+    each from `launcher.workspace`: the copies of padding="ignore" (`stages.valid_rows_input`)."""
+    return valid_rows_workspaces(stage, p)
+
+
+# The launches of this backend that are not Triton's (`launcher.cute(step, buffers, **statics)`, found
+# through the registry: `vsa_core.backends.cute_step`): step -> its eager function on framework buffers.
+CUTE_STEPS = {"cudnn_fwd": launch_cudnn_forward, "cudnn_bwd": launch_cudnn_backward}

@@ -54,14 +54,13 @@ How our problem maps onto FA4 (flash-attn-4 4.0.0b36, read from its source):
   which is the caller's (under JAX, `runtime.caller_stream` makes XLA's stream
   torch's current one). Nothing else to do.
 
-Allocation: unlike the Triton backend, which allocates nothing, this backend
-allocates its FA4 metadata (the full/mask lists and the per-sub-block counts, a few
-int32 per block pair) with torch.empty on the device, on the current stream; and
-FA4's own backward allocates its scratch (fp32 dq accumulator, lse_log2, dpsum)
-the same way. Since the second cannot be avoided, the lists are not declared as
-workspaces in `AttnProblem` either: the buffer tables stay backend-independent
-(JAX hands the core only the buffers declared there; under JAX these come from
-torch's caching allocator inside the callback, not from XLA).
+Launches and allocation: FA4's forward and backward run as the steps "fa4_fwd" / "fa4_bwd"
+(`launcher.cute`, declared in `CUTE_STEPS`), each a call of FA4's interface on torch views of its
+buffers; the lists, the sub-block counts and the copies are Triton launches into scratch buffers
+from `launcher.workspace` (declared in `workspaces(stage, problem)`), so a captured stage replays
+(`vsa_core.replay`) like the Triton backend's. FA4's backward allocates its own scratch (fp32 dq
+accumulator, lse_log2, dpsum) inside its step, from torch's caching allocator on the current
+stream; under JAX everything here comes from torch's caching allocator inside the callback.
 """
 
 from __future__ import annotations
@@ -73,12 +72,13 @@ import triton
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
-from ..stages import add_block_grad, mix_coarse, valid_rows_copy
+from ..stages import add_block_grad, mix_coarse, valid_rows_input, valid_rows_workspaces
 from . import cute_kernels as K
 from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
 name = "cute"
+replayable = True  # its launches: Triton list builders and copies, two CuTe DSL steps (FA4), on the call's buffers
 INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, "
                 "quack-kernels==0.6.5)")
 
@@ -130,11 +130,6 @@ def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
 
 
 # ---- helpers ------------------------------------------------------------------------------
-def _bshd(p: AttnProblem, x: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) view of a token tensor in the problem's layout (no copy)."""
-    return x.transpose(1, 2) if p.layout == "bhsd" else x
-
-
 def _sub(p: AttnProblem) -> int:
     return p.block_elems // KV_TILE
 
@@ -180,11 +175,6 @@ def delta_to_dlse(launcher, p: AttnProblem, out, dout, delta) -> None:
         HEAD_DIM=p.head_dim, ROWS=rows, num_warps=4)
 
 
-def _int32(shape, device) -> torch.Tensor:
-    import torch
-    return torch.empty(shape, dtype=torch.int32, device=device)
-
-
 def _fa4():
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
@@ -193,77 +183,119 @@ def _fa4():
     return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, vsa_kv_tail_mask
 
 
+# ---- the workspaces ---------------------------------------------------------------------------
+def _forward_width(p: AttnProblem) -> int:
+    return min(p.select_capacity, p.n_kv_blocks) * _sub(p)  # FA4 wants at most nKV*E/128 columns
+
+
+def workspaces(stage: str, p: AttnProblem) -> dict:
+    """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
+    each from `launcher.workspace`: FA4's lists (forward: full and mask [2, B, H, nQ, C] and
+    their counts [2, B, H, nQ]; backward: the KV-owned index [B, H, nKV*E/128, nQ] (inv_idx
+    itself at E = 128) and the full and mask counts [2, B, H, nKV*E/128]), the valid tokens of
+    each 128-token KV sub-block, and the copies of padding="ignore" (`stages.valid_rows_input`)."""
+    B, H, nq, n_sub = p.batch, p.heads, p.n_q_blocks, p.n_kv_blocks * _sub(p)
+    table = valid_rows_workspaces(stage, p)
+    table["fa4_sub_counts"] = ((n_sub,), "int32")
+    if stage == "forward":
+        table["fa4_idx"] = ((2, B, H, nq, _forward_width(p)), "int32")
+        table["fa4_num"] = ((2, B, H, nq), "int32")
+    else:
+        if _sub(p) != 1:
+            table["fa4_idx"] = ((B, H, n_sub, nq), "int32")
+        table["fa4_num"] = ((2, B, H, n_sub), "int32")
+    return table
+
+
+def _workspace(launcher, p: AttnProblem, stage: str, name: str, like):
+    shape, dtype = workspaces(stage, p)[name]
+    return launcher.workspace(name, shape, dtype, like)
+
+
 # ---- the fine stage -------------------------------------------------------------------------
 def sparse_forward(launcher, p: AttnProblem, a: FineForward):
-    from ._torch_views import as_torch  # torch loads with this backend's first call
-    with caller_stream():
-        _sparse_forward(launcher, p, as_torch(a))
-
-
-def _sparse_forward(launcher, p: AttnProblem, a: FineForward):
-    q, k, v, out, lse, sel_idx, sel_num, kv_counts = a.q, a.k, a.v, a.out, a.lse, a.sel_idx, a.sel_num, a.kv_counts
-    gate, out_coarse, out_fine = a.gate, a.out_coarse, a.out_fine
-    fa_fwd, _, BlockSparse, mask_mod = _fa4()
-    dev = q.device
-    B, H, nq = p.batch, p.heads, p.n_q_blocks
-    width = min(sel_idx.shape[-1], p.n_kv_blocks) * _sub(p)  # FA4 wants at most nKV*E/128 columns
-    # this backend allocates its FA4 metadata (see the module docstring)
-    idx = _int32((2, B, H, nq, width), dev)
-    num = _int32((2, B, H, nq), dev)
-    sub_counts = _int32((p.n_kv_blocks * _sub(p),), dev)
+    """FA4's lists and the padding copies (Triton launches into workspaces), FA4's forward (step
+    "fa4_fwd"), then the coarse mix."""
+    q, kv_counts = a.q, a.kv_counts
+    idx, num = (_workspace(launcher, p, "forward", n, q) for n in ("fa4_idx", "fa4_num"))
+    sub_counts = _workspace(launcher, p, "forward", "fa4_sub_counts", q)
     sub_block_counts(launcher, p, kv_counts, sub_counts)
-    forward_lists(launcher, p, sel_idx, sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
-    lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
-                        full_block_idx=idx[0], block_size=(p.block_elems, KV_TILE))
+    forward_lists(launcher, p, a.sel_idx, a.sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
     # padding="ignore": FA4 multiplies the padded V rows by P = 0 (0 * inf = NaN); padded
     # query rows stay in their own rows, which mix_coarse overwrites
-    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))
-    with _FA4_LOCK:
-        fa_fwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), softmax_scale=p.softmax_scale,
-               mask_mod=mask_mod, block_sparse_tensors=lists, aux_tensors=[sub_counts],
-               out=_bshd(p, out), lse=lse, return_lse=True)
-    if out_coarse is not None:
-        mix_coarse(launcher, p, out, lse, out_coarse, a.q_counts, gate=gate, out_fine=out_fine)
+    k, v = (valid_rows_input(launcher, p, "forward", n, x, kv_counts) for n, x in (("k", a.k), ("v", a.v)))
+    launcher.cute("fa4_fwd", dict(q=q, k=k, v=v, out=a.out, lse=a.lse, idx=idx, num=num, sub_counts=sub_counts),
+                  layout=p.layout, softmax_scale=p.softmax_scale, block_elems=p.block_elems)
+    if a.out_coarse is not None:
+        mix_coarse(launcher, p, a.out, a.lse, a.out_coarse, a.q_counts, gate=a.gate, out_fine=a.out_fine)
+
+
+def launch_fa4_forward(buffers: dict, *, layout: str, softmax_scale: float, block_elems: int):
+    """The "fa4_fwd" launch on framework buffers (`CUTE_STEPS`): FA4's block-sparse forward of q, k, v
+    into out and lse with the lists idx / num ([2, ...]: full, mask) and the KV sub-block counts, on the
+    caller's stream. FA4 allocates nothing here."""
+    from ._torch_views import as_torch_buffers
+    fa_fwd, _, BlockSparse, mask_mod = _fa4()
+    with caller_stream():
+        b = as_torch_buffers(buffers, "lse")
+        idx, num = b["idx"], b["num"]
+        lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
+                            full_block_idx=idx[0], block_size=(block_elems, KV_TILE))
+        t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2) for n in ("q", "k", "v", "out")}
+        with _FA4_LOCK:
+            fa_fwd(t["q"], t["k"], t["v"], softmax_scale=softmax_scale, mask_mod=mask_mod,
+                   block_sparse_tensors=lists, aux_tensors=[b["sub_counts"]], out=t["out"], lse=b["lse"],
+                   return_lse=True)
 
 
 def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
-    from ._torch_views import as_torch
-    with caller_stream():
-        _sparse_backward(launcher, p, as_torch(a))
-
-
-def _sparse_backward(launcher, p: AttnProblem, a: FineBackward):
-    """dq, dk, dv of the fine stage by FA4 (KV-owned lists from inv_idx/inv_num), then the
-    pooling gradients. `delta` (a workspace) is overwritten with FA4's dlse."""
-    q, k, v, out, lse, dout, delta, dq, dk, dv = a.q, a.k, a.v, a.out, a.lse, a.dout, a.delta, a.dq, a.dk, a.dv
-    inv_idx, inv_num, kv_counts, q_counts, out_coarse = a.inv_idx, a.inv_num, a.kv_counts, a.q_counts, a.out_coarse
-    dq_pool, dk_pool, dv_pool = a.dq_pool, a.dk_pool, a.dv_pool
-    _, fa_bwd, BlockSparse, mask_mod = _fa4()
-    if out is None:
+    """dq, dk, dv of the fine stage by FA4 (KV-owned lists from inv_idx/inv_num; step "fa4_bwd"),
+    then the pooling gradients. `delta` (a workspace) is overwritten with FA4's dlse."""
+    if a.out is None:
         raise ValueError("the cute backend's backward needs the forward output `out`")
-    dev = q.device
-    B, H, n_sub = p.batch, p.heads, p.n_kv_blocks * _sub(p)
-    # this backend allocates its FA4 metadata (see the module docstring)
-    idx = inv_idx if _sub(p) == 1 else _int32((B, H, n_sub, inv_idx.shape[-1]), dev)
-    num = _int32((2, B, H, n_sub), dev)
-    sub_counts = _int32((n_sub,), dev)
+    q, kv_counts = a.q, a.kv_counts
+    idx = a.inv_idx if _sub(p) == 1 else _workspace(launcher, p, "backward", "fa4_idx", q)
+    num = _workspace(launcher, p, "backward", "fa4_num", q)
+    sub_counts = _workspace(launcher, p, "backward", "fa4_sub_counts", q)
     sub_block_counts(launcher, p, kv_counts, sub_counts)
-    backward_lists(launcher, p, inv_idx, inv_num, kv_counts, idx, num[0], num[1])
-    lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx, full_block_cnt=num[0],
-                        full_block_idx=idx, block_size=(p.block_elems, KV_TILE))
-    if q_counts is not None:  # padding="ignore": what FA4 multiplies by zero weights is read as 0
-        q, dout = (valid_rows_copy(launcher, p, x, q_counts, p.q_len) for x in (q, dout))
-    k, v = (valid_rows_copy(launcher, p, x, kv_counts, p.kv_len) for x in (k, v))
+    backward_lists(launcher, p, a.inv_idx, a.inv_num, kv_counts, idx, num[0], num[1])
+    # padding="ignore": what FA4 multiplies by zero weights is read as 0
+    q, dout = (valid_rows_input(launcher, p, "backward", n, x, a.q_counts) for n, x in (("q", q), ("dout", a.dout)))
+    k, v = (valid_rows_input(launcher, p, "backward", n, x, kv_counts) for n, x in (("k", a.k), ("v", a.v)))
     dlse = None
-    if out_coarse is not None:
+    if a.out_coarse is not None:
         # `out` holds out_fine + gate * out_c: make FA4's rowsum(out * dO) - dlse equal our delta
-        delta_to_dlse(launcher, p, out, dout, delta)
-        dlse = delta
-    with _FA4_LOCK:
-        fa_bwd(_bshd(p, q), _bshd(p, k), _bshd(p, v), _bshd(p, out), _bshd(p, dout), lse,
-               softmax_scale=p.softmax_scale, mask_mod=mask_mod, aux_tensors=[sub_counts],
-               block_sparse_tensors=lists, dlse=dlse, dq=_bshd(p, dq), dk=_bshd(p, dk), dv=_bshd(p, dv))
-    if dq_pool is not None:
-        add_block_grad(launcher, p, dq, dq_pool, q_counts, p.q_len)
-        add_block_grad(launcher, p, dk, dk_pool, kv_counts, p.kv_len)
-        add_block_grad(launcher, p, dv, dv_pool, kv_counts, p.kv_len)
+        delta_to_dlse(launcher, p, a.out, dout, a.delta)
+        dlse = a.delta
+    launcher.cute("fa4_bwd", dict(q=q, k=k, v=v, out=a.out, dout=dout, lse=a.lse, dlse=dlse, dq=a.dq, dk=a.dk,
+                                  dv=a.dv, idx=idx, num=num, sub_counts=sub_counts),
+                  layout=p.layout, softmax_scale=p.softmax_scale, block_elems=p.block_elems)
+    if a.dq_pool is not None:
+        add_block_grad(launcher, p, a.dq, a.dq_pool, a.q_counts, p.q_len)
+        add_block_grad(launcher, p, a.dk, a.dk_pool, kv_counts, p.kv_len)
+        add_block_grad(launcher, p, a.dv, a.dv_pool, kv_counts, p.kv_len)
+
+
+def launch_fa4_backward(buffers: dict, *, layout: str, softmax_scale: float, block_elems: int):
+    """The "fa4_bwd" launch on framework buffers (`CUTE_STEPS`): FA4's block-sparse backward into dq,
+    dk, dv with the KV-owned lists (idx shared by the full and mask lists; num [2, ...]: full,
+    mask), on the caller's stream. FA4 allocates its own scratch (fp32 dq accumulator, lse_log2,
+    dpsum) from torch's caching allocator on that stream."""
+    from ._torch_views import as_torch_buffers
+    _, fa_bwd, BlockSparse, mask_mod = _fa4()
+    with caller_stream():
+        b = as_torch_buffers(buffers, "lse")
+        idx, num = b["idx"], b["num"]
+        lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx, full_block_cnt=num[0], full_block_idx=idx,
+                            block_size=(block_elems, KV_TILE))
+        t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2)
+             for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
+        with _FA4_LOCK:
+            fa_bwd(t["q"], t["k"], t["v"], t["out"], t["dout"], b["lse"], softmax_scale=softmax_scale,
+                   mask_mod=mask_mod, aux_tensors=[b["sub_counts"]], block_sparse_tensors=lists, dlse=b.get("dlse"),
+                   dq=t["dq"], dk=t["dk"], dv=t["dv"])
+
+
+# The CuTe DSL launches of this backend (`launcher.cute(step, buffers, **statics)`, found through the
+# registry: `vsa_core.backends.cute_step`): step -> its eager function on framework buffers.
+CUTE_STEPS = {"fa4_fwd": launch_fa4_forward, "fa4_bwd": launch_fa4_backward}

@@ -51,7 +51,7 @@ from typing import Optional
 
 from ..problem import AttnProblem
 from ..runtime import DeviceInfo, caller_stream
-from ..stages import valid_rows_copy
+from ..stages import valid_rows_input, valid_rows_workspaces
 from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
 
@@ -120,19 +120,6 @@ def _full_counts(like, n: int):
 
 
 # ---- the workspaces ---------------------------------------------------------------------------
-# the token inputs each stage reads through `valid_rows_copy` under padding="ignore" (the query
-# rows only with the coarse branch, whose q_counts say which are padded): name -> its sequence
-_COPIED = {"forward": {"k": "kv", "v": "kv"}, "backward": {"q": "q", "dout": "q", "k": "kv", "v": "kv"}}
-
-
-def _copied(stage: str, p: AttnProblem, name: str) -> bool:
-    return p.padding == "ignore" and name in _COPIED[stage] and (p.is_vsa or _COPIED[stage][name] == "kv")
-
-
-def _copy_shape(p: AttnProblem, stage: str, name: str):
-    return p.token_shape(p.q_len if _COPIED[stage][name] == "q" else p.kv_len)
-
-
 def _dq_accum_shape(p: AttnProblem):
     return (p.batch, p.heads, p.n_q_blocks, BLOCK_ELEMS * p.head_dim)
 
@@ -140,21 +127,12 @@ def _dq_accum_shape(p: AttnProblem):
 def workspaces(stage: str, p: AttnProblem) -> dict:
     """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
     each from `launcher.workspace`: the padded-rows-zeroed copies of padding="ignore"
-    ("<name>_valid") and the backward's fp32 dQ accumulator ([B, H, nQ, 64 * D], which the
-    sm90_bwd64 launch zeroes before its main kernel)."""
-    table = {f"{n}_valid": (_copy_shape(p, stage, n), "input") for n in _COPIED[stage] if _copied(stage, p, n)}
+    ("<name>_valid", `stages.valid_rows_input`) and the backward's fp32 dQ accumulator
+    ([B, H, nQ, 64 * D], which the sm90_bwd64 launch zeroes before its main kernel)."""
+    table = valid_rows_workspaces(stage, p)
     if stage == "backward":
         table["dq_accum"] = (_dq_accum_shape(p), "float32")
     return table
-
-
-def _valid_rows(launcher, p: AttnProblem, stage: str, name: str, x, counts):
-    """x, or its valid-rows copy in workspace "<name>_valid" under padding="ignore"."""
-    if not _copied(stage, p, name):
-        return x
-    shape = _copy_shape(p, stage, name)
-    seq_len = shape[2] if p.layout == "bhsd" else shape[1]
-    return valid_rows_copy(launcher, p, x, counts, seq_len, out=launcher.workspace(f"{name}_valid", shape, "input", x))
 
 
 # ---- the fine stage -------------------------------------------------------------------------
@@ -163,7 +141,7 @@ def _statics(p: AttnProblem) -> dict:
 
 
 def sparse_forward(launcher, p: AttnProblem, a: FineForward):
-    k, v = (_valid_rows(launcher, p, "forward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
+    k, v = (valid_rows_input(launcher, p, "forward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
     buffers = dict(q=a.q, k=k, v=v, out=a.out, lse=a.lse, sel_idx=a.sel_idx, sel_num=a.sel_num,
                    kv_counts=a.kv_counts)
     has_coarse = a.out_coarse is not None
@@ -205,8 +183,8 @@ def launch_forward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, s
 def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     """dq, dk, dv of the fine stage from the KV-owned lists and the core's delta, with the
     pooling gradients. `out`, `sel_idx`, `sel_num` are not read."""
-    q, dout = (_valid_rows(launcher, p, "backward", n, x, a.q_counts) for n, x in (("q", a.q), ("dout", a.dout)))
-    k, v = (_valid_rows(launcher, p, "backward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
+    q, dout = (valid_rows_input(launcher, p, "backward", n, x, a.q_counts) for n, x in (("q", a.q), ("dout", a.dout)))
+    k, v = (valid_rows_input(launcher, p, "backward", n, x, a.kv_counts) for n, x in (("k", a.k), ("v", a.v)))
     buffers = dict(q=q, k=k, v=v, dout=dout, lse=a.lse, delta=a.delta, dq=a.dq, dk=a.dk, dv=a.dv,
                    inv_idx=a.inv_idx, inv_num=a.inv_num, kv_counts=a.kv_counts,
                    dq_accum=launcher.workspace("dq_accum", _dq_accum_shape(p), "float32", a.q))
