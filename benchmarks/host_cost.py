@@ -125,11 +125,11 @@ def time_layers(backend, q, k, v, gate, counts, topk, E, calls):
         replay, why = None, f"the {statics.backend} backend's fine stage is not replayable"
     workspace = view = None
     if replay is not None:  # as vsa_torch.ops runs a replay: one workspace allocation, views for CuTe DSL steps
-        from vsa_torch.ops import _viewer
+        from vsa_core.backends._torch_views import viewer
         workspace = torch.empty(replay.workspace_bytes, dtype=torch.uint8, device=q.device)
         bases = {n: (t, 0) for n, t in buffers.items() if t is not None}
         bases.update((n, (workspace, offset)) for n, offset in replay.workspace)
-        view = _viewer(bases) if replay.needs_views else None
+        view = viewer(bases) if replay.needs_views else None
     rows = [
         ("public call", lambda: video_sparse_attn(q, k, v, counts, counts, topk, E, gate, backend=backend)),
         ("core ops.forward", lambda: core_ops.forward(p, impl, buffers, adapter=TORCH_BUFFERS)),

@@ -15,6 +15,7 @@ import torch
 
 import vsa_torch
 from common import Case, assert_close, make_inputs, reference
+from vsa_core.backends._torch_views import viewer
 from vsa_core.launch import Launcher
 from vsa_core.replay import CapturingLauncher, Replay
 from vsa_core.runtime import DeviceBuffer, DeviceInfo
@@ -67,7 +68,7 @@ def test_capture_keeps_cute_steps_and_workspaces_and_replays_them_on_views(monke
 
     new_a, new_b = torch.randn(64), torch.randn(4, 16)
     space = torch.empty(replay.workspace_bytes, dtype=torch.uint8)
-    view = torch_ops._viewer({"a": (new_a, 0), "b": (new_b, 0), "w": (space, 0)})
+    view = viewer({"a": (new_a, 0), "b": (new_b, 0), "w": (space, 0)})
     replay.run({"a": new_a, "b": new_b}, stream=0, workspace=space.data_ptr(), view=view)
     got, statics = seen[1]
     assert statics == {"head_dim": 64, "config": {"k_stages": 1}}

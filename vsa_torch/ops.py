@@ -20,6 +20,7 @@ from torch import Tensor
 from vsa_core import ops as core_ops
 from vsa_core.api import op_statics
 from vsa_core.backends import backend_named
+from vsa_core.backends._torch_views import viewer
 from vsa_core.config import config
 from vsa_core.problem import AttnProblem
 from vsa_core.replay import CapturingLauncher, Replay
@@ -99,25 +100,6 @@ def _aliases(ids) -> Optional[tuple]:
     return tuple(first.setdefault(i, n) for n, i in enumerate(ids))
 
 
-def _viewer(bases: dict):
-    """The `view` a replay's CuTe DSL steps are given (`vsa_core.replay.CuteStep`): buffer name
-    -> (tensor, byte offset of the buffer in it) in `bases`; a view of (name, byte offset,
-    shape, strides, dtype) is the buffer's tensor itself where the capture saw that tensor,
-    else a tensor over the same storage."""
-    def view(name, offset, shape, strides, dtype):
-        base, start = bases[name]
-        start += offset
-        if start == 0 and base.dtype == dtype and base.shape == shape and base.stride() == strides:
-            return base
-        storage = base.untyped_storage()
-        at = base.data_ptr() + start - storage.data_ptr()
-        itemsize = dtype.itemsize
-        if at % itemsize:
-            raise RuntimeError(f"vsa: replayed buffer {name} at byte {at} is not aligned to its {dtype}")
-        return torch.empty(0, dtype=dtype, device=base.device).set_(storage, at // itemsize, shape, strides)
-    return view
-
-
 @functools.lru_cache(maxsize=1024)
 def _stage_table(p: AttnProblem, stage: str, dtype: torch.dtype) -> Tuple[Tuple[str, tuple, torch.dtype], ...]:
     """(name, shape, torch dtype) of each buffer the stage allocates (its table in `p`)."""
@@ -148,7 +130,7 @@ def _run_stage(stage: str, s: OpStatics, p: AttnProblem, named: dict, arrays, wo
         if entry.needs_views:
             bases = {n: (t, 0) for n, t in everything.items() if t is not None}
             bases.update((n, (workspace, offset)) for n, offset in entry.workspace)
-            view = _viewer(bases)
+            view = viewer(bases)
         scope = contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
         with scope:
             entry.run(everything, torch.cuda.current_stream(device).cuda_stream, workspace.data_ptr(), view)
@@ -285,7 +267,7 @@ def _run_eager(stage: str, call: _EagerCall, named: dict, key, block: Optional[T
             bases.update((n, (t, 0)) for n, t in own.items())
             bases.update((n, (block, offset)) for n, offset in call.residual_offsets)
             bases.update((n, (workspace, offset)) for n, offset in entry.workspace)
-            view = _viewer(bases)
+            view = viewer(bases)
         index = device.index
         scope = contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(device)
         with scope:

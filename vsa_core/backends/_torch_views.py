@@ -42,3 +42,32 @@ def empty(shape, dtype: str, like):
         return torch.empty(shape, dtype=dtype, device=device)
     with caller_stream():
         return torch.empty(shape, dtype=dtype, device=device)
+
+
+def viewer(bases: dict):
+    """The `view` a replay's CuTe DSL steps are given (`vsa_core.replay.CuteStep`): buffer name ->
+    (buffer, byte offset of the named buffer in it) in `bases`, each buffer a torch tensor or a
+    DeviceBuffer (viewed through DLPack on first use). A view of (name, byte offset, shape,
+    strides, dtype) is the buffer's tensor itself where the capture saw that tensor whole, else a
+    tensor over the same storage."""
+    tensors = {}
+
+    def base_of(name):
+        base, start = bases[name]
+        t = tensors.get(id(base))
+        if t is None:
+            t = tensors[id(base)] = torch.from_dlpack(base) if isinstance(base, DeviceBuffer) else base
+        return t, start
+
+    def view(name, offset, shape, strides, dtype):
+        base, start = base_of(name)
+        start += offset
+        if start == 0 and base.dtype == dtype and base.shape == shape and base.stride() == strides:
+            return base
+        storage = base.untyped_storage()
+        at = base.data_ptr() + start - storage.data_ptr()
+        itemsize = dtype.itemsize
+        if at % itemsize:
+            raise RuntimeError(f"vsa: replayed buffer {name} at byte {at} is not aligned to its {dtype}")
+        return torch.empty(0, dtype=dtype, device=base.device).set_(storage, at // itemsize, shape, strides)
+    return view
