@@ -574,3 +574,56 @@ def test_step_backends_ask_for_their_declared_workspaces_and_run_two_steps(backe
         assert len(r.steps) == 1, r.steps
         step, names = r.steps[0]
         assert names >= {"q", "k", "v", "lse"}, names
+
+
+# ---- GPU: JAX's callback replays too ------------------------------------------------------------
+JAX_CALLBACK_BACKENDS = {"triton": STEP_BACKENDS["sm90"][:2] + ((),), **STEP_BACKENDS}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [f"{b}-{i}" for b in JAX_CALLBACK_BACKENDS for i in (0, 1)])
+def test_gpu_jax_callback_replay_equals_the_plain_call(name):
+    """Under JAX's buffer callback (forced for triton and sm90, which launch natively by default)
+    a stage is run, then captured, then replayed: the replays equal the plain call (bitwise where
+    the kernels are deterministic) and float64 on new values, and are really used."""
+    from common import missing, require_jax_gpu, skip_unavailable
+    from frontends import run_jax_vjp
+    from vsa_core.config import overridden
+    from vsa_jax import ops as jax_ops
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    require_jax_gpu()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the step backends' kernels here are sm_90 code")
+    backend, index = name.rsplit("-", 1)
+    case, layout, padding = JAX_CALLBACK_BACKENDS[backend][int(index)][:3]
+    unordered = JAX_CALLBACK_BACKENDS[backend][2]
+    skip_unavailable(backend, missing(backend))
+    with overridden(jax_launch="callback"):
+        inputs = make_inputs(case, seed=31)
+        first = run_jax_vjp(case, inputs, backend, padding=padding)   # plain (and tunes)
+        run_jax_vjp(case, inputs, backend, padding=padding)           # captured
+        for seed in (31, 32):
+            fresh = make_inputs(case, seed=seed)
+            got = run_jax_vjp(case, fresh, backend, padding=padding)
+            if seed == 31:
+                for n in got:
+                    if n in unordered:
+                        np.testing.assert_allclose(got[n], first[n], rtol=1e-2, atol=1e-2)
+                    else:
+                        assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
+            ref = reference(case, fresh, padding=padding)
+            assert_close(case, got, {n: ref[n] for n in got})
+    used = [e for stage, p, impl, entries in jax_ops.callback_replays() if impl == backend
+            and p.padding == padding and p.layout == layout for e in entries.values()]
+    assert sum(isinstance(e, Replay) for e in used) >= 2, used  # forward and backward
+
+
+def test_views_of_device_buffers_name_their_dtype_by_string():
+    """A capture of JAX's callback keeps DeviceBuffer dtypes (strings); the views are torch tensors
+    of the same memory at the same offset."""
+    base = torch.arange(64, dtype=torch.float32)
+    buf = DeviceBuffer(base.data_ptr(), "float32", (64,), DeviceInfo("cpu"), owner=base)
+    view = viewer({"a": (buf, 0)})
+    got = view("a", 8, (2, 4), (8, 1), "float32")
+    assert got.data_ptr() == base.data_ptr() + 8 and torch.equal(got, base[2:18].view(2, 8)[:, :4])

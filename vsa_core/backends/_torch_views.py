@@ -25,7 +25,8 @@ def as_torch_buffers(buffers: dict, frontends: str) -> dict:
     return {n: torch.from_dlpack(x) if isinstance(x, DeviceBuffer) else x for n, x in buffers.items()}
 
 
-_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int8": torch.int8, "uint8": torch.uint8, "int64": torch.int64}
 
 
 def empty(shape, dtype: str, like):
@@ -60,6 +61,8 @@ def viewer(bases: dict):
         return t, start
 
     def view(name, offset, shape, strides, dtype):
+        if isinstance(dtype, str):  # captured from a DeviceBuffer
+            dtype = _DTYPES[dtype]
         base, start = base_of(name)
         start += offset
         if start == 0 and base.dtype == dtype and base.shape == shape and base.stride() == strides:
