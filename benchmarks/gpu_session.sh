@@ -178,15 +178,16 @@ case $step in
     grep -E "FAILED|ERROR" "$out/$step.log" | head -20
     t 60 python3 benchmarks/coarse_fwd_bench.py
     ;;
-  replay)  # the sm90 backend's stages replayed (CuTe DSL steps and workspaces): their GPU tests (-v), the
-           # torch eager host cost per backend and per layer, and the 480p-64 table (auto takes sm90 first)
-    t 200 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -v -rfEs -n 4 tests/test_replay.py \
-      tests/test_cudnn_backend.py::test_auto_takes_sm90_at_64_token_blocks_on_h200 tests/test_torch_cuda_graph.py
+  replay)  # every step backend's stages replayed (torch eager and JAX's callback): their GPU tests (-v), the
+           # torch eager host cost per backend (64- and 256-token blocks), the sm90 forward by layer, and
+           # 480p-256 cute on both frontends (JAX's callback replays)
+    t 170 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -v -rfEs -n 6 tests/test_replay.py \
+      tests/test_cudnn_backend.py::test_auto_takes_sm90_at_64_token_blocks_on_h200
     grep -E "FAILED|ERROR" "$out/$step.log" | head -20
-    t 100 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto
-    t 90 python3 benchmarks/host_cost.py --backends sm90 --layers sm90 --profile sm90
-    t 150 python3 benchmarks/bench.py --quick --shapes 480p-64 --frontends eager --backends sm90,cudnn \
-      --peers cudnn --out "$out/bench"
+    t 60 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto --layers sm90
+    t 40 python3 benchmarks/host_cost.py --backends cute,triton --shape 1,2,4096,128,256,4
+    t 100 python3 benchmarks/bench.py --quick --shapes 480p-256 --only vsa --frontends eager,jax --backends cute \
+      --peers none --out "$out/bench"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
