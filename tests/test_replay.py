@@ -376,6 +376,29 @@ def _replays():
     return [e for e in torch_ops._REPLAYS.values() if isinstance(e, Replay)]
 
 
+def _replays_equal_the_plain_call(run, case, padding, seed, unordered=(), captured=None):
+    """run(inputs) -> results, called plain (it may tune), then captured (`captured()` then checks
+    the capture), then twice replayed: on the same values, equal to the plain call (bitwise, except
+    the gradients in `unordered`, which the kernels reduce in varying order: within bf16
+    rounding), and on new values, close to the float64 reference."""
+    inputs = make_inputs(case, seed=seed)
+    first = run(inputs)
+    run(inputs)
+    if captured is not None:
+        captured()
+    for s in (seed, seed + 1):
+        fresh = make_inputs(case, seed=s)
+        got = run(fresh)
+        if s == seed:
+            for n in got:
+                if n in unordered:
+                    np.testing.assert_allclose(got[n], first[n], rtol=1e-2, atol=1e-2)
+                else:
+                    assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
+        ref = reference(case, fresh, padding=padding)
+        assert_close(case, got, {n: ref[n] for n in got})
+
+
 GPU_CASES = {
     "vsa-bhsd-gate": (Case(head_dim=128, n_q_blocks=5, n_kv_blocks=6, topk=3), "bhsd", "zeros"),
     "vsa-bshd-ignore": (Case(head_dim=64, n_q_blocks=4, n_kv_blocks=5, gate=False, layout="bshd"), "bshd", "ignore"),
@@ -413,18 +436,11 @@ def test_gpu_replay_equals_the_plain_call_bitwise(name):
         pytest.skip("needs an NVIDIA GPU")
     case, layout, padding = GPU_CASES[name]
     torch_ops._REPLAYS.clear()
-    inputs = make_inputs(case, seed=11)
-    first = _step(case, _gpu_inputs(case, inputs), layout, padding)  # plain (and tunes)
-    _step(case, _gpu_inputs(case, inputs), layout, padding)          # captured
-    assert len(_replays()) == 2, torch_ops._REPLAYS                   # forward and backward
-    for seed in (11, 12):  # the same values (bitwise), then new values (reference)
-        fresh = make_inputs(case, seed=seed)
-        got = _step(case, _gpu_inputs(case, fresh), layout, padding)
-        if seed == 11:
-            for n in got:
-                assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
-        ref = reference(case, fresh, padding=padding)
-        assert_close(case, got, {n: ref[n] for n in got})
+
+    def captured():
+        assert len(_replays()) == 2, torch_ops._REPLAYS  # forward and backward
+    _replays_equal_the_plain_call(lambda x: _step(case, _gpu_inputs(case, x), layout, padding), case, padding, 11,
+                                  captured=captured)
     assert len(_replays()) == 2  # replayed, not captured again
 
 
@@ -498,22 +514,12 @@ def test_gpu_step_backend_replay_equals_the_plain_call(name):
     backend, case, layout, padding, unordered = STEP_CASES[name]
     skip_unavailable(backend, missing(backend))
     torch_ops._REPLAYS.clear()
-    inputs = make_inputs(case, seed=21)
-    first = _step(case, _gpu_inputs(case, inputs), layout, padding, backend)  # plain
-    _step(case, _gpu_inputs(case, inputs), layout, padding, backend)          # captured
-    assert len(_replays()) == 2, torch_ops._REPLAYS                            # forward and backward
-    assert all(r.needs_views for r in _replays())
-    for seed in (21, 22):
-        fresh = make_inputs(case, seed=seed)
-        got = _step(case, _gpu_inputs(case, fresh), layout, padding, backend)
-        if seed == 21:
-            for n in got:
-                if n in unordered:
-                    np.testing.assert_allclose(got[n], first[n], rtol=1e-2, atol=1e-2)
-                else:
-                    assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
-        ref = reference(case, fresh, padding=padding)
-        assert_close(case, got, {n: ref[n] for n in got})
+
+    def captured():
+        assert len(_replays()) == 2, torch_ops._REPLAYS  # forward and backward
+        assert all(r.needs_views for r in _replays())
+    _replays_equal_the_plain_call(lambda x: _step(case, _gpu_inputs(case, x), layout, padding, backend), case, padding,
+                                  21, unordered, captured)
     assert len(_replays()) == 2  # replayed, not captured again
 
 
@@ -600,20 +606,8 @@ def test_gpu_jax_callback_replay_equals_the_plain_call(name):
     unordered = JAX_CALLBACK_BACKENDS[backend][2]
     skip_unavailable(backend, missing(backend))
     with overridden(jax_launch="callback"):
-        inputs = make_inputs(case, seed=31)
-        first = run_jax_vjp(case, inputs, backend, padding=padding)   # plain (and tunes)
-        run_jax_vjp(case, inputs, backend, padding=padding)           # captured
-        for seed in (31, 32):
-            fresh = make_inputs(case, seed=seed)
-            got = run_jax_vjp(case, fresh, backend, padding=padding)
-            if seed == 31:
-                for n in got:
-                    if n in unordered:
-                        np.testing.assert_allclose(got[n], first[n], rtol=1e-2, atol=1e-2)
-                    else:
-                        assert np.array_equal(got[n], first[n]), f"{n}: the replay differs from the plain call"
-            ref = reference(case, fresh, padding=padding)
-            assert_close(case, got, {n: ref[n] for n in got})
+        _replays_equal_the_plain_call(lambda x: run_jax_vjp(case, x, backend, padding=padding), case, padding, 31,
+                                      unordered)
     used = [e for stage, p, impl, entries in jax_ops.callback_replays() if impl == backend
             and p.padding == padding and p.layout == layout for e in entries.values()]
     assert sum(isinstance(e, Replay) for e in used) >= 2, used  # forward and backward
