@@ -27,7 +27,7 @@ from vsa_core.backends import backend_named
 from vsa_core.config import config
 from vsa_core.problem import AttnProblem
 from vsa_core.replay import CapturingLauncher, Replay
-from vsa_core.runtime import RAW_BUFFERS, BufferAdapter, DeviceBuffer, DeviceInfo
+from vsa_core.runtime import BufferAdapter, DeviceBuffer, DeviceInfo
 from vsa_core.spec import (AXES, PUBLIC_NAMES, OpStatics, backward_arguments, backward_inputs, forward_arguments,
                            forward_inputs, forward_results, input_gradients)
 
@@ -59,7 +59,8 @@ class JaxBuffers(BufferAdapter):
     """XLA's buffers as DeviceBuffers; launches on XLA's stream (`raw_cuda_launches`)."""
 
     def views(self, buffers) -> dict:
-        return {name: None if buf is None else _device_buffer(buf) for name, buf in buffers.items()}
+        return {name: buf if buf is None or isinstance(buf, DeviceBuffer) else _device_buffer(buf)
+                for name, buf in buffers.items()}
 
 
 JAX_BUFFERS = JaxBuffers()
@@ -90,7 +91,7 @@ class _Replays:
         b = JAX_BUFFERS.views(buffers)
         q = b["q"]
         if stream is None or not getattr(self.impl, "replayable", False) or not config().replay:
-            return self.run(self.p, self.impl, b, stream=stream, adapter=RAW_BUFFERS)
+            return self.run(self.p, self.impl, b, stream=stream, adapter=JAX_BUFFERS)
         present = [(n, x) for n, x in b.items() if x is not None]
         ptrs = [x.data_ptr() for _, x in present]
         first = {}
@@ -101,11 +102,11 @@ class _Replays:
             return self._replay(entry, b, stream)
         if entry is True:
             launcher = CapturingLauncher(b)  # the stage's own workspaces are XLA's buffers, as every call's
-            self.run(self.p, self.impl, b, stream=stream, adapter=RAW_BUFFERS, launcher=launcher)
+            self.run(self.p, self.impl, b, stream=stream, adapter=JAX_BUFFERS, launcher=launcher)
             replay, why = launcher.replay()
             self.entries[key] = replay if replay is not None else why
             return None
-        self.run(self.p, self.impl, b, stream=stream, adapter=RAW_BUFFERS)
+        self.run(self.p, self.impl, b, stream=stream, adapter=JAX_BUFFERS)
         if entry is None:
             if len(self.entries) >= self.LIMIT:
                 self.entries.clear()
@@ -115,7 +116,7 @@ class _Replays:
     @staticmethod
     def _replay(entry: Replay, b: dict, stream: int) -> None:
         addresses = {n: b[n].data_ptr() for n in entry.buffers}
-        with RAW_BUFFERS.launch_scope(b["q"], stream):
+        with JAX_BUFFERS.launch_scope(b["q"], stream):
             space, view = None, None
             if entry.workspace_bytes or entry.needs_views:
                 from vsa_core.backends._torch_views import empty, viewer  # torch: the backends that need it
