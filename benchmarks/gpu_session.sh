@@ -185,7 +185,7 @@ case $step in
       tests/test_cudnn_backend.py::test_auto_takes_sm90_at_64_token_blocks_on_h200
     grep -E "FAILED|ERROR" "$out/$step.log" | head -20
     t 60 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto --layers sm90
-    t 40 python3 benchmarks/host_cost.py --backends cute,triton --shape 1,2,4096,128,256,4
+    t 120 python3 benchmarks/host_cost.py --backends cute,triton --shape 1,2,4096,128,256,4
     t 100 python3 benchmarks/bench.py --quick --shapes 480p-256 --only vsa --frontends eager,jax --backends cute \
       --peers none --out "$out/bench"
     ;;
