@@ -2,7 +2,7 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -188,6 +188,14 @@ case $step in
     t 120 python3 benchmarks/host_cost.py --backends cute,triton --shape 1,2,4096,128,256,4
     t 100 python3 benchmarks/bench.py --quick --shapes 480p-256 --only vsa --frontends eager,jax --backends cute \
       --peers none --out "$out/bench"
+    ;;
+  hostprof)  # where the host time of a call goes: torch eager by function (cProfile: sm90, cudnn), JAX's
+             # per-call cost on each launch path, and 720p-256 (cute, cudnn against cuDNN called directly)
+    t 100 python3 benchmarks/host_cost.py --backends triton,cudnn,sm90,auto --calls 300 --profile sm90
+    t 70 python3 benchmarks/host_cost.py --backends cudnn --calls 300 --profile cudnn
+    t 120 python3 benchmarks/jax_native_bench.py
+    t 240 python3 benchmarks/bench.py --quick --shapes 720p-256 --backends cute,cudnn --frontends eager \
+      --peers cudnn --out "$out/bench720"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
