@@ -762,8 +762,9 @@ def device_name(device: str) -> str:
 
 
 def save_chart(path: str, shapes: List[Shape], rows: List[Row]) -> Optional[str]:
-    """Milliseconds per contender, forward and backward, one panel per shape; None if
-    matplotlib is missing."""
+    """TFLOPS per contender, forward and backward, one panel per shape, with dense FA4's forward and
+    backward as reference lines where it ran (the speed a sparse kernel is measured against); a panel
+    says so where no contender ran. Returns why there is no chart (matplotlib missing), else None."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -772,16 +773,25 @@ def save_chart(path: str, shapes: List[Shape], rows: List[Row]) -> Optional[str]
         return f"no chart: matplotlib unavailable ({type(e).__name__})"
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        shown = [r for r in rows if r.shape == shape.name and r.fwd_ms is not None]
-        labels = [f"{r.stage}: {r.name}" + (" FAIL" if r.status == "FAIL" else "") for r in shown]
+        ax.set_title(shape.describe(), fontsize=8)
+        shown = [r for r in rows if r.shape == shape.name and r.fwd_tflops is not None]
+        if not shown:  # every contender skipped or failed here: an empty panel that says so
+            ax.text(0.5, 0.5, "no contender ran", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
+        labels = [f"{r.stage}: {r.name}" + (" *dense" if r.dense else "") + (" FAIL" if r.status == "FAIL" else "")
+                  for r in shown]
         y = np.arange(len(shown))
-        ax.barh(y - 0.2, [r.fwd_ms for r in shown], 0.4, label="forward")
-        ax.barh(y + 0.2, [r.bwd_ms or 0 for r in shown], 0.4, label="backward")
+        ax.barh(y - 0.2, [r.fwd_tflops for r in shown], 0.4, label="forward")
+        ax.barh(y + 0.2, [r.bwd_tflops or 0 for r in shown], 0.4, label="backward")
+        dense = next((r for r in shown if r.stage == "peer" and r.name.startswith("fa4")), None)
+        if dense is not None:
+            ax.axvline(dense.fwd_tflops, color="C0", linestyle="--", linewidth=1, label="dense FA4 forward")
+            if dense.bwd_tflops:
+                ax.axvline(dense.bwd_tflops, color="C1", linestyle="--", linewidth=1, label="dense FA4 backward")
         ax.set_yticks(y, labels, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("ms (median, lower is better)")
-        ax.set_title(shape.describe(), fontsize=8)
+        ax.set_xlabel("TFLOPS (higher is better; sparse FLOPs, backward 2.5x)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -304,3 +304,20 @@ def test_import_vsa_names_the_frontends():
     assert vsa_torch.video_sparse_attn and vsa_jax.video_sparse_attn
     packages = re.search(r"^packages = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert '"vsa"' in packages.split(", "), packages
+
+
+def test_bench_chart_survives_a_shape_where_nothing_ran(tmp_path, monkeypatch):
+    """bench.py's chart: a shape whose every contender was skipped (seen on the H200: 720p-256 on a
+    machine without FA4 or cuDNN) gets a panel that says so; before, the log-scaled empty panel
+    raised inside matplotlib after the whole run."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench
+    shapes = [bench.STANDARD_SHAPES["480p-64"], bench.STANDARD_SHAPES["720p-256"]]
+    rows = [bench.Row("480p-64", "peer", "fa4 (dense)", dense=True, fwd_ms=1.4, fwd_tflops=676.0, bwd_tflops=571.0),
+            bench.Row("480p-64", "fine", "sm90/eager", fwd_ms=1.7, fwd_tflops=559.0, bwd_tflops=413.0),
+            bench.Row("720p-256", "fine", "cute/eager", status="skipped: flash_attn.cute cannot be used")]
+    for case, (s, r) in {"some": (shapes, rows), "none": (shapes[1:], rows[2:])}.items():
+        path = tmp_path / f"{case}.png"
+        assert bench.save_chart(str(path), s, r) is None
+        assert path.stat().st_size > 1000
