@@ -218,10 +218,11 @@ def test_the_launch_device_is_the_array_s_else_the_default_device():
         assert device.kind == "cuda" and device.capability is not None
 
 
-def test_the_default_launch_is_native_on_cuda_only_for_triton_and_sm90(monkeypatch, launch_config):
-    """"auto" (the default): native for the Triton and sm90 backends on a CUDA device (the Triton
-    backend with TMA on only where jaxlib encodes host TMA descriptors, on sm_90 or newer), the
-    callback for the library backends, for calls on the CPU, and when asked for."""
+def test_the_default_launch_is_native_on_cuda_for_the_stages_that_have_a_native_path(monkeypatch, launch_config):
+    """"auto" (the default): native for the Triton and sm90 backends and the cudnn forward at
+    64-token blocks (on sm_90) on a CUDA device (the Triton backend with TMA on only where jaxlib
+    encodes host TMA descriptors, on sm_90 or newer), the callback for the other library stages,
+    for calls on the CPU, and when asked for."""
     from vsa_core.backends import sm90_backend
     assert from_environment({}).jax_launch == LaunchConfig().jax_launch == "auto"
     launch_config(jax_launch=LaunchConfig().jax_launch, tma=False)
@@ -236,7 +237,17 @@ def test_the_default_launch_is_native_on_cuda_only_for_triton_and_sm90(monkeypat
     monkeypatch.setattr(native, "_cuda_capability", lambda device: asked.append(device) or capability["now"])
     assert native.selected(T, on_cpu) and native.selected(sm90_backend)
     assert asked[0].kind == "cpu" and asked[1] == native.launch_device()  # asked about the call's device
-    assert not any(native.selected(types.SimpleNamespace(name=n)) for n in ("cute", "cudnn"))
+    cudnn = types.SimpleNamespace(name="cudnn")
+    assert not native.selected(types.SimpleNamespace(name="cute")) and not native.selected(cudnn, stage="backward")
+    e64, e128 = (AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=128, block_elems=e, dtype="bfloat16",
+                             topk=2) for e in (64, 128))
+    # cudnn's forward at 64-token blocks where its kernel call imports (cuDNN frontend, cutlass.jax)
+    from vsa_jax import cudnn_call
+    assert native.selected(cudnn, stage="forward", p=e64) is (cudnn_call.library_error() is None)
+    assert not native.selected(cudnn, stage="forward", p=e128)
+    capability["now"] = 100  # its kernel is compiled for sm_90a only
+    assert not native.selected(cudnn, stage="forward", p=e64) and "sm_90a" in native.unavailable_reason("cudnn", 100)
+    capability["now"] = 90
     launch_config(tma=True)
     for takes in (False, True):  # a jaxlib without and with host TMA descriptors
         monkeypatch.setattr(native, "jaxlib_takes_host_descriptors", lambda: takes)

@@ -292,10 +292,12 @@ LOWER = textwrap.dedent("""
     import jax, jax.numpy as jnp
     import cutlass.jax
     from vsa_core import plan as P
-    from vsa_core.backends import sm90_backend
+    from vsa_core.backends import cudnn_backend, sm90_backend
     from vsa_core.problem import AttnProblem
     from vsa_jax import native
-    from vsa_jax.cute_call import compile_without_gpu
+    from vsa_jax.cutlass_common import compile_without_gpu
+    BACKEND = globals().get("BACKEND", "sm90")
+    backend_module = {"sm90": sm90_backend, "cudnn": cudnn_backend}[BACKEND]
 
     # no CUDA here: the Triton launches are stubbed (test_jax_native compiles them), the CuTe DSL
     # kernels compile for real (for sm_90a, CUTE_DSL_ARCH)
@@ -306,7 +308,7 @@ LOWER = textwrap.dedent("""
     def lowered(stage, p, inputs, mapped=False):
         names = list(inputs)
         args = [jax.ShapeDtypeStruct(s, jnp.dtype(p.dtype if d == "input" else d)) for s, d in inputs.values()]
-        fn = lambda *xs: native.run(stage, p, dict(zip(names, xs)), "sm90")
+        fn = lambda *xs: native.run(stage, p, dict(zip(names, xs)), BACKEND)
         if mapped:  # a leading axis of 2 on q only: each element runs alone (a loop)
             args[0] = jax.ShapeDtypeStruct((2, *args[0].shape), args[0].dtype)
             fn = jax.vmap(fn, in_axes=(0,) + (None,) * (len(args) - 1))
@@ -335,7 +337,7 @@ LOWER = textwrap.dedent("""
         kw.update(extra)
         p = AttnProblem(**kw)
         inputs = stage_inputs(stage, p)
-        plan = P.record_plan(stage, p, inputs, sm90_backend)
+        plan = P.record_plan(stage, p, inputs, backend_module)
         text = lowered(stage, p, inputs)
         calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
         n_triton = sum(l.kind == "triton" for l in plan.launches)
@@ -346,7 +348,7 @@ LOWER = textwrap.dedent("""
         D, dt = p.head_dim, {"bfloat16": "bf16", "float16": "f16"}[p.dtype]
         tok = f"1x256x2x{D}x{dt}" if layout == "bshd" else f"1x2x256x{D}x{dt}"
         assert f"tensor<{tok}>" in line, line[-2000:]
-        if stage == "backward":
+        if stage == "backward" and BACKEND == "sm90":
             assert f"tensor<1x2x4x{64 * D}xf32>" in line  # the dQ accumulator, handed in (zeroed)
         print("LOWERED", stage, padding, layout, n_triton)
         if padding == "zeros" and not extra:  # not mapped (native.run without the callback to fall back on)
@@ -405,7 +407,7 @@ SHARD_MAP = textwrap.dedent("""
     from vsa_core.backends import sm90_backend
     from vsa_core.problem import AttnProblem
     from vsa_jax import native, ops
-    from vsa_jax.cute_call import compile_without_gpu
+    from vsa_jax.cutlass_common import compile_without_gpu
 
     native._capability = lambda device: 90
     native.core_plan.compile_launch = lambda launch, plan, cap: types.SimpleNamespace(name=launch.kernel_name)
@@ -456,7 +458,7 @@ DEFAULT_LOWER = textwrap.dedent("""
     from vsa_core.config import LaunchConfig, config
     from vsa_core.problem import AttnProblem
     from vsa_jax import native, ops
-    from vsa_jax.cute_call import compile_without_gpu
+    from vsa_jax.cutlass_common import compile_without_gpu
 
     assert config().jax_launch == LaunchConfig().jax_launch  # the default launch, nothing set
     # the default device as a CUDA sm_90 one; the Triton launches' compiling stubbed (no CUDA here)
@@ -496,7 +498,8 @@ def test_native_selects_sm90_only_in_native_mode(launch_config):
     from vsa_jax import native
     launch_config(jax_launch="native")
     assert native.selected(sm90_backend) and native.selected(types.SimpleNamespace(name="triton"))
-    assert not native.selected(types.SimpleNamespace(name="cudnn"))
+    assert not native.selected(types.SimpleNamespace(name="cudnn"), stage="backward")
+    assert not native.selected(types.SimpleNamespace(name="cute"))
     launch_config(jax_launch="callback")
     assert not native.selected(sm90_backend)
 

@@ -12,20 +12,25 @@ Every output and workspace of the stage is an XLA buffer: it is born as a result
 first launch that takes it, and passed on to later launches with an input/output alias
 (updated in place), as `vsa_core.plan.schedule` lays out.
 
-The sm90 backend's own CuTe DSL launches (`CuteLaunch`es of its plans) become one
-`cutlass.jax.cutlass_call` each (`vsa_jax.sm90_call`), its workspaces (the valid-rows copies
-of padding="ignore", the backward's dQ accumulator) XLA buffers born in the plan like the
-stage's own: the sm90 backend runs natively with no torch.
+The CuTe DSL launches of a plan (`CuteLaunch`es) become one `cutlass.jax.cutlass_call` each:
+the sm90 backend's kernels (`vsa_jax.sm90_call`), whose workspaces (the valid-rows copies of
+padding="ignore", the backward's dQ accumulator) are XLA buffers born in the plan like the
+stage's own, so the sm90 backend runs natively with no torch; and cuDNN's sm_90 forward for
+64-token blocks (`vsa_jax.cudnn_call`), so the cudnn backend's forward runs natively too.
 
 The default (`jax_launch` "auto", `vsa_core.config`, read at trace time: a function already
-jitted keeps the path it was traced with): the Triton and sm90 backends run natively on a CUDA
-device; the cute (FA4) and cudnn backends, calls on the CPU (the interpreter) and the cases
-`unavailable_reason` names take the callback (buffer_callback over vsa_core.ops). "On a CUDA
+jitted keeps the path it was traced with): the stages that have a native path (`has_native`:
+every stage of the Triton and sm90 backends, the cudnn backend's forward at 64-token blocks) run
+natively on a CUDA device; the others (the cute (FA4) backend, the cudnn backward, cuDNN's
+128-token blocks and its forward with a static prefix), calls on the CPU (the interpreter) and
+the cases `unavailable_reason` names take the callback (buffer_callback over vsa_core.ops), in
+every mode. The two stages of one call may so take different paths. "On a CUDA
 device" is the device the call runs on as far as tracing knows it (`launch_device`): a concrete
 array's own (eager calls), else JAX's default device (`jax.default_device`), the device the
 frontends resolve `backend="auto"` on too. Under jax.vmap the native launches are not mapped
 (`_not_under_vmap`): "auto" runs the mapped stage through the callback.
-`set_launch("native")` asks for this path or an error; `set_launch("callback")` for the callback.
+`set_launch("native")` asks for this path wherever a stage has one, or an error; `set_launch("callback")`
+for the callback.
 
 The Triton attention kernels run the tile configs of the shared store (`vsa_core.autotune.TILES`),
 as every eager call, torch's or the callback's, does: the first to reach a problem times the
@@ -76,17 +81,31 @@ def launch_mode() -> str:
     return config().jax_launch
 
 
-NATIVE_BACKENDS = ("triton", "sm90")
+# The stages each backend can run natively; the others keep the callback in every mode. cudnn's
+# forward runs natively where its kernel call can take the problem (`cudnn_call.native_reason`).
+NATIVE_STAGES = {"triton": ("forward", "backward"), "sm90": ("forward", "backward"), "cudnn": ("forward",)}
+# step of a CuTe DSL launch -> the module that replays it as a cutlass_call
+_CUTE_CALLS = {"sm90_fwd64": "sm90_call", "sm90_bwd64": "sm90_call", "cudnn_fwd": "cudnn_call"}
 
 
-def selected(impl, like=None) -> bool:
-    """True when a call on the array `like` launches natively: the backend has a replayable plan
-    (Triton, sm90; the library backends keep the callback) and "native" is selected, or "auto" is
-    (the default) and the call runs on a CUDA device (`launch_device`) where nothing stands in the
-    way (`unavailable_reason`)."""
+def has_native(backend: str, stage: str, p: Optional[AttnProblem] = None) -> bool:
+    """Whether `stage` of `backend` has a native path (for problem `p`, when given)."""
+    if stage not in NATIVE_STAGES.get(backend, ()):
+        return False
+    if backend == "cudnn" and p is not None:
+        from . import cudnn_call
+        return cudnn_call.native_reason(p) is None
+    return True
+
+
+def selected(impl, like=None, stage: str = "forward", p: Optional[AttnProblem] = None) -> bool:
+    """True when `stage` of a call on the array `like` launches natively: the stage has a native
+    path (`has_native`: Triton's and sm90's stages, cudnn's forward at 64-token blocks; the others
+    keep the callback) and "native" is selected, or "auto" is (the default) and the call runs on a
+    CUDA device (`launch_device`) where nothing stands in the way (`unavailable_reason`)."""
     mode = launch_mode()
     name = getattr(impl, "name", None)
-    if mode == "callback" or name not in NATIVE_BACKENDS:
+    if mode == "callback" or not has_native(name, stage, p):
         return False
     if mode == "native":
         return True
@@ -101,6 +120,8 @@ _NO_HOST_DESCRIPTORS = (
 
 def unavailable_reason(backend: str, capability: Optional[int] = None) -> Optional[str]:
     """Why `backend` cannot launch natively here (on a CUDA device of `capability`, when given), or None."""
+    if backend == "cudnn" and capability is not None and capability != 90:
+        return f"cuDNN's blk64 forward is compiled for sm_90a (the device is sm_{capability})"
     if backend != "triton" or not config().tma:
         return None
     if not jaxlib_takes_host_descriptors():
@@ -251,12 +272,20 @@ def native_program(stage: str, p: AttnProblem, inputs: Tuple[Tuple[str, Tuple[in
     calls = []
     for launch in plan.launches:
         if launch.kind == "cute":
-            from . import sm90_call
-            sm90_call.check(launch)
+            _cute_call(launch).check(launch)
             calls.append(None)
         else:
             calls.append(_kernel_call(core_plan.compile_launch(launch, plan, capability), capability))
     return plan, steps, tuple(calls)
+
+
+def _cute_call(launch):
+    """The module that replays CuTe DSL launch `launch` as a cutlass_call (`sm90_call`, `cudnn_call`)."""
+    import importlib
+    module = _CUTE_CALLS.get(launch.step)
+    if module is None:
+        raise NotImplementedError(f"no native replay of CuTe DSL launch {launch.step!r}")
+    return importlib.import_module(f"{__package__}.{module}")
 
 
 def _result_type(spec, p: AttnProblem):
@@ -281,8 +310,7 @@ def run(stage: str, p: AttnProblem, inputs: Dict[str, jax.Array], backend: str =
         for launch, step, call in zip(plan.launches, steps, calls):
             result_types = tuple(_result_type(specs[n], p) for n in step.results)
             if launch.kind == "cute":
-                from . import sm90_call
-                results = sm90_call.call(launch, step, current, result_types)
+                results = _cute_call(launch).call(launch, step, current, result_types)
             else:
                 operands = [current[n] for n in step.operands]
                 results = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=dict(step.aliases))(

@@ -193,7 +193,7 @@ def _run(stage: str, p: AttnProblem, impl, **inputs) -> dict:
     XLA custom calls (no Python per call); under jax.vmap the default runs the callback."""
     inputs = {n: x for n, x in inputs.items() if x is not None}
     axes = frozenset().union(*(_vma(x) for x in inputs.values()))
-    if _native.selected(impl, inputs["q"]):
+    if _native.selected(impl, inputs["q"], stage, p):
         results = _native.run(stage, p, inputs, impl.name, fallback=_callback(stage, p, impl))
     else:
         results = _callback(stage, p, impl)(inputs)

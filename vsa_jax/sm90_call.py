@@ -28,6 +28,8 @@ from typing import Dict, Tuple
 import jax
 import jax.numpy as jnp
 
+from .cutlass_common import arrange, versions
+
 BLOCK = 64
 GPU_ARCH = "sm_90a"
 STEPS = ("sm90_fwd64", "sm90_bwd64")
@@ -82,11 +84,6 @@ class _Adapter:
             post(t["dq_accum"], t["dq"], t.get("dq_pool", lse), t.get("q_counts", lse), scale, stream)
 
 
-def _versions() -> tuple:
-    from importlib.metadata import version
-    return (("nvidia-cutlass-dsl", version("nvidia-cutlass-dsl")),)
-
-
 def check(launch) -> None:
     """NotImplementedError for a CuTe DSL launch this module cannot replay."""
     if launch.step not in STEPS:
@@ -114,7 +111,7 @@ def _callable(step: str, statics: tuple, in_args: tuple, out_args: tuple, result
         compile_options=f"--gpu-arch={GPU_ARCH}",
         # the adapter is fixed by these (cutlass_call adds the shapes, specs and environment): a
         # lowering that hits its cache skips re-tracing the adapter to MLIR
-        compile_key=("vsa.sm90", step, statics, in_args, out_args, aliases, _versions()),
+        compile_key=("vsa.sm90", step, statics, in_args, out_args, aliases, versions()),
         allow_cuda_graph=True,
     )
 
@@ -123,39 +120,11 @@ def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tu
     """The results of plan step `step` (a `vsa_core.plan.Step`) of CuTe DSL launch `launch`, on the
     arrays `current` (buffer name -> array); result_types: a ShapeDtypeStruct per step result."""
     check(launch)
-    arg_of = {}
-    for arg, buf in launch.args:
-        if buf in arg_of:
-            raise NotImplementedError(f"{launch.step} takes buffer {buf} twice ({arg_of[buf]}, {arg})")
-        arg_of[buf] = arg
     statics = launch.statics_dict()
-    zeroed = ZEROED.get(launch.step, frozenset())
-    in_args = [arg_of[b] for b in step.operands]
-    in_arrays = [current[b] for b in step.operands]
-    aliases = list(step.aliases)
-    out_args = []
-    for index, buf in enumerate(step.results[:step.n_param_results]):
-        if arg_of[buf] in zeroed:
-            aliases.append((len(in_arrays), index))
-            in_args.append(arg_of[buf])
-            in_arrays.append(jnp.zeros(result_types[index].shape, result_types[index].dtype))
-        else:
-            out_args.append(arg_of[buf])
-    if len(step.results) != step.n_param_results + len(step.aliases):
-        raise NotImplementedError(f"{launch.step}: results that the launch does not take")
+    args = arrange(launch, step, current, result_types, ZEROED.get(launch.step, frozenset()))
     if launch.step == "sm90_fwd64" and statics["has_coarse"] and not statics["ignore_padding"]:
         n_q = current[launch.buffer("sel_num")].shape[2]
-        in_args.append("q_counts")  # padding="zeros": every query row valid
-        in_arrays.append(jnp.full((n_q,), BLOCK, jnp.int32))
-    fn = _callable(launch.step, launch.statics, tuple(in_args), tuple(out_args), tuple(arg_of[b] for b in step.results),
-                   tuple((tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types), tuple(sorted(aliases)))
-    return tuple(fn(*in_arrays))
-
-
-def lower_for_cuda(fn, *args):
-    """StableHLO text of jax.jit(fn) lowered for CUDA on any host (jax.export's cross-platform
-    lowering): compiles the CuTe kernels, needs no GPU. For tests and inspection."""
-    import cutlass.jax
-    exported = jax.export.export(jax.jit(fn), platforms=("cuda",),
-                                 disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*args)
-    return exported.mlir_module()
+        args.add_input("q_counts", jnp.full((n_q,), BLOCK, jnp.int32))  # padding="zeros": every query row valid
+    fn = _callable(launch.step, launch.statics, tuple(args.in_args), tuple(args.out_args), args.result_args,
+                   tuple((tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types), tuple(sorted(args.aliases)))
+    return tuple(fn(*args.in_arrays))

@@ -176,10 +176,16 @@ def launch_cudnn_forward(buffers: dict, *, problem: AttnProblem):
         q, k, v, out, lse, sel_idx, sel_num = (b[n] for n in ("q", "k", "v", "out", "lse", "sel_idx", "sel_num"))
         _check_aligned(q=q, k=k, v=v, out=out)
         block_sizes = _block_sizes(p, b["kv_counts"])
-        if p.prefix_blocks and not p.varlen and p.prefix_blocks < p.n_q_blocks:
+        if prefix_first(p):
             _prefix_first_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
         else:
             _bsa_forward(p, q, k, v, out, lse, sel_idx, sel_num, block_sizes)
+
+
+def prefix_first(p: AttnProblem) -> bool:
+    """Whether the forward runs a static prefix's dense query rows as a call of their own, on a
+    stream of their own (`_prefix_first_forward`), rather than as one call over every row."""
+    return bool(p.prefix_blocks) and not p.varlen and p.prefix_blocks < p.n_q_blocks
 
 
 def _bsa_forward(p: AttnProblem, q, k, v, out, lse, sel_idx, sel_num, block_sizes):

@@ -1,4 +1,4 @@
-"""vsa_jax.cute_call: cuDNN BSA's sm_90 forward (a CuTe DSL kernel) as an XLA custom call, no torch.
+"""vsa_jax.cudnn_call: cuDNN BSA's sm_90 forward (a CuTe DSL kernel) as an XLA custom call, no torch.
 
 On the CPU (no GPU, no NVIDIA driver): the module and the kernel class import with torch blocked;
 jax.jit traces the call to cutlass.jax's primitive (its lowering rule exists for "cuda" only, so
@@ -9,7 +9,7 @@ On an H100/H200 (`gpu` tests): the call's values against a float64 reference wit
 and under XLA command buffers the custom call is inside a command buffer and replays equal to a
 run without them.
 
-    pytest tests/test_jax_cute_call.py -v            # CPU: 4 pass, the gpu ones skip
+    pytest tests/test_jax_cudnn_call.py -v            # CPU: 4 pass, the gpu ones skip
     (GPU machine: the same command; needs nvidia-cudnn-frontend[cutedsl]==1.32.0, nvidia-cutlass-dsl==4.8.1, jax[cuda])
 """
 
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from test_import_boundaries import NO_TORCH, TORCH_NEVER_LOADED
@@ -30,7 +31,7 @@ if any(importlib.util.find_spec(m) is None for m in ("jax", "cutlass", "cudnn"))
 
 SHAPES = textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from vsa_jax import cute_call
+    from vsa_jax import cudnn_call, cutlass_common
 
     def shapes(layout, B=1, H=2, S=1024, D=128, C=4, dtype=jnp.bfloat16):
         n = S // 64
@@ -55,9 +56,10 @@ def _run(code: str, platform: str, extra_env=None) -> str:
 
 def test_imports_without_torch():
     _run(textwrap.dedent("""
-        from vsa_jax import cute_call
-        assert cute_call.library_error() is None, cute_call.library_error()
-        cute_call._adapter_class()  # the cuDNN kernel class and CuTe DSL, imported
+        from vsa_jax import cudnn_call
+        assert cudnn_call.library_error() is None, cudnn_call.library_error()
+        cudnn_call._Adapter  # noqa: B018
+        from cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90 import BlockSparseAttnForwardSm90Blk64  # noqa: F401
         """), "cpu")
 
 
@@ -66,7 +68,7 @@ def test_traces_to_the_cutlass_call_primitive():
     after the small clamp/broadcast of the block sizes; the CPU backend has no lowering for it."""
     _run(SHAPES + textwrap.dedent("""
         for layout in ("bhsd", "bshd"):
-            f = lambda *a: cute_call.cudnn_sm90_forward(*a, layout=layout)
+            f = lambda *a: cudnn_call.cudnn_sm90_forward(*a, layout=layout)
             jaxpr = jax.jit(f).trace(*shapes(layout)).jaxpr
             text = str(jaxpr)
             assert "cutlass_call_inner" in text and "ffi_call_target=CuteDSLRT_NvJaxCutlassCall_v2" in text, text
@@ -107,9 +109,9 @@ def test_lowers_for_cuda_to_one_custom_call_with_an_sm90a_kernel(tmp_path):
     out = _run(SHAPES + textwrap.dedent(f"""
         import re
         for layout in ("bhsd", "bshd"):
-            f = lambda *a: cute_call.cudnn_sm90_forward(*a, layout=layout)
-            with cute_call.compile_without_gpu():
-                text = cute_call.lower_for_cuda(f, *shapes(layout))
+            f = lambda *a: cudnn_call.cudnn_sm90_forward(*a, layout=layout)
+            with cutlass_common.compile_without_gpu():
+                text = cutlass_common.lower_for_cuda(f, *shapes(layout))
             calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
             assert calls == ["CuteDSLRT_NvJaxCutlassCall_v2"], calls
             open(r"{tmp_path}/" + layout + ".mlir", "w").write(text)
@@ -133,14 +135,40 @@ def test_lowers_for_cuda_to_one_custom_call_with_an_sm90a_kernel(tmp_path):
 def test_arguments_are_checked_at_trace_time():
     import jax
     import jax.numpy as jnp
-    from vsa_jax import cute_call
+    from vsa_jax import cudnn_call
     q = jax.ShapeDtypeStruct((1, 2, 1000, 128), jnp.bfloat16)
     i4, i3, i1 = (jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 2, 15, 4), (1, 2, 15), (15,)))
     with pytest.raises(ValueError, match="multiple of 64"):
-        jax.jit(cute_call.cudnn_sm90_forward).trace(q, q, q, i4, i3, i1)
+        jax.jit(cudnn_call.cudnn_sm90_forward).trace(q, q, q, i4, i3, i1)
     q = jax.ShapeDtypeStruct((1, 2, 1024, 128), jnp.float32)
     with pytest.raises(TypeError, match="bfloat16"):
-        jax.jit(cute_call.cudnn_sm90_forward).trace(q, q, q, i4, i3, i1)
+        jax.jit(cudnn_call.cudnn_sm90_forward).trace(q, q, q, i4, i3, i1)
+
+
+def test_the_cudnn_forward_stage_lowers_to_triton_calls_and_one_cute_call():
+    """The cudnn backend's VSA forward as a native stage (its plan recorded, the Triton launches
+    stubbed, torch blocked): one triton_kernel_call_ffi per Triton launch and one CuTe DSL call of
+    cuDNN's kernel compiled for sm_90a, both layouts and paddings (padding "ignore" reads the
+    valid-rows copies of k and v, XLA buffers of the plan); no callback."""
+    from test_jax_sm90_native import LOWER, _run_no_torch
+    cases = [("forward", "zeros", "bhsd", {}), ("forward", "ignore", "bshd", {})]
+    out = _run_no_torch(f"BACKEND = 'cudnn'\nCASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
+    assert out.count("LOWERED") == 2, out
+
+
+def test_only_the_forward_at_64_token_blocks_without_a_split_prefix_is_native():
+    from vsa_core.problem import AttnProblem
+    from vsa_jax import cudnn_call, native
+
+    def p(**kw):
+        base = dict(batch=1, heads=2, q_len=512, kv_len=512, head_dim=128, block_elems=64, dtype="bfloat16", topk=2)
+        return AttnProblem(**{**base, **kw})
+
+    assert native.has_native("cudnn", "forward", p()) and not native.has_native("cudnn", "backward", p())
+    assert "128-token" in cudnn_call.native_reason(p(block_elems=128))
+    assert "stream of their own" in cudnn_call.native_reason(p(prefix_blocks=2, topk=2))
+    assert cudnn_call.native_reason(p(head_dim=64, dtype="float16")) is None
+    assert "sm_90a" in cudnn_call.native_reason(p(), capability=100)
 
 
 # ---- GPU (H100/H200) ---------------------------------------------------------------------------
@@ -181,7 +209,7 @@ GPU_VALUES = SHAPES + textwrap.dedent("""
         q, k, v, idx, num, counts = problem(layout)
         bf = lambda x: jnp.asarray(x, jnp.bfloat16)
         qq, kk, vv = (bf(x) if layout == "bhsd" else bf(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
-        f = jit_fn or jax.jit(lambda *a: cute_call.cudnn_sm90_forward(*a, layout=layout))
+        f = jit_fn or jax.jit(lambda *a: cudnn_call.cudnn_sm90_forward(*a, layout=layout))
         out, lse = f(qq, kk, vv, jnp.asarray(idx), jnp.asarray(num), jnp.asarray(counts))
         out = np.asarray(out.astype(jnp.float32))
         if layout == "bshd":
@@ -211,7 +239,7 @@ def test_gpu_runs_inside_an_xla_command_buffer_and_replays_equal():
     command buffer (a CUDA graph), and its replays equal a run without command buffers (a second
     process): the asserted form of issue 23's command-buffer target for this kernel."""
     code = GPU_VALUES + textwrap.dedent("""
-        f = jax.jit(lambda *a: cute_call.cudnn_sm90_forward(*a, layout="bhsd"))
+        f = jax.jit(lambda *a: cudnn_call.cudnn_sm90_forward(*a, layout="bhsd"))
         args = [jnp.asarray(x) for x in problem("bhsd")]
         args[:3] = [x.astype(jnp.bfloat16) for x in args[:3]]
         hlo = f.lower(*args).compile().as_text()
@@ -243,3 +271,65 @@ def test_gpu_runs_inside_an_xla_command_buffer_and_replays_equal():
         _run(code.replace("__OUT_PATH__", repr(plain)), "cuda", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})
         assert "IN COMMAND BUFFER" in out, out
         assert np.array_equal(np.load(cmd), np.load(plain))
+
+
+# ---- GPU: the cudnn backend's forward natively under JAX ---------------------------------------
+def _cudnn_jax_case(case):
+    from common import require_jax_gpu
+    from test_cudnn_backend import require_backend
+    require_jax_gpu()
+    require_backend("cudnn", case)
+
+
+NATIVE_CASES = ["bhsd", "bshd", "sq-ne-skv"]
+
+
+def _native_case(name):
+    from common import Case
+    return {"bhsd": Case(head_dim=128), "bshd": Case(head_dim=128, layout="bshd"),
+            "sq-ne-skv": Case(head_dim=128, n_q_blocks=9, n_kv_blocks=11, topk=5, heads=3)}[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["zeros", "ignore"])
+@pytest.mark.parametrize("name", NATIVE_CASES)
+def test_gpu_native_cudnn_forward_equals_torch(name, padding, launch_config):
+    """VSA on the cudnn backend under jit(vjp), default launch: the forward natively (cuDNN's
+    kernel as a cutlass_call), the backward through the callback. out and dgate equal torch's bit
+    for bit (one binary, the same Triton stages); dq, dk, dv (cuDNN's backward reduces in a varying
+    order) close to float64, as is everything. "ignore" with NaN / inf in every padded row."""
+    import zlib
+
+    from common import assert_close, make_inputs, reference
+    from frontends import run_jax_vjp, run_torch
+    from test_padding import with_non_finite_padding
+    case = _native_case(name)
+    _cudnn_jax_case(case)
+    launch_config(autotune=False, jax_launch="auto")
+    inputs = make_inputs(case, seed=zlib.crc32(name.encode()) + 5)
+    if padding == "ignore":
+        inputs = with_non_finite_padding(inputs, case.E)
+    got = run_jax_vjp(case, inputs, backend="cudnn", padding=padding)
+    want = run_torch(case, inputs, backend="cudnn", padding=padding)
+    assert_close(case, got, reference(case, inputs, padding))
+    for n in ("out", "dgate"):
+        assert np.array_equal(got[n], want[n]), f"{n}: max |jax - torch| = {np.abs(got[n] - want[n]).max():.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_native_cudnn_program_has_the_forward_call_and_the_backward_callback(launch_config):
+    import jax
+    import jax.numpy as jnp
+
+    from common import make_inputs
+    from frontends import jax_args, vsa_fn
+    case = _native_case("bhsd")
+    _cudnn_jax_case(case)
+    launch_config(jax_launch="auto")
+    inputs = make_inputs(case, seed=4)
+    f = vsa_fn(case, jnp.asarray(inputs["kv_counts"]), jnp.asarray(inputs["q_counts"]), backend="cudnn")
+    q, k, v, gate, dout = jax_args(case, inputs)
+    forward = jax.jit(f).lower(q, k, v, gate).as_text()
+    assert forward.count("CuteDSLRT_NvJaxCutlassCall_v2") == 1 and "callback" not in forward
+    both = jax.jit(lambda *a: jax.vjp(f, *a)[1](dout)).lower(q, k, v, gate).as_text()
+    assert both.count("CuteDSLRT_NvJaxCutlassCall_v2") == 1 and "callback" in both
