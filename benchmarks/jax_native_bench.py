@@ -2,7 +2,7 @@
 blocks, top-8, with a gate): native custom calls vs the buffer_callback, with and without XLA
 command buffers, and torch eager for reference.
 
-    PYTHONPATH=. python3 benchmarks/jax_native_bench.py [--iters 300]
+    PYTHONPATH=. python3 benchmarks/jax_native_bench.py [--iters 300] [--backend triton]
 
 Each row runs in its own process (XLA reads XLA_FLAGS once). Columns, per call:
   dispatch us: wall time of N back-to-back calls without waiting, / N (the host's share
@@ -54,7 +54,7 @@ def _time_calls(call, wait, iters):
                 latency_ms=statistics.median(latencies) * 1e3)
 
 
-def worker(launch: str, iters: int) -> dict:
+def worker(launch: str, iters: int, backend: str) -> dict:
     import numpy as np
 
     B, H, S, D, E, topk = (SHAPE[k] for k in ("batch", "heads", "seq", "head_dim", "block", "topk"))
@@ -71,11 +71,11 @@ def worker(launch: str, iters: int) -> dict:
         def forward():
             with torch.no_grad():
                 return vsa_torch.video_sparse_attn(t["q"], t["k"], t["v"], kc, kc, topk, E, t["gate"],
-                                                   backend="triton")
+                                                   backend=backend)
 
         def step():
             out = vsa_torch.video_sparse_attn(leaf["q"], leaf["k"], leaf["v"], kc, kc, topk, E, leaf["gate"],
-                                              backend="triton")
+                                              backend=backend)
             return torch.autograd.grad(out, [leaf[n] for n in ("q", "k", "v", "gate")], t["dout"])
 
         wait = lambda _: torch.cuda.synchronize()  # noqa: E731
@@ -87,7 +87,7 @@ def worker(launch: str, iters: int) -> dict:
         a = {n: jnp.asarray(x, jnp.bfloat16) for n, x in host.items()}
 
         def vsa(q, k, v, gate):
-            return vsa_jax.video_sparse_attn(q, k, v, counts, counts, topk, E, gate, backend="triton")
+            return vsa_jax.video_sparse_attn(q, k, v, counts, counts, topk, E, gate, backend=backend)
 
         fwd = jax.jit(vsa)
 
@@ -104,10 +104,11 @@ def worker(launch: str, iters: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--backend", default="triton", help="the backend of every row (triton, sm90, cudnn, ...)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.iters)))
+        print("RESULT " + json.dumps(worker(args.worker, args.iters, args.backend)))
         return
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     results, lines = {}, []
@@ -116,7 +117,8 @@ def main():
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + mode["flags"]).strip()
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", mode["launch"],
-                               "--iters", str(args.iters)], env=env, capture_output=True, text=True, timeout=900)
+                               "--iters", str(args.iters), "--backend", args.backend], env=env, capture_output=True,
+                              text=True, timeout=900)
         found = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode != 0 or not found:
             results[name] = {"error": (proc.stderr or proc.stdout)[-2000:]}
@@ -124,7 +126,7 @@ def main():
             continue
         results[name] = json.loads(found[-1][len("RESULT "):])
     shape = ", ".join(f"{k}={v}" for k, v in SHAPE.items())
-    lines.append(f"VSA per-call cost, {shape}, bf16, gate, {args.iters} calls")
+    lines.append(f"VSA per-call cost, backend {args.backend}, {shape}, bf16, gate, {args.iters} calls")
     lines.append(f"{'path':<26} {'stage':<8} {'dispatch us':>12} {'steady ms':>10} {'latency ms':>11}")
     for name, res in results.items():
         if "error" in res:
@@ -139,9 +141,9 @@ def main():
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "jax_native_bench.txt"), "w") as f:
+        with open(os.path.join(out, f"jax_native_bench_{args.backend}.txt"), "w") as f:
             f.write(table + "\n")
-        with open(os.path.join(out, "jax_native_bench.json"), "w") as f:
+        with open(os.path.join(out, f"jax_native_bench_{args.backend}.json"), "w") as f:
             json.dump({"shape": SHAPE, "iters": args.iters, "results": results}, f, indent=1)
 
 
