@@ -1,4 +1,4 @@
-"""vsa_jax.cudnn_call: cuDNN BSA's sm_90 forward (a CuTe DSL kernel) as an XLA custom call, no torch.
+"""vsa_jax.cudnn_call: cuDNN BSA's sm_90 forward and backward (CuTe DSL kernels) as XLA custom calls, no torch.
 
 On the CPU (no GPU, no NVIDIA driver): the module and the kernel class import with torch blocked;
 jax.jit traces the call to cutlass.jax's primitive (its lowering rule exists for "cuda" only, so
@@ -7,9 +7,10 @@ still on the CPU, torch blocked) it compiles the kernel for sm_90a and is one
 stablehlo.custom_call to the CuTe DSL runtime's FFI handler, the compiled object inlined.
 On an H100/H200 (`gpu` tests): the call's values against a float64 reference with torch blocked,
 and under XLA command buffers the custom call is inside a command buffer and replays equal to a
-run without them.
+run without them; the cudnn backend's stages natively under jit(vjp) against torch, float64, the
+callback under command buffers, and with torch blocked.
 
-    pytest tests/test_jax_cudnn_call.py -v            # CPU: 4 pass, the gpu ones skip
+    pytest tests/test_jax_cudnn_call.py -v            # CPU: 6 pass, the gpu ones skip
     (GPU machine: the same command; needs nvidia-cudnn-frontend[cutedsl]==1.32.0, nvidia-cutlass-dsl==4.8.1, jax[cuda])
 """
 
@@ -145,18 +146,35 @@ def test_arguments_are_checked_at_trace_time():
         jax.jit(cudnn_call.cudnn_sm90_forward).trace(q, q, q, i4, i3, i1)
 
 
-def test_the_cudnn_forward_stage_lowers_to_triton_calls_and_one_cute_call():
-    """The cudnn backend's VSA forward as a native stage (its plan recorded, the Triton launches
-    stubbed, torch blocked): one triton_kernel_call_ffi per Triton launch and one CuTe DSL call of
-    cuDNN's kernel compiled for sm_90a, both layouts and paddings (padding "ignore" reads the
-    valid-rows copies of k and v, XLA buffers of the plan); no callback."""
+def test_the_cudnn_stages_lower_to_triton_calls_and_one_cute_call():
+    """The cudnn backend's VSA forward and backward as native stages (their plans recorded, the
+    Triton launches stubbed, torch blocked): one triton_kernel_call_ffi per Triton launch and one
+    CuTe DSL call of cuDNN's kernels compiled for sm_90a (the backward's: its K-to-Q lists, then
+    its backward kernel, in one call), both layouts and paddings (padding "ignore" reads the
+    valid-rows copies, XLA buffers of the plan); no callback."""
     from test_jax_sm90_native import LOWER, _run_no_torch
-    cases = [("forward", "zeros", "bhsd", {}), ("forward", "ignore", "bshd", {})]
+    cases = [(stage, padding, layout, {}) for stage in ("forward", "backward")
+             for padding, layout in (("zeros", "bhsd"), ("ignore", "bshd"))]
     out = _run_no_torch(f"BACKEND = 'cudnn'\nCASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
-    assert out.count("LOWERED") == 2, out
+    assert out.count("LOWERED") == 4, out
 
 
-def test_only_the_forward_at_64_token_blocks_without_a_split_prefix_is_native():
+def test_the_backward_call_hands_in_zeroed_counts_and_workspace():
+    """The backward's call: what cuDNN's torch wrapper allocates is XLA's, sized by the wrapper's
+    rules (a 384-query-block bucket; a workspace of dPsum, log2 lse, the dQ accumulator and the
+    dK / dV accumulators per (B, H), each sequence rounded up to 64 rows); the counts and the
+    workspace are zeros donated to the call."""
+    from vsa_jax import cudnn_call
+    cfg = cudnn_call.Sm90Blk64Backward(128, "bfloat16", "bhsd", 0.1, batch=2, heads=3, q_len=832, kv_len=960,
+                                       capacity=5, bucket_blocks=cudnn_call._bucket_blocks(13))
+    assert cfg.bucket_blocks == 384
+    written, zeroed = cudnn_call._backward_buffers(cfg)
+    assert written["k2q_offsets"] == ((2, 3, 1, 16), "int32") and written["k2q_indices"] == ((2, 3, 65), "int32")
+    assert zeroed == {"k2q_counts": ((2, 3, 1, 15), "int32"),
+                      "workspace": ((2, 3, 2 * 832 + 832 * 128 + 2 * 960 * 128), "float32")}
+
+
+def test_the_native_stages_of_the_cudnn_backend():
     from vsa_core.problem import AttnProblem
     from vsa_jax import cudnn_call, native
 
@@ -164,11 +182,16 @@ def test_only_the_forward_at_64_token_blocks_without_a_split_prefix_is_native():
         base = dict(batch=1, heads=2, q_len=512, kv_len=512, head_dim=128, block_elems=64, dtype="bfloat16", topk=2)
         return AttnProblem(**{**base, **kw})
 
-    assert native.has_native("cudnn", "forward", p()) and not native.has_native("cudnn", "backward", p())
-    assert "128-token" in cudnn_call.native_reason(p(block_elems=128))
+    assert native.has_native("cudnn", "forward", p()) and native.has_native("cudnn", "backward", p())
+    for stage in ("forward", "backward"):
+        assert "128-token" in cudnn_call.native_reason(p(block_elems=128), stage=stage)
+        assert "sm_90a" in cudnn_call.native_reason(p(), capability=100, stage=stage)
+    # the forward with a static prefix runs the prefix rows as a call of their own; its backward does not
     assert "stream of their own" in cudnn_call.native_reason(p(prefix_blocks=2, topk=2))
+    assert cudnn_call.native_reason(p(prefix_blocks=2, topk=2), stage="backward") is None
     assert cudnn_call.native_reason(p(head_dim=64, dtype="float16")) is None
-    assert "sm_90a" in cudnn_call.native_reason(p(), capability=100)
+    for other in (dict(head_dim=64), dict(dtype="float16")):  # cuDNN's backward: bf16, head dim 128
+        assert "head dim 128 in bfloat16" in cudnn_call.native_reason(p(**other), stage="backward")
 
 
 # ---- GPU (H100/H200) ---------------------------------------------------------------------------
@@ -293,11 +316,12 @@ def _native_case(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", ["zeros", "ignore"])
 @pytest.mark.parametrize("name", NATIVE_CASES)
-def test_gpu_native_cudnn_forward_equals_torch(name, padding, launch_config):
-    """VSA on the cudnn backend under jit(vjp), default launch: the forward natively (cuDNN's
-    kernel as a cutlass_call), the backward through the callback. out and dgate equal torch's bit
-    for bit (one binary, the same Triton stages); dq, dk, dv (cuDNN's backward reduces in a varying
-    order) close to float64, as is everything. "ignore" with NaN / inf in every padded row."""
+def test_gpu_native_cudnn_equals_torch(name, padding, launch_config):
+    """VSA on the cudnn backend under jit(vjp), default launch: forward and backward natively
+    (cuDNN's kernels as cutlass_calls). out and dgate equal torch's bit for bit (one binary, the
+    same Triton stages); dq, dk, dv (cuDNN's backward reduces them with fp32 atomics, in a varying
+    order) within the reference tolerance of torch's, and everything close to float64. "ignore"
+    with NaN / inf in every padded row."""
     import zlib
 
     from common import assert_close, make_inputs, reference
@@ -314,10 +338,12 @@ def test_gpu_native_cudnn_forward_equals_torch(name, padding, launch_config):
     assert_close(case, got, reference(case, inputs, padding))
     for n in ("out", "dgate"):
         assert np.array_equal(got[n], want[n]), f"{n}: max |jax - torch| = {np.abs(got[n] - want[n]).max():.3e}"
+    assert_close(case, {n: got[n] for n in ("dq", "dk", "dv")},
+                 {n: np.asarray(want[n], np.float64) for n in ("dq", "dk", "dv")})
 
 
 @pytest.mark.gpu
-def test_gpu_native_cudnn_program_has_the_forward_call_and_the_backward_callback(launch_config):
+def test_gpu_native_cudnn_program_has_both_calls_and_no_callback(launch_config):
     import jax
     import jax.numpy as jnp
 
@@ -332,4 +358,40 @@ def test_gpu_native_cudnn_program_has_the_forward_call_and_the_backward_callback
     forward = jax.jit(f).lower(q, k, v, gate).as_text()
     assert forward.count("CuteDSLRT_NvJaxCutlassCall_v2") == 1 and "callback" not in forward
     both = jax.jit(lambda *a: jax.vjp(f, *a)[1](dout)).lower(q, k, v, gate).as_text()
-    assert both.count("CuteDSLRT_NvJaxCutlassCall_v2") == 1 and "callback" in both
+    assert both.count("CuteDSLRT_NvJaxCutlassCall_v2") == 2 and "callback" not in both
+
+
+@pytest.mark.gpu
+def test_gpu_native_cudnn_runs_with_torch_blocked():
+    """`vsa[jax,cudnn]` with torch blocked: the cudnn backend's forward and backward natively
+    (jit(vjp), both layouts), close to the float64 reference."""
+    from common import require_jax_gpu
+    require_jax_gpu()
+    _run(textwrap.dedent("""
+        import jax
+        from common import Case, assert_close, make_inputs, reference
+        from frontends import run_jax_vjp
+        import vsa_jax
+        assert jax.default_backend() == "gpu"
+        vsa_jax.set_launch("native")
+        for case in (Case(head_dim=128), Case(head_dim=128, layout="bshd", gate=False)):
+            inputs = make_inputs(case, seed=6)
+            assert_close(case, run_jax_vjp(case, inputs, backend="cudnn"), reference(case, inputs))
+        print("NATIVE CUDNN OK")
+        """), "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_native_cudnn_under_xla_command_buffers():
+    """tests/native_cmdbuf_check.py with the cudnn backend: in a fresh process with command buffers
+    on for custom calls, three replays with new inputs equal the callback path (dq, dk, dv within
+    the reference tolerance), and every native custom call, cuDNN's included, is inside a command
+    buffer."""
+    from common import require_jax_gpu
+    require_jax_gpu()
+    env = dict(os.environ, VSA_CMDBUF_BACKEND="cudnn")
+    env["PYTHONPATH"] = REPO + os.pathsep + os.path.join(REPO, "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "native_cmdbuf_check.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0 and "ALL EQUAL" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]

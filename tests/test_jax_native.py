@@ -219,7 +219,7 @@ def test_the_launch_device_is_the_array_s_else_the_default_device():
 
 
 def test_the_default_launch_is_native_on_cuda_for_the_stages_that_have_a_native_path(monkeypatch, launch_config):
-    """"auto" (the default): native for the Triton and sm90 backends and the cudnn forward at
+    """"auto" (the default): native for the Triton and sm90 backends and the cudnn backend at
     64-token blocks (on sm_90) on a CUDA device (the Triton backend with TMA on only where jaxlib
     encodes host TMA descriptors, on sm_90 or newer), the callback for the other library stages,
     for calls on the CPU, and when asked for."""
@@ -238,14 +238,15 @@ def test_the_default_launch_is_native_on_cuda_for_the_stages_that_have_a_native_
     assert native.selected(T, on_cpu) and native.selected(sm90_backend)
     assert asked[0].kind == "cpu" and asked[1] == native.launch_device()  # asked about the call's device
     cudnn = types.SimpleNamespace(name="cudnn")
-    assert not native.selected(types.SimpleNamespace(name="cute")) and not native.selected(cudnn, stage="backward")
+    assert not native.selected(types.SimpleNamespace(name="cute"))
     e64, e128 = (AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=128, block_elems=e, dtype="bfloat16",
                              topk=2) for e in (64, 128))
-    # cudnn's forward at 64-token blocks where its kernel call imports (cuDNN frontend, cutlass.jax)
+    # cudnn's stages at 64-token blocks where its kernel calls import (cuDNN frontend, cutlass.jax)
     from vsa_jax import cudnn_call
-    assert native.selected(cudnn, stage="forward", p=e64) is (cudnn_call.library_error() is None)
-    assert not native.selected(cudnn, stage="forward", p=e128)
-    capability["now"] = 100  # its kernel is compiled for sm_90a only
+    for stage in ("forward", "backward"):
+        assert native.selected(cudnn, stage=stage, p=e64) is (cudnn_call.library_error(stage) is None)
+        assert not native.selected(cudnn, stage=stage, p=e128)
+    capability["now"] = 100  # its kernels are compiled for sm_90a only
     assert not native.selected(cudnn, stage="forward", p=e64) and "sm_90a" in native.unavailable_reason("cudnn", 100)
     capability["now"] = 90
     launch_config(tma=True)

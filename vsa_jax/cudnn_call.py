@@ -1,5 +1,5 @@
-"""cuDNN's sm_90 block-sparse forward for 64-token blocks as an XLA custom call: no torch and no
-Python per call (issue 23).
+"""cuDNN's sm_90 block-sparse forward and backward for 64-token blocks as XLA custom calls: no
+torch and no Python per call (issue 23).
 
 The cudnn backend's forward (`cudnn_backend.sparse_forward`) launches cuDNN frontend 1.32's
 `BlockSparseAttnForwardSm90Blk64` (a CuTe DSL kernel class) as the step "cudnn_fwd". Under JAX
@@ -19,9 +19,17 @@ that calls the kernel class as the torch path does (`cudnn_backend._blk64_forwar
 - compiled at lowering, once per (statics, shapes); `allow_cuda_graph=True` (XLA may capture it in
   a command buffer).
 
-Only this step runs natively (`native_reason`): the backward (cuDNN's wrapper builds its K-to-Q
-lists with torch on every call), 128-token blocks (a kernel that allocates its outputs) and the
-forward that runs a static prefix's rows on a stream of their own keep the buffer callback.
+The backward (`cudnn_backend.sparse_backward`, step "cudnn_bwd") is one cutlass_call of an adapter
+that runs what cuDNN's torch wrapper runs (`api.block_sparse_attention_backward` at 64-token blocks):
+its `BucketedK2QCsrUniversal` builds the K-to-Q lists from the query-owned ones, then its
+`BlockSparseAttnBackwardSm90Blk64` (preprocess, main kernel, postprocess) writes dq, dk, dv. What
+the wrapper allocates with torch is XLA's here: the lists' scratch (results of the call, dropped),
+the per-KV-block counts and the fp32 workspace (handed in as XLA zeros and donated; the wrapper
+zeroes only the workspace's dK/dV accumulators, the preprocess writes the rest), the bucket size
+from cuDNN's own rule, the block sizes broadcast to [B, nKV] as the wrapper expands them.
+
+What keeps the buffer callback (`native_reason`): 128-token blocks (kernels that allocate their
+outputs), the forward that runs a static prefix's rows on a stream of their own.
 
 `cudnn_sm90_forward` is the same kernel as a standalone JAX function (out, lse), for the tests.
 """
@@ -43,7 +51,9 @@ DTYPES = ("bfloat16", "float16")
 GPU_ARCH = "sm_90a"             # compiled for this arch whatever the host has (cuDNN's SM100 JAX BSA: sm_100a)
 TOKEN_ALIGN = 128               # bytes: what cuDNN's torch path assumes for q/k/v/out (TMA)
 TESTED = {"nvidia-cudnn-frontend": "1.32.0", "nvidia-cutlass-dsl": "4.8.1"}
-STEPS = ("cudnn_fwd",)
+STEPS = ("cudnn_fwd", "cudnn_bwd")
+BACKWARD_HEAD_DIM, BACKWARD_DTYPE = 128, "bfloat16"   # cuDNN's sm_90 blk64 backward
+BACKWARD_TOKENS = frozenset({"q", "k", "v", "o", "dout", "dq", "dk", "dv"})
 
 # Logical mode order the kernel wants, as a permutation of the JAX array's dimensions (TensorSpec
 # mode: logical mode i = array dim mode[i]; no data moves). The kernel reads Q/K/O as
@@ -56,50 +66,89 @@ _MODE4 = (3, 2, 1, 0)    # lists [B,H,nQ,C] -> (C,nQ,H,B)
 _MODES = {"q": _QKO_MODE, "k": _QKO_MODE, "out": _QKO_MODE, "v": _V_MODE}
 
 
-def library_error() -> Optional[str]:
-    """None when the kernel class and the JAX bridge import (no torch needed), else why not."""
+def library_error(stage: str = "forward") -> Optional[str]:
+    """None when the kernel classes of `stage` and the JAX bridge import (no torch needed), else why not."""
     try:
         import cutlass.jax
         if not cutlass.jax.is_available():
             return "cutlass.jax (nvidia-cutlass-dsl's JAX bridge) is not available with this jax"
-        from cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90 import (  # noqa: F401
-            BlockSparseAttnForwardSm90Blk64)
+        if stage == "forward":
+            from cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90 import (  # noqa: F401
+                BlockSparseAttnForwardSm90Blk64)
+        else:
+            from cudnn.block_sparse_attention.csrc.bwd.bucketed_k2q_csr import BucketedK2QCsrUniversal  # noqa: F401
+            from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import (  # noqa: F401
+                BlockSparseAttnBackwardSm90Blk64)
     except Exception as e:  # ImportError, or a CUDA-python / DSL setup that fails at import
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def native_reason(p, capability: Optional[int] = None) -> Optional[str]:
-    """Why the cudnn backend's forward of problem `p` cannot run as this custom call (on a CUDA
-    device of `capability`, when given), or None."""
+def native_reason(p, capability: Optional[int] = None, stage: str = "forward") -> Optional[str]:
+    """Why `stage` ("forward" / "backward") of the cudnn backend on problem `p` cannot run as this
+    module's custom call (on a CUDA device of `capability`, when given), or None."""
     from vsa_core.backends.cudnn_backend import prefix_first
     if capability is not None and capability != 90:
-        return f"cuDNN's blk64 forward is compiled for sm_90a (the device is sm_{capability})"
+        return f"cuDNN's blk64 kernels are compiled for sm_90a (the device is sm_{capability})"
     if p.block_elems != BLOCK:
-        return f"{p.block_elems}-token blocks: cuDNN's kernel for them allocates its own outputs"
-    if p.head_dim not in HEAD_DIMS or p.dtype not in DTYPES:
-        return f"cuDNN's blk64 forward takes head dim {HEAD_DIMS} in {DTYPES} (got {p.head_dim}, {p.dtype})"
-    if prefix_first(p):
-        return "a static prefix's dense rows run as a call of their own, on a stream of their own"
-    return library_error()
+        return f"{p.block_elems}-token blocks: cuDNN's kernels for them allocate their own outputs"
+    if stage == "forward":
+        if p.head_dim not in HEAD_DIMS or p.dtype not in DTYPES:
+            return f"cuDNN's blk64 forward takes head dim {HEAD_DIMS} in {DTYPES} (got {p.head_dim}, {p.dtype})"
+        if prefix_first(p):
+            return "a static prefix's dense rows run as a call of their own, on a stream of their own"
+    elif p.head_dim != BACKWARD_HEAD_DIM or p.dtype != BACKWARD_DTYPE:
+        return (f"cuDNN's blk64 backward takes head dim {BACKWARD_HEAD_DIM} in {BACKWARD_DTYPE} "
+                f"(got {p.head_dim}, {p.dtype})")
+    return library_error(stage)
 
 
 def check(launch) -> None:
     """NotImplementedError for a CuTe DSL launch this module cannot replay."""
     if launch.step not in STEPS:
         raise NotImplementedError(f"no native replay of CuTe DSL launch {launch.step!r}")
-    why = native_reason(launch.statics_dict()["problem"])
+    stage = "forward" if launch.step == "cudnn_fwd" else "backward"
+    why = native_reason(launch.statics_dict()["problem"], stage=stage)
     if why is not None:
-        raise NotImplementedError(f"cudnn_fwd has no native replay here: {why}")
+        raise NotImplementedError(f"{launch.step} has no native replay here: {why}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90Blk64Forward:
-    """One compiled specialization (shapes are added by cutlass_call's own cache key)."""
+    """One compiled forward specialization (shapes are added by cutlass_call's own cache key)."""
     head_dim: int
     dtype: str
     layout: str
     softmax_scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Blk64Backward:
+    """One compiled backward specialization: the kernel takes the problem's sizes as its
+    `problem_shape`; `capacity` is the lists' width, `bucket_blocks` the query blocks per K-to-Q
+    bucket (cuDNN's rule)."""
+    head_dim: int
+    dtype: str
+    layout: str
+    softmax_scale: float
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    capacity: int
+    bucket_blocks: int
+
+
+def _fp32_value(x: float):
+    """`x` as an fp32 IR value, like the torch path's run-time argument: the kernels' host code then
+    forms scale * log2(e) as an fp32 product (on a Python constant the DSL multiplies in double)."""
+    import cutlass
+    return cutlass.Float32(cutlass.Float32(x).ir_value())
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
 
 
 class _Adapter:
@@ -115,41 +164,69 @@ class _Adapter:
         from cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90 import BlockSparseAttnForwardSm90Blk64
 
         cfg, t = self.cfg, dict(zip(self.names, tensors))
-        dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
         kernel = BlockSparseAttnForwardSm90Blk64(
             gqa_ratio=1, head_dim=cfg.head_dim, value_dim=cfg.head_dim, blocksparse_blocksize_q=BLOCK,
-            blocksparse_blocksize_k=BLOCK, dtype=dtype, acc_dtype=cutlass.Float32, has_block_sizes=True,
-            num_splits=1, allow_empty_block_nums=True)
-        # an fp32 IR value, like the torch path's run-time argument (on a Python constant the DSL
-        # would form scale * log2(e) in double)
-        scale = cutlass.Float32(cutlass.Float32(cfg.softmax_scale).ir_value())
+            blocksparse_blocksize_k=BLOCK, dtype=_cutlass_dtype(cfg.dtype), acc_dtype=cutlass.Float32,
+            has_block_sizes=True, num_splits=1, allow_empty_block_nums=True)
         # the split offsets are read only with num_splits > 1: the counts stand in (as in cuDNN's torch path)
         kernel(t["q"], t["k"], t["v"], t["out"], t["lse"], t["sel_idx"], t["sel_num"], t["block_sizes"],
-               t["sel_num"], scale, stream)
+               t["sel_num"], _fp32_value(cfg.softmax_scale), stream)
 
 
-def _spec(arg: str, layout: str):
+class _BackwardAdapter:
+    """cutlass_call's calling convention -> what cuDNN's torch wrapper runs for the sm_90 blk64
+    backward: the K-to-Q lists (`BucketedK2QCsrUniversal`, constructed as the wrapper does for
+    per-row counts), then `BlockSparseAttnBackwardSm90Blk64` on [B, H, S, D] views."""
+
+    def __init__(self, cfg: Sm90Blk64Backward, names: Tuple[str, ...]):
+        self.cfg, self.names = cfg, names
+
+    def __call__(self, stream, *tensors):
+        from cudnn.block_sparse_attention.csrc.bwd.bucketed_k2q_csr import BucketedK2QCsrUniversal
+        from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import BlockSparseAttnBackwardSm90Blk64
+
+        cfg, t = self.cfg, dict(zip(self.names, tensors))
+        lists = BucketedK2QCsrUniversal(cfg.capacity, cfg.bucket_blocks, True, cfg.capacity, True)
+        lists(t["k2q_counts"], t["k2q_local_offsets"], t["k2q_group_totals"], t["k2q_offsets"], t["k2q_cursors"],
+              t["k2q_indices"], t["sel_idx"], t["sel_num"], stream)
+        kernel = BlockSparseAttnBackwardSm90Blk64(_cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.head_dim)
+        problem_shape = (cfg.q_len, cfg.kv_len, cfg.head_dim, (cfg.heads, cfg.batch))
+        kernel(problem_shape, t["dout"], t["o"], t["q"], t["k"], t["v"], t["lse"], t["dq"], t["dk"], t["dv"],
+               t["k2q_offsets"], t["k2q_indices"], t["block_sizes"], t["workspace"],
+               _fp32_value(cfg.softmax_scale), stream)
+
+
+def _spec(cfg, arg: str):
+    """The TensorSpec of argument `arg`: the forward kernel's (S, D, H, B) / (D, S, H, B) modes and
+    the backward's [B, H, S, D] views of the token arrays, with the alignment cuDNN's torch path assumes."""
     from cutlass.jax import TensorSpec
+    layout = cfg.layout
+    if isinstance(cfg, Sm90Blk64Backward):
+        if arg in BACKWARD_TOKENS:
+            return TensorSpec(mode=(0, 2, 1, 3) if layout == "bshd" else None, ptr_assumed_align=16)
+        return TensorSpec(ptr_assumed_align=16 if arg == "workspace" else 4)
     if arg in _MODES:
         return TensorSpec(mode=_MODES[arg][layout], ptr_assumed_align=TOKEN_ALIGN)
     return TensorSpec(mode=_MODE4 if arg == "sel_idx" else _MODE3, ptr_assumed_align=4)
 
 
 @functools.lru_cache(maxsize=None)
-def _callable(cfg: Sm90Blk64Forward, in_args: tuple, out_args: tuple, result_args: tuple, result_types: tuple,
-              aliases: tuple):
+def _callable(cfg, in_args: tuple, out_args: tuple, result_args: tuple, result_types: tuple, aliases: tuple):
     """The cutlass_call callable of one specialization (cached: one trace of it per shape)."""
     import cutlass.jax
+    forward = isinstance(cfg, Sm90Blk64Forward)
+    adapter = (_Adapter if forward else _BackwardAdapter)(cfg, in_args + out_args)
     return cutlass.jax.cutlass_call(
-        _Adapter(cfg, in_args + out_args),
+        adapter,
         output_shape_dtype=tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in result_types),
-        input_spec=tuple(_spec(a, cfg.layout) for a in in_args),
-        output_spec=tuple(_spec(a, cfg.layout) for a in result_args),
+        input_spec=tuple(_spec(cfg, a) for a in in_args),
+        output_spec=tuple(_spec(cfg, a) for a in result_args),
         input_output_aliases=dict(aliases),
         compile_options=f"--gpu-arch={GPU_ARCH}",
         # identifies the adapter and its captured state (cutlass_call adds shapes, specs and the
         # environment): a lowering that hits its cache skips regenerating the IR
-        compile_key=("vsa.cudnn_sm90_blk64_fwd", cfg, in_args, out_args, aliases, _versions()),
+        compile_key=("vsa.cudnn_sm90_blk64_" + ("fwd" if forward else "bwd"), cfg, in_args, out_args, aliases,
+                     _versions()),
         allow_cuda_graph=True,
     )
 
@@ -165,19 +242,61 @@ def _block_sizes(kv_counts, batch: int, heads: int):
     return jnp.broadcast_to(jnp.clip(kv_counts, 0, BLOCK)[None, None, :], (batch, heads, kv_counts.shape[0]))
 
 
+def _backward_buffers(cfg: Sm90Blk64Backward) -> Tuple[Dict[str, tuple], Dict[str, tuple]]:
+    """What cuDNN's wrapper allocates for the backward, as (name -> (shape, dtype)): the buffers the
+    call writes from scratch (the K-to-Q lists' offsets, cursors and entries), and those it needs
+    zeroed on entry (the per-bucket counts; the fp32 workspace: dPsum, log2 lse, the dQ accumulator,
+    the dK and dV accumulators, field-major over B * H, each sequence rounded up to 64 rows)."""
+    b, h = cfg.batch, cfg.heads
+    n_q, n_kv = -(-cfg.q_len // BLOCK), -(-cfg.kv_len // BLOCK)
+    groups = -(-n_q // cfg.bucket_blocks)
+    q_rows, k_rows, d = n_q * BLOCK, n_kv * BLOCK, -(-cfg.head_dim // 32) * 32
+    written = {"k2q_local_offsets": ((b, h, groups, n_kv + 1), "int32"),
+               "k2q_group_totals": ((b, h, groups), "int32"),
+               "k2q_offsets": ((b, h, groups, n_kv + 1), "int32"),
+               "k2q_cursors": ((b, h, groups, n_kv), "int32"),
+               "k2q_indices": ((b, h, max(1, n_q * cfg.capacity)), "int32")}
+    zeroed = {"k2q_counts": ((b, h, groups, n_kv), "int32"),
+              "workspace": ((b, h, 2 * q_rows + q_rows * d + 2 * k_rows * d), "float32")}
+    return written, zeroed
+
+
+def _bucket_blocks(n_q: int) -> int:
+    from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import sm90_bwd_auto_bucketed_k2q_size_blocks
+    return int(sm90_bwd_auto_bucketed_k2q_size_blocks(n_q))
+
+
 def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tuple:
-    """The results of plan step `step` (a `vsa_core.plan.Step`) of the "cudnn_fwd" launch `launch`, on
-    the arrays `current` (buffer name -> array); result_types: a ShapeDtypeStruct per step result."""
+    """The results of plan step `step` (a `vsa_core.plan.Step`) of the "cudnn_fwd" or "cudnn_bwd"
+    launch `launch`, on the arrays `current` (buffer name -> array); result_types: a
+    ShapeDtypeStruct per step result."""
     check(launch)
     p = launch.statics_dict()["problem"]
     args = arrange(launch, step, current, result_types)
-    where = args.in_args.index("kv_counts")  # the kernel reads the clamped, broadcast sizes instead
+    where = args.in_args.index("kv_counts")  # the kernels read the clamped, broadcast sizes instead
     args.in_args[where] = "block_sizes"
-    args.in_arrays[where] = _block_sizes(args.in_arrays[where], p.batch, p.heads)
-    cfg = Sm90Blk64Forward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale))
-    fn = _callable(cfg, tuple(args.in_args), tuple(args.out_args), args.result_args,
-                   tuple((tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types), tuple(sorted(args.aliases)))
-    return tuple(fn(*args.in_arrays))
+    types = [(tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types]
+    result_args = args.result_args
+    if launch.step == "cudnn_fwd":
+        args.in_arrays[where] = _block_sizes(args.in_arrays[where], p.batch, p.heads)
+        cfg = Sm90Blk64Forward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale))
+    else:
+        kv_counts = args.in_arrays[where]
+        args.in_arrays[where] = jnp.broadcast_to(jnp.clip(kv_counts, 0, BLOCK)[None, :], (p.batch, kv_counts.shape[0]))
+        capacity = current[launch.buffer("sel_idx")].shape[-1]
+        cfg = Sm90Blk64Backward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale), p.batch, p.heads, p.q_len,
+                                p.kv_len, capacity, _bucket_blocks(-(-p.q_len // BLOCK)))
+        written, zeroed = _backward_buffers(cfg)
+        args.out_args += list(written)
+        types += list(written.values())
+        for name, (shape, dtype) in zeroed.items():
+            args.aliases.append((len(args.in_arrays), len(types)))
+            args.add_input(name, jnp.zeros(shape, dtype))
+            types.append((shape, dtype))
+        result_args = result_args + tuple(written) + tuple(zeroed)
+    fn = _callable(cfg, tuple(args.in_args), tuple(args.out_args), result_args, tuple(types),
+                   tuple(sorted(args.aliases)))
+    return tuple(fn(*args.in_arrays))[:len(result_types)]
 
 
 def cudnn_sm90_forward(q, k, v, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,

@@ -15,14 +15,14 @@ first launch that takes it, and passed on to later launches with an input/output
 The CuTe DSL launches of a plan (`CuteLaunch`es) become one `cutlass.jax.cutlass_call` each:
 the sm90 backend's kernels (`vsa_jax.sm90_call`), whose workspaces (the valid-rows copies of
 padding="ignore", the backward's dQ accumulator) are XLA buffers born in the plan like the
-stage's own, so the sm90 backend runs natively with no torch; and cuDNN's sm_90 forward for
-64-token blocks (`vsa_jax.cudnn_call`), so the cudnn backend's forward runs natively too.
+stage's own, so the sm90 backend runs natively with no torch; and cuDNN's sm_90 forward and
+backward for 64-token blocks (`vsa_jax.cudnn_call`), so the cudnn backend runs natively too.
 
 The default (`jax_launch` "auto", `vsa_core.config`, read at trace time: a function already
 jitted keeps the path it was traced with): the stages that have a native path (`has_native`:
-every stage of the Triton and sm90 backends, the cudnn backend's forward at 64-token blocks) run
-natively on a CUDA device; the others (the cute (FA4) backend, the cudnn backward, cuDNN's
-128-token blocks and its forward with a static prefix), calls on the CPU (the interpreter) and
+every stage of the Triton and sm90 backends, the cudnn backend's at 64-token blocks) run
+natively on a CUDA device; the others (the cute (FA4) backend, cuDNN's 128-token blocks and its
+forward with a static prefix), calls on the CPU (the interpreter) and
 the cases `unavailable_reason` names take the callback (buffer_callback over vsa_core.ops), in
 every mode. The two stages of one call may so take different paths. "On a CUDA
 device" is the device the call runs on as far as tracing knows it (`launch_device`): a concrete
@@ -82,10 +82,10 @@ def launch_mode() -> str:
 
 
 # The stages each backend can run natively; the others keep the callback in every mode. cudnn's
-# forward runs natively where its kernel call can take the problem (`cudnn_call.native_reason`).
-NATIVE_STAGES = {"triton": ("forward", "backward"), "sm90": ("forward", "backward"), "cudnn": ("forward",)}
+# stages run natively where its kernel calls can take the problem (`cudnn_call.native_reason`).
+NATIVE_STAGES = {"triton": ("forward", "backward"), "sm90": ("forward", "backward"), "cudnn": ("forward", "backward")}
 # step of a CuTe DSL launch -> the module that replays it as a cutlass_call
-_CUTE_CALLS = {"sm90_fwd64": "sm90_call", "sm90_bwd64": "sm90_call", "cudnn_fwd": "cudnn_call"}
+_CUTE_CALLS = {"sm90_fwd64": "sm90_call", "sm90_bwd64": "sm90_call", "cudnn_fwd": "cudnn_call", "cudnn_bwd": "cudnn_call"}
 
 
 def has_native(backend: str, stage: str, p: Optional[AttnProblem] = None) -> bool:
@@ -94,13 +94,13 @@ def has_native(backend: str, stage: str, p: Optional[AttnProblem] = None) -> boo
         return False
     if backend == "cudnn" and p is not None:
         from . import cudnn_call
-        return cudnn_call.native_reason(p) is None
+        return cudnn_call.native_reason(p, stage=stage) is None
     return True
 
 
 def selected(impl, like=None, stage: str = "forward", p: Optional[AttnProblem] = None) -> bool:
     """True when `stage` of a call on the array `like` launches natively: the stage has a native
-    path (`has_native`: Triton's and sm90's stages, cudnn's forward at 64-token blocks; the others
+    path (`has_native`: Triton's and sm90's stages, cudnn's at 64-token blocks; the others
     keep the callback) and "native" is selected, or "auto" is (the default) and the call runs on a
     CUDA device (`launch_device`) where nothing stands in the way (`unavailable_reason`)."""
     mode = launch_mode()
@@ -121,7 +121,7 @@ _NO_HOST_DESCRIPTORS = (
 def unavailable_reason(backend: str, capability: Optional[int] = None) -> Optional[str]:
     """Why `backend` cannot launch natively here (on a CUDA device of `capability`, when given), or None."""
     if backend == "cudnn" and capability is not None and capability != 90:
-        return f"cuDNN's blk64 forward is compiled for sm_90a (the device is sm_{capability})"
+        return f"cuDNN's blk64 kernels are compiled for sm_90a (the device is sm_{capability})"
     if backend != "triton" or not config().tma:
         return None
     if not jaxlib_takes_host_descriptors():
