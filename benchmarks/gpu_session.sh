@@ -2,7 +2,8 @@
 # One GPU session's checks, in steps that each fit one device run (10 min). Run from the repo
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
-# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax (each under 10 minutes)
+# Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
+#   cudnnbench (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -197,12 +198,14 @@ case $step in
     t 240 python3 benchmarks/bench.py --quick --shapes 720p-256 --backends cute,cudnn --frontends eager \
       --peers cudnn --out "$out/bench720"
     ;;
-  cudnnjax)  # the cudnn forward natively under JAX: the JAX GPU tests around it, its per-call cost, 480p-64
-    t 330 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -v -rfEs -n 6 tests/test_jax_cudnn_call.py \
-      tests/test_jax_native.py tests/test_jax_sm90_native.py tests/test_jax_vsa.py
+  cudnnjax)  # the cudnn backend natively under JAX: the JAX GPU tests around it, its per-call cost
+    t 440 env VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax python3 -m pytest -v -rfEs -n 6 tests/test_jax_cudnn_call.py \
+      tests/test_jax_native.py tests/test_jax_sm90_native.py tests/test_jax_vsa.py tests/test_cudnn_backend.py
     grep -E "FAILED|ERROR" "$out/$step.log" | head -20
     t 100 python3 benchmarks/jax_native_bench.py --backend cudnn --iters 200
-    t 150 python3 benchmarks/bench.py --quick --shapes 480p-64 --backends cudnn,sm90 --frontends eager,jax \
+    ;;
+  cudnnbench)  # 480p-64, the cudnn and sm90 backends on both frontends against cuDNN called directly
+    t 300 python3 benchmarks/bench.py --quick --shapes 480p-64 --backends cudnn,sm90 --frontends eager,jax \
       --peers cudnn --out "$out/bench"
     ;;
   *) echo "unknown step $step"; exit 2 ;;

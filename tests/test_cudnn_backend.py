@@ -27,6 +27,31 @@ HAS_CUDA = torch.cuda.is_available()
 H200 = DeviceInfo("cuda", 0, (9, 0))
 
 
+def _cudnn_imports(monkeypatch, error, wrapper="same", torch=None):
+    """cuDNN frontend's kernel classes import with `error` (None: they import), its torch wrapper
+    with `wrapper` (by default the same), torch with `torch`."""
+    monkeypatch.setattr(cudnn_backend, "_kernels_import_error", lambda: error)
+    monkeypatch.setattr(cudnn_backend, "_wrapper_import_error", lambda: error if wrapper == "same" else wrapper)
+    monkeypatch.setattr(cudnn_backend, "_torch_import_error", lambda: torch)
+
+
+def test_without_torch_64_token_blocks_are_available_for_jax_native_calls(monkeypatch):
+    """No torch (a `vsa[jax,cudnn]` install): cuDNN's kernel classes import, its torch wrapper does
+    not. JAX's native calls run the classes at 64-token blocks, so the backend takes those; 128-token
+    blocks and a static prefix's forward go through the wrapper: refused, naming it and torch."""
+    no_torch = "ModuleNotFoundError: No module named 'torch'"
+    _cudnn_imports(monkeypatch, None, wrapper=no_torch, torch=no_torch)
+    assert cudnn_backend.unavailable_reason(_problem(), H200) is None
+    for kw, why in ((dict(block_elems=128), "128-token blocks"), (dict(prefix_blocks=1, topk=2), "static prefix")):
+        reason = cudnn_backend.unavailable_reason(_problem(**kw), H200)
+        assert reason is not None and why in reason and no_torch in reason and "torch" in reason, reason
+    with pytest.raises(RuntimeError, match="only JAX's native calls"):
+        cudnn_backend._cudnn()
+    # torch present but the wrapper broken: refused everywhere (the torch frontend's backward needs it)
+    _cudnn_imports(monkeypatch, None, wrapper="ImportError: broken", torch=None)
+    assert "broken" in cudnn_backend.unavailable_reason(_problem(), H200)
+
+
 def _problem(**kw) -> AttnProblem:
     base = dict(batch=1, heads=2, q_len=256, kv_len=512, head_dim=128, block_elems=64, dtype="bfloat16",
                 topk=2, has_gate=True)
@@ -48,7 +73,7 @@ def test_unavailable_on_cpu_with_reason():
     (dict(head_dim=64), H200, "head dim 64"),
 ])
 def test_unavailable_reasons(kw, device, expect, monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
+    _cudnn_imports(monkeypatch, None)
     reason = cudnn_backend.unavailable_reason(_problem(**kw), device)
     assert reason is not None and expect in reason, reason
 
@@ -56,21 +81,21 @@ def test_unavailable_reasons(kw, device, expect, monkeypatch):
 def test_forward_only_cases_run_in_inference(monkeypatch):
     """fp16 and head dim 64 have a cuDNN forward but no backward on sm_90: refused when a
     backward may follow (training), accepted for inference."""
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
+    _cudnn_imports(monkeypatch, None)
     for kw in (dict(dtype="float16"), dict(head_dim=64), dict(dtype="float16", head_dim=64, block_elems=128)):
         assert cudnn_backend.unavailable_reason(_problem(**kw, training=True), H200) is not None
         assert cudnn_backend.unavailable_reason(_problem(**kw, training=False), H200) is None
 
 
 def test_available_on_h200_when_cudnn_imports(monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
+    _cudnn_imports(monkeypatch, None)
     for E in (64, 128):
         for layout in ("bhsd", "bshd"):
             assert cudnn_backend.unavailable_reason(_problem(block_elems=E, layout=layout), H200) is None
 
 
 def test_missing_cudnn_names_what_to_install(monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: "ModuleNotFoundError: No module named 'cudnn'")
+    _cudnn_imports(monkeypatch, "ModuleNotFoundError: No module named 'cudnn'")
     reason = cudnn_backend.unavailable_reason(_problem(), H200)
     assert "No module named 'cudnn'" in reason and cudnn_backend.INSTALL_HINT in reason
 
@@ -110,17 +135,17 @@ def test_auto_order_per_key_and_default():
 def test_auto_takes_sm90_where_measured_fastest_and_falls_through(monkeypatch):
     from vsa_core.backends import sm90_backend
     monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: None)
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
+    _cudnn_imports(monkeypatch, None)
     assert resolve_backend("auto", _problem(), H200) is sm90_backend
     monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
     assert resolve_backend("auto", _problem(), H200) is cudnn_backend  # not installed: the next one
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: "ModuleNotFoundError: No module named 'cudnn'")
+    _cudnn_imports(monkeypatch, "ModuleNotFoundError: No module named 'cudnn'")
     assert resolve_backend("auto", _problem(), H200) is triton_backend
 
 
 def test_auto_error_lists_every_reason(monkeypatch):
     from vsa_core.backends import sm90_backend
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: "ModuleNotFoundError: No module named 'cudnn'")
+    _cudnn_imports(monkeypatch, "ModuleNotFoundError: No module named 'cudnn'")
     monkeypatch.setattr(sm90_backend, "_kernels_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
     monkeypatch.setattr(triton_backend, "unavailable_reason", lambda p, d: "not here")
     with pytest.raises(BackendUnavailableError,
@@ -129,7 +154,7 @@ def test_auto_error_lists_every_reason(monkeypatch):
 
 
 def test_explicit_cudnn_raises_with_reason(monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_cudnn_import_error", lambda: None)
+    _cudnn_imports(monkeypatch, None)
     with pytest.raises(BackendUnavailableError, match="backend='cudnn' cannot run this call: .*256-token"):
         resolve_backend("cudnn", _problem(block_elems=256, q_len=512), H200)
 

@@ -61,6 +61,17 @@ def test_imports_without_torch():
         assert cudnn_call.library_error() is None, cudnn_call.library_error()
         cudnn_call._Adapter  # noqa: B018
         from cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90 import BlockSparseAttnForwardSm90Blk64  # noqa: F401
+        assert cudnn_call.library_error("backward") is None, cudnn_call.library_error("backward")
+        # the backend takes 64-token blocks (JAX's native calls); what cuDNN's torch wrapper runs, not
+        from vsa_core.backends import cudnn_backend
+        from vsa_core.problem import AttnProblem
+        from vsa_core.runtime import DeviceInfo
+        h200 = DeviceInfo("cuda", 0, (9, 0))
+        p = lambda **kw: AttnProblem(**{**dict(batch=1, heads=2, q_len=512, kv_len=512, head_dim=128, block_elems=64,
+                                               dtype="bfloat16", topk=2, training=True), **kw})
+        assert cudnn_backend.unavailable_reason(p(), h200) is None, cudnn_backend.unavailable_reason(p(), h200)
+        reason = cudnn_backend.unavailable_reason(p(block_elems=128), h200)
+        assert "torch wrapper" in reason and "128-token" in reason, reason
         """), "cpu")
 
 

@@ -101,22 +101,52 @@ ALIGN = 128                     # its sm_90 blk64 forward compiles q/k/v/out wit
 
 # ---- availability --------------------------------------------------------------------------
 @library_probe
-def _cudnn_import_error() -> Optional[str]:
-    """None when cuDNN frontend's BSA interface imports, else the error (imported once, on demand)."""
+def _kernels_import_error() -> Optional[str]:
+    """None when cuDNN frontend's sm_90 blk64 kernel classes import (CuTe DSL, no torch), else the error."""
     import cudnn
-    from cudnn.block_sparse_attention import _interface  # noqa: F401  (compiles nothing yet)
-    from cudnn.block_sparse_attention import api  # noqa: F401
     version = getattr(cudnn, "__version__", "?")
     if version != TESTED_VERSION:
-        # we call its private forward (for out=) and compile its blk64 forward kernel class with the
-        # arguments that forward gives it (`_blk64_forward`): only the tested version is trusted
+        # we compile its kernel classes with the arguments its wrappers give them (`_blk64_forward`,
+        # vsa_jax.cudnn_call): only the tested version is trusted
         return f"nvidia-cudnn-frontend {version} is installed, the cudnn backend is tested with {TESTED_VERSION}"
+    from cudnn.block_sparse_attention.csrc.bwd.bucketed_k2q_csr import BucketedK2QCsrUniversal  # noqa: F401
+    from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import (  # noqa: F401
+        BlockSparseAttnBackwardSm90Blk64)
+    from cudnn.block_sparse_attention.csrc.fwd.sm90_blk64.bsa_fwd_sm90 import (  # noqa: F401
+        BlockSparseAttnForwardSm90Blk64)
     return None
+
+
+@library_probe
+def _wrapper_import_error() -> Optional[str]:
+    """None when cuDNN frontend's torch wrapper of BSA imports (it needs torch), else the error."""
+    from cudnn.block_sparse_attention import _interface  # noqa: F401  (compiles nothing yet)
+    from cudnn.block_sparse_attention import api  # noqa: F401
+    return None
+
+
+@library_probe
+def _torch_import_error() -> Optional[str]:
+    import torch  # noqa: F401
+    return None
+
+
+def _cudnn_import_error() -> Optional[str]:
+    """None when everything this backend's eager launches import does, else the first error."""
+    return _kernels_import_error() or _wrapper_import_error()
 
 
 def library_error() -> Optional[str]:
     """Why this backend's library cannot be used here (None when it can): for strict test runs."""
     return _cudnn_import_error()
+
+
+def needs_wrapper(problem: AttnProblem) -> bool:
+    """Whether a call of `problem` needs cuDNN's torch wrapper in every frontend: its 128-token
+    kernels and the forward that runs a static prefix apart are called through it. The rest runs
+    the kernel classes directly: torch's eager launches, and JAX's native calls with no torch
+    (`vsa_jax.cudnn_call`)."""
+    return problem.block_elems != 64 or prefix_first(problem)
 
 
 def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
@@ -131,10 +161,29 @@ def unavailable_reason(problem: AttnProblem, device: DeviceInfo):
         return (f"cuDNN BSA's sm_90 backward needs {BACKWARD_DTYPE} and head dim {BACKWARD_HEAD_DIM} "
                 f"(got {problem.dtype}, head dim {problem.head_dim}) and this call may need a backward; "
                 "its forward runs in inference (torch.no_grad(), or no input requiring grad)")
-    return library_reason("cuDNN frontend's block-sparse attention", _cudnn_import_error(), INSTALL_HINT)
+    library = "cuDNN frontend's block-sparse attention"
+    error = _kernels_import_error()
+    if error is None and _torch_import_error() is not None and not needs_wrapper(problem):
+        return None  # no torch, so a JAX call: its native calls run the kernel classes (vsa_jax.cudnn_call)
+    if error is None and needs_wrapper(problem):
+        why = "128-token blocks" if problem.block_elems != 64 else "a static prefix's forward"
+        return library_reason(f"{library} (its torch wrapper, which runs {why})", _wrapper_import_error(),
+                              INSTALL_HINT + " and torch")
+    return library_reason(library, error or _wrapper_import_error(), INSTALL_HINT)
+
+
+def _eager_launch_error(error: str) -> RuntimeError:
+    return RuntimeError(
+        f"the cudnn backend's eager launches run on torch tensors and call cuDNN frontend's torch wrapper "
+        f"({error}); without torch only JAX's native calls run this backend (64-token blocks, no static prefix "
+        "in the forward; vsa_jax.set_launch('auto' or 'native'), not under jax.vmap)")
 
 
 def _cudnn():
+    """cuDNN's torch wrapper (forward, backward), or a RuntimeError saying what runs without it."""
+    error = _wrapper_import_error()
+    if error is not None:
+        raise _eager_launch_error(error)
     from cudnn.block_sparse_attention import _interface, api
     return _interface.bsa_attn_fwd, api.block_sparse_attention_backward
 
@@ -169,6 +218,8 @@ def launch_cudnn_forward(buffers: dict, *, problem: AttnProblem):
     out and lse with the lists sel_idx / sel_num and the clamped kv_counts, on the caller's stream
     (the prefix rows on a stream of their own: `_prefix_first_forward`). Checks the 128-byte
     alignment of q, k, v and out on every call (a replay's key holds only 16)."""
+    if _torch_import_error() is not None:  # JAX's callback path (launch "callback", jax.vmap) with no torch
+        raise _eager_launch_error(_torch_import_error())
     from ._torch_views import as_torch_buffers  # torch loads with this backend's first call
     p = problem
     with caller_stream():
@@ -364,6 +415,8 @@ def launch_cudnn_backward(buffers: dict, *, problem: AttnProblem):
     """The "cudnn_bwd" launch on framework buffers (`CUTE_STEPS`): cuDNN BSA's backward into dq, dk, dv
     from o (the fine output), lse and dout, on the caller's stream; cuDNN's wrapper allocates its
     K-to-Q lists and fp32 accumulators there."""
+    if _torch_import_error() is not None:  # JAX's callback path (launch "callback", jax.vmap) with no torch
+        raise _eager_launch_error(_torch_import_error())
     from ._torch_views import as_torch_buffers
     p = problem
     _, bsa_bwd = _cudnn()
