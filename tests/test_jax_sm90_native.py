@@ -498,7 +498,7 @@ def test_native_selects_sm90_only_in_native_mode(launch_config):
     from vsa_jax import native
     launch_config(jax_launch="native")
     assert native.selected(sm90_backend) and native.selected(types.SimpleNamespace(name="triton"))
-    assert not native.selected(types.SimpleNamespace(name="cudnn"), stage="backward")
+    assert native.selected(types.SimpleNamespace(name="cudnn"), stage="backward")
     assert not native.selected(types.SimpleNamespace(name="cute"))
     launch_config(jax_launch="callback")
     assert not native.selected(sm90_backend)
