@@ -208,6 +208,28 @@ def steady_ms(fn: Callable, device: str, budget_ms: float) -> float:
     return (time.perf_counter() - t) * 1e3 / n
 
 
+_FLUSH = {}
+
+
+def latency_ms(fn: Callable, device: str, reps: int = 30) -> float:
+    """Median wall milliseconds of one call `fn` alone, from issuing it to the device finishing
+    it, with the device idle and L2 flushed before (what one inference call sees). Unlike
+    do_bench's events on torch's stream, it times eager PyTorch and jitted JAX alike: host
+    dispatch, device time and the wait for the result, both frameworks."""
+    flush = _FLUSH.get("buf")
+    if flush is None:
+        flush = _FLUSH["buf"] = torch.empty(256 * 2 ** 20 // 4, dtype=torch.int32, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(statistics.median(times))
+
+
 # ---- one contender: forward and forward+backward as timeable calls ----------------------
 @dataclass
 class Contender:
@@ -308,6 +330,8 @@ class Row:
     bwd_tflops: Optional[float] = None
     fwd_steady_ms: Optional[float] = None      # see steady_ms: back-to-back calls, wall clock
     fwd_bwd_steady_ms: Optional[float] = None
+    fwd_latency_ms: Optional[float] = None     # see latency_ms: one call alone, issue to done, wall clock
+    fwd_bwd_latency_ms: Optional[float] = None
     first_call_s: Optional[float] = None   # first forward + backward: compilation and autotuning
     errors: Dict[str, float] = field(default_factory=dict)
     check_against: Optional[str] = None
@@ -375,6 +399,9 @@ def measure(row: Row, c: Contender, timer: Timer, device: str, tol: float, refer
         if row.stage != "peer" and device == "cuda":
             row.fwd_steady_ms = steady_ms(c.fwd_async or c.fwd, device, timer.rep_ms)
             row.fwd_bwd_steady_ms = steady_ms(c.fwd_bwd_async or c.fwd_bwd, device, timer.rep_ms)
+            # the blocking calls: JAX's async dispatch may enqueue its work after the call returns
+            row.fwd_latency_ms = latency_ms(c.fwd, device)
+            row.fwd_bwd_latency_ms = latency_ms(c.fwd_bwd, device)
         log(f"  {row.stage:4s} {row.name:28s} fwd {row.fwd_ms:9.3f} ms  bwd {fmt(row.bwd_ms, '9.3f')} ms  "
             f"({row.bwd_method or '-'})  first call {row.first_call_s:6.1f} s  {fmt_err(row)}  {row.status}")
         return values
@@ -692,7 +719,8 @@ def print_table(shapes: List[Shape], rows: List[Row], shares: List[dict], best: 
         for (stage, backend, frontend), r in steady.items():
             eager = steady.get((stage, backend, "eager"))
             line = (f"      steady (back-to-back calls) {stage} {r.name}: fwd {r.fwd_steady_ms:.3f} ms, "
-                    f"fwd+bwd {fmt(r.fwd_bwd_steady_ms, '.3f')} ms")
+                    f"fwd+bwd {fmt(r.fwd_bwd_steady_ms, '.3f')} ms; one call alone, issue to done: fwd "
+                    f"{fmt(r.fwd_latency_ms, '.3f')} ms, fwd+bwd {fmt(r.fwd_bwd_latency_ms, '.3f')} ms")
             if frontend != "eager" and eager is not None and r.fwd_bwd_steady_ms and eager.fwd_bwd_steady_ms:
                 line += (f"  vs eager: fwd {100 * (r.fwd_steady_ms / eager.fwd_steady_ms - 1):+.1f}%, "
                          f"fwd+bwd {100 * (r.fwd_bwd_steady_ms / eager.fwd_bwd_steady_ms - 1):+.1f}%")
@@ -706,8 +734,8 @@ def print_table(shapes: List[Shape], rows: List[Row], shares: List[dict], best: 
 
 
 def print_ratios(shapes: List[Shape], rows: List[Row]) -> None:
-    """time(frontend) / time(eager) of the same stage and backend: device times (do_bench)
-    and steady back-to-back wall times; below 1.00 the frontend is faster."""
+    """time(frontend) / time(eager) of the same stage and backend: device times (do_bench),
+    steady back-to-back wall times and one call's latency; below 1.00 the frontend is faster."""
     lines = []
     for shape in shapes:
         ours = {(r.stage, r.backend, r.frontend): r for r in rows
@@ -722,11 +750,13 @@ def print_ratios(shapes: List[Shape], rows: List[Row]) -> None:
             lines.append(f"{shape.name:9s} {stage:4s} {backend:7s} {frontend:8s} {ratio(r.fwd_ms, eager.fwd_ms)} "
                          f"{ratio(r.bwd_ms, eager.bwd_ms)} {ratio(r.fwd_bwd_ms, eager.fwd_bwd_ms)} "
                          f"    {ratio(r.fwd_steady_ms, eager.fwd_steady_ms)} "
-                         f"    {ratio(r.fwd_bwd_steady_ms, eager.fwd_bwd_steady_ms)}")
+                         f"    {ratio(r.fwd_bwd_steady_ms, eager.fwd_bwd_steady_ms)}"
+                         f"      {ratio(r.fwd_latency_ms, eager.fwd_latency_ms)}"
+                         f"      {ratio(r.fwd_bwd_latency_ms, eager.fwd_bwd_latency_ms)}")
     if lines:
         print("\n== time / eager time (same stage and backend; < 1: faster than eager PyTorch)")
         print(f"{'shape':9s} {'stage':4s} {'backend':7s} {'frontend':8s} {'fwd':>6s} {'bwd':>6s} {'f+b':>6s} "
-              f"{'steady fwd':>10s} {'steady f+b':>10s}")
+              f"{'steady fwd':>10s} {'steady f+b':>10s} {'latency fwd':>11s} {'latency f+b':>11s}")
         for line in lines:
             print(line)
 
