@@ -438,3 +438,66 @@ def test_library_backends_keep_the_fine_output_in_the_input_dtype():
     q, k = np.zeros((1, 2, 256, 128), np.float32), np.zeros((1, 2, 512, 128), np.float32)
     for name, want in (("cudnn", "input"), ("cute", "input"), ("triton", "float32"), ("sm90", "float32")):
         assert op_problem(OpStatics.of(p, name), {"q": q, "k": k}).forward_buffers()["out_fine"][1] == want, name
+
+
+BLK64_BACKWARD_BUILD = """
+import cutlass, cutlass.cute as cute, torch
+from vsa_core.backends import cudnn_backend, sm90_common
+from vsa_core.problem import AttnProblem
+from vsa_jax.cutlass_common import compile_without_gpu
+types = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
+
+def in_global_memory(x, align=16, leading_dim=None):
+    stride = tuple(s if s in (0, 1) else cute.sym_int64() for s in x.stride())
+    return cute.runtime.make_fake_tensor(types[x.dtype], tuple(cute.sym_int() for _ in x.shape), stride,
+                                         assumed_align=align)
+
+sm90_common.cute_tensor = in_global_memory
+for layout in ("bhsd", "bshd"):
+    p = AttnProblem(batch=1, heads=2, q_len=512, kv_len=640, head_dim=128, block_elems=64, dtype="bfloat16", topk=3,
+                    layout=layout)
+    tokens = lambda s: torch.randn(p.token_shape(s)).to(torch.bfloat16)
+    b = {**{n: tokens(p.q_len) for n in ("q", "o", "dout", "dq")}, **{n: tokens(p.kv_len) for n in ("k", "v", "dk", "dv")},
+         "lse": torch.randn(1, p.heads, p.q_len), "kv_counts": torch.full((p.n_kv_blocks,), 64, dtype=torch.int32),
+         "sel_idx": torch.zeros(1, p.heads, p.n_q_blocks, p.select_capacity, dtype=torch.int32),
+         "sel_num": torch.zeros(1, p.heads, p.n_q_blocks, dtype=torch.int32)}
+    b.update({n: torch.zeros(shape, dtype=getattr(torch, dt))
+              for n, (shape, dt) in cudnn_backend.blk64_backward_workspaces(p).items()})
+    to_bhsd = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    t = {n: to_bhsd(b[n]) if n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv") else b[n]
+         for n in cudnn_backend.BLK64_BACKWARD_ARGS if n != "block_sizes"}
+    t["block_sizes"] = b["kv_counts"][None].expand(1, -1)
+    cudnn_backend._check_blk64_backward(p, t)
+    with compile_without_gpu():
+        fn = cudnn_backend._blk64_backward_build(p, [t[n] for n in cudnn_backend.BLK64_BACKWARD_ARGS])
+    assert callable(fn)
+assert len(cudnn_backend._BLK64_BWD_BUILDS) == 1  # one build: layouts and shapes are run-time values
+try:
+    cudnn_backend._check_blk64_backward(p, {**t, "k2q_indices": torch.zeros(1, 1, dtype=torch.int32)})
+except ValueError as e:
+    assert "the workspaces of the problem" in str(e), e
+else:
+    raise AssertionError("wrong workspaces passed the checks")
+print("BUILT")
+"""
+
+
+def test_the_blk64_backward_compiles_for_sm90a_on_the_cpu():
+    """The torch launch's build of cuDNN's blk64 backward (`cudnn_kernels.Blk64Backward`: its K-to-Q
+    lists, then its backward kernel) compiles for sm_90a on a host with no GPU (a process of its
+    own: the CuTe DSL reads CUTE_DSL_ARCH once), from the arguments `_blk64_backward` passes (token
+    views of either layout, the block sizes broadcast over the batch, the plan's workspaces), after
+    its checks pass. CPU tensors have no device address space, so the compile examples are CuTe
+    tensors of the same types in global memory (dynamic shapes and strides, as `cute_tensor` makes
+    them)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    if any(importlib.util.find_spec(m) is None for m in ("cutlass", "cudnn", "jax")):
+        pytest.skip("needs nvidia-cutlass-dsl, nvidia-cudnn-frontend and jax")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", BLK64_BACKWARD_BUILD], env=env, cwd=repo, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "BUILT" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

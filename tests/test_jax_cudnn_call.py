@@ -170,19 +170,24 @@ def test_the_cudnn_stages_lower_to_triton_calls_and_one_cute_call():
     assert out.count("LOWERED") == 4, out
 
 
-def test_the_backward_call_hands_in_zeroed_counts_and_workspace():
-    """The backward's call: what cuDNN's torch wrapper allocates is XLA's, sized by the wrapper's
-    rules (a 384-query-block bucket; a workspace of dPsum, log2 lse, the dQ accumulator and the
-    dK / dV accumulators per (B, H), each sequence rounded up to 64 rows); the counts and the
-    workspace are zeros donated to the call."""
-    from vsa_jax import cudnn_call
-    cfg = cudnn_call.Sm90Blk64Backward(128, "bfloat16", "bhsd", 0.1, batch=2, heads=3, q_len=832, kv_len=960,
-                                       capacity=5, bucket_blocks=cudnn_call._bucket_blocks(13))
-    assert cfg.bucket_blocks == 384
-    written, zeroed = cudnn_call._backward_buffers(cfg)
-    assert written["k2q_offsets"] == ((2, 3, 1, 16), "int32") and written["k2q_indices"] == ((2, 3, 65), "int32")
-    assert zeroed == {"k2q_counts": ((2, 3, 1, 15), "int32"),
-                      "workspace": ((2, 3, 2 * 832 + 832 * 128 + 2 * 960 * 128), "float32")}
+def test_the_blk64_backward_works_in_workspaces_of_the_plan():
+    """What cuDNN's torch wrapper allocates per backward are workspaces of the plan, sized by its
+    rules (a 384-query-block bucket, as cuDNN's own rule says; a workspace of dPsum, log2 lse, the
+    dQ accumulator and the dK / dV accumulators per (B, H), rows rounded up to 64), the dK / dV
+    accumulators starting after every (B, H)'s first three fields."""
+    from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import sm90_bwd_auto_bucketed_k2q_size_blocks
+    from vsa_core.backends import cudnn_backend
+    from vsa_core.problem import AttnProblem
+    p = AttnProblem(batch=2, heads=3, q_len=832, kv_len=960, head_dim=128, block_elems=64, dtype="bfloat16", topk=5)
+    assert sm90_bwd_auto_bucketed_k2q_size_blocks(p.n_q_blocks) == cudnn_backend.BUCKET_BLOCKS == 384
+    table = cudnn_backend.workspaces("backward", p)
+    assert table["k2q_offsets"] == ((2, 3, 1, 16), "int32") and table["k2q_counts"] == ((2, 3, 1, 15), "int32")
+    assert table["k2q_indices"] == ((2, 3, 13 * p.select_capacity), "int32")
+    assert table["bwd_workspace"] == ((2, 3, 2 * 832 + 832 * 128 + 2 * 960 * 128), "float32")
+    assert cudnn_backend.dkv_accumulators_start(p) == 6 * (2 * 832 + 832 * 128)
+    assert set(cudnn_backend.workspaces("forward", p)) == set()
+    assert "bwd_workspace" not in cudnn_backend.workspaces("backward", AttnProblem(**{**vars(p), "block_elems": 128,
+                                                                                       "q_len": 896, "kv_len": 1024}))
 
 
 def test_the_native_stages_of_the_cudnn_backend():

@@ -19,14 +19,14 @@ that calls the kernel class as the torch path does (`cudnn_backend._blk64_forwar
 - compiled at lowering, once per (statics, shapes); `allow_cuda_graph=True` (XLA may capture it in
   a command buffer).
 
-The backward (`cudnn_backend.sparse_backward`, step "cudnn_bwd") is one cutlass_call of an adapter
-that runs what cuDNN's torch wrapper runs (`api.block_sparse_attention_backward` at 64-token blocks):
-its `BucketedK2QCsrUniversal` builds the K-to-Q lists from the query-owned ones, then its
-`BlockSparseAttnBackwardSm90Blk64` (preprocess, main kernel, postprocess) writes dq, dk, dv. What
-the wrapper allocates with torch is XLA's here: the lists' scratch (results of the call, dropped),
-the per-KV-block counts and the fp32 workspace (handed in as XLA zeros and donated; the wrapper
-zeroes only the workspace's dK/dV accumulators, the preprocess writes the rest), the bucket size
-from cuDNN's own rule, the block sizes broadcast to [B, nKV] as the wrapper expands them.
+The backward (`cudnn_backend.sparse_backward`, step "cudnn_bwd") is one cutlass_call of
+`cudnn_kernels.Blk64Backward`, the class the torch path compiles: cuDNN's `BucketedK2QCsrUniversal`
+builds the K-to-Q lists from the query-owned ones, then its `BlockSparseAttnBackwardSm90Blk64`
+(preprocess, main kernel, postprocess) writes dq, dk, dv. What cuDNN's torch wrapper allocates per
+call are workspaces of the plan (`cudnn_backend.blk64_backward_workspaces`), XLA buffers here: the
+per-bucket counts and the fp32 workspace are handed in as XLA zeros and donated (the torch launch
+zeroes only the workspace's dK/dV accumulators; the preprocess writes the rest), the lists' other
+buffers are born in the call; the block sizes are broadcast to [B, nKV] by XLA.
 
 What keeps the buffer callback (`native_reason`): 128-token blocks (kernels that allocate their
 outputs), the forward that runs a static prefix's rows on a stream of their own.
@@ -124,19 +124,12 @@ class Sm90Blk64Forward:
 
 @dataclasses.dataclass(frozen=True)
 class Sm90Blk64Backward:
-    """One compiled backward specialization: the kernel takes the problem's sizes as its
-    `problem_shape`; `capacity` is the lists' width, `bucket_blocks` the query blocks per K-to-Q
-    bucket (cuDNN's rule)."""
+    """One compiled backward specialization; `capacity`: the lists' width."""
     head_dim: int
     dtype: str
     layout: str
     softmax_scale: float
-    batch: int
-    heads: int
-    q_len: int
-    kv_len: int
     capacity: int
-    bucket_blocks: int
 
 
 def _fp32_value(x: float):
@@ -174,26 +167,19 @@ class _Adapter:
 
 
 class _BackwardAdapter:
-    """cutlass_call's calling convention -> what cuDNN's torch wrapper runs for the sm_90 blk64
-    backward: the K-to-Q lists (`BucketedK2QCsrUniversal`, constructed as the wrapper does for
-    per-row counts), then `BlockSparseAttnBackwardSm90Blk64` on [B, H, S, D] views."""
+    """cutlass_call's calling convention -> `cudnn_kernels.Blk64Backward` (the class the torch path
+    compiles: cuDNN's K-to-Q lists, then its sm_90 blk64 backward) on [B, H, S, D] views."""
 
     def __init__(self, cfg: Sm90Blk64Backward, names: Tuple[str, ...]):
         self.cfg, self.names = cfg, names
 
     def __call__(self, stream, *tensors):
-        from cudnn.block_sparse_attention.csrc.bwd.bucketed_k2q_csr import BucketedK2QCsrUniversal
-        from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import BlockSparseAttnBackwardSm90Blk64
+        from vsa_core.backends.cudnn_backend import BLK64_BACKWARD_ARGS, BUCKET_BLOCKS
+        from vsa_core.backends.cudnn_kernels import Blk64Backward
 
         cfg, t = self.cfg, dict(zip(self.names, tensors))
-        lists = BucketedK2QCsrUniversal(cfg.capacity, cfg.bucket_blocks, True, cfg.capacity, True)
-        lists(t["k2q_counts"], t["k2q_local_offsets"], t["k2q_group_totals"], t["k2q_offsets"], t["k2q_cursors"],
-              t["k2q_indices"], t["sel_idx"], t["sel_num"], stream)
-        kernel = BlockSparseAttnBackwardSm90Blk64(_cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.head_dim)
-        problem_shape = (cfg.q_len, cfg.kv_len, cfg.head_dim, (cfg.heads, cfg.batch))
-        kernel(problem_shape, t["dout"], t["o"], t["q"], t["k"], t["v"], t["lse"], t["dq"], t["dk"], t["dv"],
-               t["k2q_offsets"], t["k2q_indices"], t["block_sizes"], t["workspace"],
-               _fp32_value(cfg.softmax_scale), stream)
+        kernel = Blk64Backward(_cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.capacity, BUCKET_BLOCKS)
+        kernel(*(t[n] for n in BLK64_BACKWARD_ARGS), _fp32_value(cfg.softmax_scale), stream)
 
 
 def _spec(cfg, arg: str):
@@ -204,7 +190,7 @@ def _spec(cfg, arg: str):
     if isinstance(cfg, Sm90Blk64Backward):
         if arg in BACKWARD_TOKENS:
             return TensorSpec(mode=(0, 2, 1, 3) if layout == "bshd" else None, ptr_assumed_align=16)
-        return TensorSpec(ptr_assumed_align=16 if arg == "workspace" else 4)
+        return TensorSpec(ptr_assumed_align=16 if arg == "bwd_workspace" else 4)
     if arg in _MODES:
         return TensorSpec(mode=_MODES[arg][layout], ptr_assumed_align=TOKEN_ALIGN)
     return TensorSpec(mode=_MODE4 if arg == "sel_idx" else _MODE3, ptr_assumed_align=4)
@@ -237,66 +223,33 @@ def _versions() -> tuple:
 
 
 def _block_sizes(kv_counts, batch: int, heads: int):
-    """kv_counts clamped to [0, 64] as the compact [B, H, nKV] array the kernel reads (cutlass.jax
-    passes compact layouts only: no stride-0 view); XLA fuses the clamp and broadcast into one write."""
+    """kv_counts clamped to [0, 64] as the compact [B, H, nKV] array the forward kernel reads
+    (cutlass.jax passes compact layouts only: no stride-0 view); XLA fuses the clamp and broadcast."""
     return jnp.broadcast_to(jnp.clip(kv_counts, 0, BLOCK)[None, None, :], (batch, heads, kv_counts.shape[0]))
-
-
-def _backward_buffers(cfg: Sm90Blk64Backward) -> Tuple[Dict[str, tuple], Dict[str, tuple]]:
-    """What cuDNN's wrapper allocates for the backward, as (name -> (shape, dtype)): the buffers the
-    call writes from scratch (the K-to-Q lists' offsets, cursors and entries), and those it needs
-    zeroed on entry (the per-bucket counts; the fp32 workspace: dPsum, log2 lse, the dQ accumulator,
-    the dK and dV accumulators, field-major over B * H, each sequence rounded up to 64 rows)."""
-    b, h = cfg.batch, cfg.heads
-    n_q, n_kv = -(-cfg.q_len // BLOCK), -(-cfg.kv_len // BLOCK)
-    groups = -(-n_q // cfg.bucket_blocks)
-    q_rows, k_rows, d = n_q * BLOCK, n_kv * BLOCK, -(-cfg.head_dim // 32) * 32
-    written = {"k2q_local_offsets": ((b, h, groups, n_kv + 1), "int32"),
-               "k2q_group_totals": ((b, h, groups), "int32"),
-               "k2q_offsets": ((b, h, groups, n_kv + 1), "int32"),
-               "k2q_cursors": ((b, h, groups, n_kv), "int32"),
-               "k2q_indices": ((b, h, max(1, n_q * cfg.capacity)), "int32")}
-    zeroed = {"k2q_counts": ((b, h, groups, n_kv), "int32"),
-              "workspace": ((b, h, 2 * q_rows + q_rows * d + 2 * k_rows * d), "float32")}
-    return written, zeroed
-
-
-def _bucket_blocks(n_q: int) -> int:
-    from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import sm90_bwd_auto_bucketed_k2q_size_blocks
-    return int(sm90_bwd_auto_bucketed_k2q_size_blocks(n_q))
 
 
 def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tuple:
     """The results of plan step `step` (a `vsa_core.plan.Step`) of the "cudnn_fwd" or "cudnn_bwd"
     launch `launch`, on the arrays `current` (buffer name -> array); result_types: a
     ShapeDtypeStruct per step result."""
+    from vsa_core.backends.cudnn_backend import BLK64_BACKWARD_ZEROED
     check(launch)
     p = launch.statics_dict()["problem"]
-    args = arrange(launch, step, current, result_types)
+    forward = launch.step == "cudnn_fwd"
+    args = arrange(launch, step, current, result_types, frozenset() if forward else BLK64_BACKWARD_ZEROED)
     where = args.in_args.index("kv_counts")  # the kernels read the clamped, broadcast sizes instead
     args.in_args[where] = "block_sizes"
-    types = [(tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types]
-    result_args = args.result_args
-    if launch.step == "cudnn_fwd":
-        args.in_arrays[where] = _block_sizes(args.in_arrays[where], p.batch, p.heads)
+    clamped = jnp.clip(args.in_arrays[where], 0, BLOCK)
+    if forward:
+        args.in_arrays[where] = jnp.broadcast_to(clamped[None, None, :], (p.batch, p.heads, clamped.shape[0]))
         cfg = Sm90Blk64Forward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale))
     else:
-        kv_counts = args.in_arrays[where]
-        args.in_arrays[where] = jnp.broadcast_to(jnp.clip(kv_counts, 0, BLOCK)[None, :], (p.batch, kv_counts.shape[0]))
-        capacity = current[launch.buffer("sel_idx")].shape[-1]
-        cfg = Sm90Blk64Backward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale), p.batch, p.heads, p.q_len,
-                                p.kv_len, capacity, _bucket_blocks(-(-p.q_len // BLOCK)))
-        written, zeroed = _backward_buffers(cfg)
-        args.out_args += list(written)
-        types += list(written.values())
-        for name, (shape, dtype) in zeroed.items():
-            args.aliases.append((len(args.in_arrays), len(types)))
-            args.add_input(name, jnp.zeros(shape, dtype))
-            types.append((shape, dtype))
-        result_args = result_args + tuple(written) + tuple(zeroed)
-    fn = _callable(cfg, tuple(args.in_args), tuple(args.out_args), result_args, tuple(types),
+        args.in_arrays[where] = jnp.broadcast_to(clamped[None, :], (p.batch, clamped.shape[0]))
+        cfg = Sm90Blk64Backward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale), p.select_capacity)
+    fn = _callable(cfg, tuple(args.in_args), tuple(args.out_args), args.result_args,
+                   tuple((tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types),
                    tuple(sorted(args.aliases)))
-    return tuple(fn(*args.in_arrays))[:len(result_types)]
+    return tuple(fn(*args.in_arrays))
 
 
 def cudnn_sm90_forward(q, k, v, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,

@@ -13,11 +13,14 @@ What it runs (read from nvidia-cudnn-frontend 1.32.0, python/cudnn/block_sparse_
   writing out and lse straight into ours through strided views, either layout; at E = 128
   (the sm_90 "blk128" kernel, which allocates its outputs) `bsa_attn_fwd` itself, with
   sparse_block_size = E, and out and lse are copied into our buffers.
-- backward: the public `block_sparse_attention_backward` with dq/dk/dv given
-  (`dq_tensor=...`): gradients are written into our buffers, either layout. It rebuilds
-  its own K-to-Q lists from the query-owned lists on every call (CuTe kernels, atomics:
-  the order of those lists, and hence dK/dV's summation order, and dQ's atomic adds,
-  are not deterministic run to run).
+- backward: at E = 64 the two kernel classes that the public `block_sparse_attention_backward`
+  runs there (`cudnn_kernels.Blk64Backward`: its K-to-Q lists rebuilt from the query-owned lists
+  on every call, then its sm_90 blk64 backward), constructed as that wrapper does and called
+  without it (`_blk64_backward`), in workspaces of the plan (`blk64_backward_workspaces`), the same
+  class under JAX (`vsa_jax.cudnn_call`); at E = 128 the wrapper itself, with dq/dk/dv given
+  (`dq_tensor=...`). Gradients are written into our buffers, either layout. CuTe kernels with
+  atomics: the order of the K-to-Q lists, and hence dK/dV's summation order, and dQ's atomic adds,
+  are not deterministic run to run.
 - selection: our own. `sel_idx` [B, H, nQ, capacity] (ascending, int32) and `sel_num`
   [B, H, nQ] go in as q2k_block_index / q2k_block_nums, and `kv_counts` (valid tokens
   at the start of each block) as block_sizes [nKV]: the kernels mask KV tokens at or past
@@ -72,9 +75,9 @@ padding="ignore" and the coarse mix are Triton launches (the copies into scratch
 `launcher.workspace`, declared in `workspaces(stage, problem)`), so a captured stage replays
 (`vsa_core.replay`) like the Triton backend's. Inside its steps this backend and cuDNN's wrappers
 allocate (on the current stream, torch's caching allocator): the clamped block sizes and their
-[B, H, nKV] copy per forward, the K-to-Q lists and an fp32 workspace (dQ/dK/dV accumulators) per
-backward; with a static prefix also a copy of the counts and the prefix rows' lists, out and lse
-per forward.
+[B, H, nKV] copy per forward, the clamped block sizes per backward (at E = 128 the wrapper's K-to-Q
+lists and fp32 workspace too); with a static prefix also a copy of the counts and the prefix rows'
+lists, out and lse per forward.
 """
 
 from __future__ import annotations
@@ -403,8 +406,12 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
         if a.out is None:
             raise ValueError("the cudnn backend's backward needs the forward output `out`")
         o = a.out
-    launcher.cute("cudnn_bwd", dict(q=q, k=k, v=v, o=o, lse=a.lse, dout=dout, dq=a.dq, dk=a.dk, dv=a.dv,
-                                    sel_idx=a.sel_idx, sel_num=a.sel_num, kv_counts=a.kv_counts), problem=p)
+    buffers = dict(q=q, k=k, v=v, o=o, lse=a.lse, dout=dout, dq=a.dq, dk=a.dk, dv=a.dv, sel_idx=a.sel_idx,
+                   sel_num=a.sel_num, kv_counts=a.kv_counts)
+    if p.block_elems == 64:  # what cuDNN's backward works in, from the plan (`blk64_backward_workspaces`)
+        buffers.update({n: launcher.workspace(n, shape, dtype, a.q)
+                        for n, (shape, dtype) in blk64_backward_workspaces(p).items()})
+    launcher.cute("cudnn_bwd", buffers, problem=p)
     if a.dq_pool is not None:
         add_block_grad(launcher, p, a.dq, a.dq_pool, a.q_counts, p.q_len)
         add_block_grad(launcher, p, a.dk, a.dk_pool, a.kv_counts, p.kv_len)
@@ -413,12 +420,17 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
 
 def launch_cudnn_backward(buffers: dict, *, problem: AttnProblem):
     """The "cudnn_bwd" launch on framework buffers (`CUTE_STEPS`): cuDNN BSA's backward into dq, dk, dv
-    from o (the fine output), lse and dout, on the caller's stream; cuDNN's wrapper allocates its
+    from o (the fine output), lse and dout, on the caller's stream. At 64-token blocks its kernel
+    classes in the step's workspaces (`_blk64_backward`); at 128 its wrapper, which allocates its
     K-to-Q lists and fp32 accumulators there."""
     if _torch_import_error() is not None:  # JAX's callback path (launch "callback", jax.vmap) with no torch
         raise _eager_launch_error(_torch_import_error())
     from ._torch_views import as_torch_buffers
     p = problem
+    if p.block_elems == 64:
+        with caller_stream():
+            _blk64_backward(p, as_torch_buffers(buffers, "lse"))
+        return
     _, bsa_bwd = _cudnn()
     with caller_stream():
         b = as_torch_buffers(buffers, "lse")
@@ -429,8 +441,128 @@ def launch_cudnn_backward(buffers: dict, *, problem: AttnProblem):
 
 def workspaces(stage: str, p: AttnProblem) -> dict:
     """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
-    each from `launcher.workspace`: the copies of padding="ignore" (`stages.valid_rows_input`)."""
-    return valid_rows_workspaces(stage, p)
+    each from `launcher.workspace`: the copies of padding="ignore" (`stages.valid_rows_input`) and,
+    at 64-token blocks, what cuDNN's backward works in (`blk64_backward_workspaces`)."""
+    table = valid_rows_workspaces(stage, p)
+    if stage == "backward" and p.block_elems == 64:
+        table.update(blk64_backward_workspaces(p))
+    return table
+
+
+# ---- the blk64 backward, called without cuDNN's Python wrapper ----------------------------------
+# `api.block_sparse_attention_backward` (1.32.0) validates its arguments, allocates the K-to-Q lists'
+# buffers and an fp32 workspace with torch, and converts its tensors through DLPack on every call: most
+# of the backend's host time per backward. Both frontends run its two kernel classes instead
+# (`cudnn_kernels.Blk64Backward`) on workspaces of the plan; torch compiles it for TVM-FFI calls.
+BUCKET_BLOCKS = 384     # query blocks per K-to-Q bucket: cuDNN 1.32.0's sm_90 rule (checked at build)
+_HEAD_DIM_ROUND = 32    # the workspace rows' width rounds the head dim to this (its get_workspace_tensor)
+
+
+def _padded_rows(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def blk64_backward_workspaces(p: AttnProblem) -> dict:
+    """What cuDNN's wrapper allocates per backward, as name -> (shape, dtype): the K-to-Q lists'
+    counts, offsets, cursors and entries ([B, H, buckets, ...]), and the fp32 workspace (dPsum,
+    log2 lse, the dQ accumulator, the dK and dV accumulators, each field-major over B * H, rows
+    rounded up to 64). "k2q_counts" and the dK / dV part of "bwd_workspace" (from
+    `dkv_accumulators_start`) are zeroed before each call by the launch; the kernels write the rest."""
+    B, H = p.batch, p.heads
+    n_q, n_kv = _padded_rows(p.q_len) // 64, _padded_rows(p.kv_len) // 64
+    groups = -(-n_q // BUCKET_BLOCKS)
+    d = -(-p.head_dim // _HEAD_DIM_ROUND) * _HEAD_DIM_ROUND
+    q_rows, k_rows = _padded_rows(p.q_len), _padded_rows(p.kv_len)
+    return {"k2q_counts": ((B, H, groups, n_kv), "int32"),
+            "k2q_local_offsets": ((B, H, groups, n_kv + 1), "int32"),
+            "k2q_group_totals": ((B, H, groups), "int32"),
+            "k2q_offsets": ((B, H, groups, n_kv + 1), "int32"),
+            "k2q_cursors": ((B, H, groups, n_kv), "int32"),
+            "k2q_indices": ((B, H, max(1, n_q * p.select_capacity)), "int32"),
+            "bwd_workspace": ((B, H, 2 * q_rows + q_rows * d + 2 * k_rows * d), "float32")}
+
+
+def dkv_accumulators_start(p: AttnProblem) -> int:
+    """Where the dK / dV accumulators start in the flat "bwd_workspace": the kernels split it
+    field-major over all B * H (every dPsum, every log2 lse, every dQ accumulator, then dK, dV)."""
+    d = -(-p.head_dim // _HEAD_DIM_ROUND) * _HEAD_DIM_ROUND
+    return p.batch * p.heads * (2 * _padded_rows(p.q_len) + _padded_rows(p.q_len) * d)
+
+
+BLK64_BACKWARD_ZEROED = frozenset({"k2q_counts", "bwd_workspace"})  # before each call (the workspace: from
+# `dkv_accumulators_start`; a caller that cannot zero a part zeroes it whole)
+BLK64_BACKWARD_ARGS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "sel_idx", "sel_num", "block_sizes",
+                       "k2q_counts", "k2q_local_offsets", "k2q_group_totals", "k2q_offsets", "k2q_cursors",
+                       "k2q_indices", "bwd_workspace")  # `cudnn_kernels.Blk64Backward`'s tensors, in order
+_BLK64_BWD_BUILDS = {}  # (dtype, head dim, capacity, broadcast dims) -> compiled function
+_BLK64_BWD_PLANS = {}   # `layout_key` of the arguments -> the compiled function (the checks passed)
+
+
+def _blk64_backward(p: AttnProblem, b: dict):
+    """cuDNN's sm_90 blk64 backward (`cudnn_kernels.Blk64Backward`) on torch tensors `b` (the
+    "cudnn_bwd" step's buffers): the counts and the dK / dV accumulators zeroed, then one call on
+    torch's current stream of q's device."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    from .sm90_common import layout_key, remember
+    bhsd = (lambda x: x) if p.layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    t = {n: bhsd(b[n]) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")}
+    t.update({n: b[n] for n in BLK64_BACKWARD_ARGS if n not in t and n != "block_sizes"})
+    t["block_sizes"] = _block_sizes(p, b["kv_counts"])[None].expand(p.batch, -1)  # as [B, nKV], no copy
+    args = [t[n] for n in BLK64_BACKWARD_ARGS]
+    key = layout_key(*args)
+    fn = _BLK64_BWD_PLANS.get(key)
+    if fn is None:
+        _check_blk64_backward(p, t)
+        with _BUILD_LOCK:
+            fn = remember(_BLK64_BWD_PLANS, key, _blk64_backward_build(p, args))
+    t["k2q_counts"].zero_()
+    t["bwd_workspace"].view(-1)[dkv_accumulators_start(p):].zero_()
+    fn(*args, p.softmax_scale, cuda.CUstream(torch.cuda.current_stream(t["q"].device).cuda_stream))
+
+
+def _check_blk64_backward(p: AttnProblem, t: dict):
+    """What the wrapper asserts of these arguments and the workspaces' shapes (ValueError)."""
+    import torch
+    B, H, Sq, D = t["q"].shape
+    problems = [
+        t["q"].dtype != torch.bfloat16 and "bf16 q",
+        any(t[n].dtype != t["q"].dtype for n in ("k", "v", "o", "dout", "dq", "dk", "dv")) and "one dtype",
+        D != BACKWARD_HEAD_DIM and f"head dim {BACKWARD_HEAD_DIM}",
+        any(t[n].shape != t["q"].shape for n in ("o", "dout", "dq")) and "o, dout, dq [B, H, Sq, D]",
+        any(t[n].shape != t["k"].shape or t[n].shape[:2] != (B, H) for n in ("v", "dk", "dv")) and "k, v, dk, dv [B, H, Skv, D]",
+        any(x.stride(-1) != 1 for x in t.values()) and "a contiguous last dim",
+        (t["lse"].shape != (B, H, Sq) or t["lse"].dtype != torch.float32) and "lse [B, H, Sq] fp32",
+        any(tuple(t[n].shape) != shape or str(t[n].dtype) != f"torch.{dtype}"
+            for n, (shape, dtype) in blk64_backward_workspaces(p).items()) and "the workspaces of the problem",
+    ]
+    bad = [x for x in problems if x]
+    if bad:
+        raise ValueError(f"the cudnn backend's blk64 backward needs {', '.join(bad)}")
+
+
+def _blk64_backward_build(p: AttnProblem, args):
+    """`cudnn_kernels.Blk64Backward` for this dtype, head dim and list width, compiled on first use
+    with `args` as examples (token tensors at 16-byte alignment, the rest at 4, as the wrapper's)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .cudnn_kernels import Blk64Backward, bucket_blocks
+    from .sm90_common import broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype
+    capacity = p.select_capacity
+    key = (args[0].dtype, p.head_dim, capacity, broadcast_dims(args))
+    fn = _BLK64_BWD_BUILDS.get(key)
+    if fn is None:
+        if bucket_blocks(p.n_q_blocks) != BUCKET_BLOCKS:
+            raise RuntimeError(f"cuDNN's K-to-Q bucket is {bucket_blocks(p.n_q_blocks)} query blocks, "
+                               f"the workspaces are sized for {BUCKET_BLOCKS}")
+        kernel = Blk64Backward(cutlass_dtype(args[0]), p.head_dim, capacity, BUCKET_BLOCKS)
+        aligned = {"q", "k", "v", "o", "dout", "dq", "dk", "dv", "bwd_workspace"}
+        views = [cute_tensor(x, 16 if n in aligned else 4) for n, x in zip(BLK64_BACKWARD_ARGS, args)]
+        fn = _BLK64_BWD_BUILDS[key] = compile_for_torch(kernel, views, cutlass.Float32(1.0),
+                                                         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False))
+    return fn
 
 
 # The launches of this backend that are not Triton's (`launcher.cute(step, buffers, **statics)`, found
