@@ -230,6 +230,26 @@ def shared_kv_lists_reference(block_indices, block_counts, n_kv_blocks: int, gro
     return union_idx, union.sum(-1), own_pos, sel.sum(-1)
 
 
+def pair_lists_reference(block_indices, block_counts, n_kv_blocks: int):
+    """What `stage_kernels.pair_lists_kernel` writes, from the block map of the list rule: per pair of
+    query blocks (2p, 2p + 1) the blocks both count, ascending, then each list's own other blocks,
+    ascending (pair_idx [B, H, nQ, cap], -1 past pair_num [B, H, nQ]); shared_num [B, H, nP] the
+    shared blocks per pair. Returns (pair_idx, pair_num, shared_num) as int64 arrays."""
+    sel = index_lists_to_block_map(block_indices, block_counts, n_kv_blocks)  # [B, H, nQ, nKV]
+    B, H, nq, _ = sel.shape
+    cap = np.asarray(block_indices).shape[-1]
+    pair_idx = np.full((B, H, nq, cap), -1, np.int64)
+    shared_num = np.zeros((B, H, -(-nq // 2)), np.int64)
+    for b, h, i in np.ndindex(B, H, nq):
+        mate = i ^ 1
+        other = sel[b, h, mate] if mate < nq else np.zeros(n_kv_blocks, bool)
+        both = np.flatnonzero(sel[b, h, i] & other)
+        own = np.flatnonzero(sel[b, h, i] & ~other)
+        pair_idx[b, h, i, :len(both) + len(own)] = np.concatenate([both, own])
+        shared_num[b, h, i // 2] = len(both)
+    return pair_idx, sel.sum(-1), shared_num
+
+
 def _fine(q, k, v, block_map, kv_counts, block_elems: int, scale: float):
     """The fine branch's probabilities, output and lse."""
     Sq, Skv = q.shape[2], k.shape[2]

@@ -1236,3 +1236,50 @@ def shared_kv_lists_kernel(
             union_count += tl.sum(first.to(tl.int32), axis=0)
         tl.store(OWN_NUM + row, n_own, mask=present)
     tl.store(UNION_NUM + bh * n_groups + g, union_count)
+
+
+# ---- pair lists (sm90_fwd64's cluster_pairs variant) ----------------------------------------
+@triton.jit
+def pair_lists_kernel(
+    SEL, NUM, PAIR_IDX, PAIR_NUM, SHARED_NUM,
+    n_q_blocks, n_kv_blocks, capacity, n_pairs,
+    CH: tl.constexpr,
+):
+    """For the pair of query blocks 2p, 2p + 1 (one (batch, head); a second block past the last
+    query block has an empty list): each list as the rule reads it, reordered so that the blocks
+    both lists count come first, ascending, at the same positions in both lists, and the list's
+    other blocks after them, ascending (PAIR_IDX [B, H, nQ, capacity], -1 from the count on;
+    PAIR_NUM [B, H, nQ] the counted entries; SHARED_NUM [B, H, n_pairs] the shared ones). A block
+    both select is then loaded for the pair at one position, once (sm90_fwd64's cluster_pairs:
+    one TMA multicast into both CTAs of a cluster)."""
+    p = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = (bh * n_q_blocks + 2 * p, bh * n_q_blocks + 2 * p + 1)
+    present = (2 * p < n_q_blocks, 2 * p + 1 < n_q_blocks)
+    n_shared = tl.zeros([], tl.int32)
+    carry = tl.full([], -1, tl.int32)
+    for start in range(0, capacity, CH):
+        a, carry = _counted_chunk(SEL, NUM, rows[0], present[0], start, capacity, n_kv_blocks, carry, CH)
+        both = (a >= 0) & _in_list(a, SEL, NUM, rows[1], present[1], capacity, n_kv_blocks, CH)
+        n_shared += tl.sum(both.to(tl.int32), axis=0)
+    for m in tl.static_range(2):
+        carry = tl.full([], -1, tl.int32)
+        shared_before = tl.zeros([], tl.int32)
+        own_before = tl.zeros([], tl.int32)
+        for start in range(0, capacity, CH):
+            a, carry = _counted_chunk(SEL, NUM, rows[m], present[m], start, capacity, n_kv_blocks, carry, CH)
+            mine = a >= 0
+            both = mine & _in_list(a, SEL, NUM, rows[1 - m], present[1 - m], capacity, n_kv_blocks, CH)
+            own = mine & ~both
+            slot = tl.where(both, shared_before + tl.cumsum(both.to(tl.int32), axis=0) - 1,
+                            n_shared + own_before + tl.cumsum(own.to(tl.int32), axis=0) - 1)
+            tl.store(PAIR_IDX + rows[m] * capacity + slot, a, mask=mine)
+            shared_before += tl.sum(both.to(tl.int32), axis=0)
+            own_before += tl.sum(own.to(tl.int32), axis=0)
+        count = shared_before + own_before
+        for start in range(0, capacity, CH):
+            slots = start + tl.arange(0, CH)
+            tl.store(PAIR_IDX + rows[m] * capacity + slots, slots * 0 - 1,
+                     mask=(slots >= count) & (slots < tl.where(present[m], capacity, 0)))
+        tl.store(PAIR_NUM + rows[m], count, mask=present[m])
+    tl.store(SHARED_NUM + bh * n_pairs + p, n_shared)

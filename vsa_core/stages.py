@@ -350,3 +350,16 @@ def shared_kv_lists(launcher, sel_idx, sel_num, n_kv_blocks: int, group: int, un
     launcher.triton(kernels_for(sel_idx).shared_kv_lists_kernel, (n_groups, B * H),
         sel_idx, sel_num, union_idx, union_num, own_pos, own_num, nq, n_kv_blocks, cap, n_groups,
         GROUP=group, CH=min(64, _pow2(cap)), num_warps=4)
+
+
+def pair_lists(launcher, sel_idx, sel_num, n_kv_blocks: int, pair_idx, pair_num, shared_num):
+    """For the pairs of neighbouring query blocks (2p, 2p + 1) of sm90_fwd64's cluster_pairs
+    variant: each list by the list rule with the blocks the pair shares first, at the same
+    positions in both lists (`pair_lists_kernel`). sel_idx [B, H, nQ, cap], sel_num [B, H, nQ]
+    (contiguous int32); pair_idx [B, H, nQ, cap], pair_num [B, H, nQ], shared_num [B, H, nP]
+    int32, nP = ceil(nQ / 2)."""
+    B, H, nq, cap = sel_idx.shape
+    n_pairs = -(-nq // 2)
+    launcher.triton(kernels_for(sel_idx).pair_lists_kernel, (n_pairs, B * H),
+        sel_idx, sel_num, pair_idx, pair_num, shared_num, nq, n_kv_blocks, cap, n_pairs,
+        CH=min(64, _pow2(cap)), num_warps=4)
