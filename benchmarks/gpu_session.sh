@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench (each under 10 minutes)
+#   cudnnbench | pairs (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -203,6 +203,11 @@ case $step in
       tests/test_jax_native.py tests/test_jax_sm90_native.py tests/test_jax_vsa.py tests/test_cudnn_backend.py
     grep -E "FAILED|ERROR" "$out/$step.log" | head -20
     t 100 python3 benchmarks/jax_native_bench.py --backend cudnn --iters 200
+    ;;
+  pairs)  # issue 21: the forward on 2-CTA clusters (cluster_pairs: a pair's shared K/V tiles multicast)
+          # against the default (ws3LT), each checked against float64, timed on random and smooth lists
+    t 60 python3 -m pytest -q tests/test_pair_lists.py
+    t 400 python3 benchmarks/sm90_fwd64_check.py --only=ws3LT,ws3LTC,ws2LTCk2v3 --quick
     ;;
   cudnnbench)  # 480p-64, the cudnn and sm90 backends on both frontends against cuDNN called directly
     t 300 python3 benchmarks/bench.py --quick --shapes 480p-64 --backends cudnn,sm90 --frontends eager,jax \

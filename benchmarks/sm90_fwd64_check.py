@@ -80,6 +80,11 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
     "ws3S": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True, shared_kv=True),
     "ws3Sk2v4": dict(k_stages=2, v_stages=4, consumers=3, warp_specialized=True, lazy_rescale=True,
                      shared_kv=True),
+    # C = cluster_pairs: 2-CTA clusters, neighbouring query blocks' shared K/V tiles multicast
+    "ws3LTC": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
+                   cluster_pairs=True),
+    "ws2LTCk2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True,
+                       tma_store=True, cluster_pairs=True),
 }
 
 
@@ -385,8 +390,8 @@ def time_source(source: str, quick: bool = False, B=1, H=12, S=39936, D=128, top
 
     for variant, kw in VARIANTS.items():
         row(f"ours sm90_fwd64 {variant}", prepared(variant), lambda: out.clone())
-        if kw.get("shared_kv") and variant in held:
-            row(f"  {variant} union step alone", held[variant].lists_only, row_flops=0.0)
+        if (kw.get("shared_kv") or kw.get("cluster_pairs")) and variant in held:
+            row(f"  {variant} lists step alone", held[variant].lists_only, row_flops=0.0)
     first = next(iter(VARIANTS))
     if source == "random" and not quick:
         row(f"ours sm90_fwd64 {first} per call",

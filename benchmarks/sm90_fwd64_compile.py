@@ -85,6 +85,14 @@ VARIANTS = {
     "ws-c3-k1v1-shared": dict(k_stages=1, v_stages=1, consumers=3, warp_specialized=True, shared_kv=True),
     "ws-c3-k4v7-shared-vsa": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True,
                                   shared_kv=True, has_coarse=True, has_gate=True, store_fine=True),
+    # 2-CTA clusters, the tiles of a pair of neighbouring query blocks' shared blocks multicast
+    "ws-c3-k1v2-lazy-tma-store-pairs": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                            lazy_rescale=True, tma_store=True, cluster_pairs=True),
+    "ws-c3-k1v2-lazy-tma-store-pairs-vsa": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                                lazy_rescale=True, tma_store=True, cluster_pairs=True,
+                                                has_coarse=True, has_gate=True, store_fine=True),
+    "ws-c2-k2v3-lazy-tma-store-pairs": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True,
+                                            lazy_rescale=True, tma_store=True, cluster_pairs=True),
 }
 
 

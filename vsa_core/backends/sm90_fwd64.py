@@ -102,6 +102,22 @@ class BlockSparseFwd64Sm90:
       tma_store the Q slot once the out store has read it); the producer issues the next item's
       K_0 first and its Q behind that release, so the next item's loads run under this item's
       epilogue, and no CTA waits for its slowest consumer before the next starts.
+    - `cluster_pairs=True` (with warp_specialized, own rings, not persistent): K/V reuse between
+      CTAs. Clusters of 2 CTAs; consumer c of cluster CTA r owns query block 2p + r, p = cluster *
+      consumers + c, so the two consumers c of a cluster own a pair of neighbours (in tile order).
+      They walk their pair lists (`stages.pair_lists`: the list rule applied, the blocks both
+      select first, ascending, at the same positions in both lists; `union_num` [B, H, nP] holds
+      the shared count, `sel_num` each list's count) in lockstep, position by position: both walk
+      max(n0, n1) positions (a position past a list's own count is a masked tile). At a shared
+      position each CTA's producer loads half of the K (V) tile and multicasts it into the same
+      slot of both CTAs; elsewhere each loads its own tile. Each "full" mbarrier expects the whole
+      tile's bytes, whichever CTA sent them; each "empty" mbarrier counts 8 arrivals, the 4 warps
+      of both consumers c (each arrives on its own CTA's and the mate's barrier), so a producer
+      refills a slot, in its CTA or by multicast in both, only once both consumers are done with
+      it. Both consumers fill and free the same slots in the same order, so the phase arguments of
+      the own rings hold unchanged. A cluster barrier after the mbarrier inits (no remote arrival on
+      an uninitialised barrier) and one at the end (no CTA leaves while its mate may still arrive
+      on its barriers or multicast into it).
     - `shared_kv=True` (with warp_specialized): K/V reuse between the CTA's query blocks
       (neighbours in tile order, same batch and head, whose lists overlap in real video). The CTA
       has ONE K ring (k_stages slots) and ONE V ring (v_stages slots), filled in the order of the
@@ -144,7 +160,7 @@ class BlockSparseFwd64Sm90:
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
                  shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0,
-                 tma_store: bool = False):
+                 tma_store: bool = False, cluster_pairs: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
@@ -188,6 +204,13 @@ class BlockSparseFwd64Sm90:
         # per query block instead of 32 four-byte stores per thread
         assert not tma_store or not shared_kv, "tma_store: the consumers with their own rings"
         self.tma_store = tma_store
+        # 2-CTA clusters: consumer c of the two CTAs owns the neighbouring query blocks 2p, 2p + 1,
+        # walking their pair lists (`stages.pair_lists`) position by position; a block both select
+        # sits at the same position in both and is loaded once, half by each CTA, multicast to both
+        self.cluster_pairs = cluster_pairs
+        assert not cluster_pairs or (warp_specialized and not (pingpong or shared_kv or list_in_smem or
+                                                               self.persistent)), \
+            "cluster_pairs: the warp-specialized kernel with each consumer on its own rings, not persistent"
         self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
@@ -281,6 +304,14 @@ class BlockSparseFwd64Sm90:
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, gV4, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK))
 
+        tma_k_pair, tK_pair, tma_v_pair, tV_pair = tma_k, tK, tma_v, tV  # (placeholders without cluster_pairs)
+        if cutlass.const_expr(self.cluster_pairs):
+            mcast = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            tma_k_pair, tK_pair = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                mcast, gK4, cute.slice_(sK_layout, (None, None, 0)), (BLOCK, D), num_multicast=2)
+            tma_v_pair, tV_pair = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                mcast, gV4, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK), num_multicast=2)
+
         tma_o, tO = tma_q, tQ  # (placeholders without tma_store: never used)
         if cutlass.const_expr(self.tma_store):
             tma_o, tO = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -288,13 +319,18 @@ class BlockSparseFwd64Sm90:
 
         n_q_blocks = mSelIdx.shape[2]
         grid = ((n_q_blocks + NC - 1) // NC, mQ.shape[1], mQ.shape[0])
+        cluster = (1, 1, 1)
+        if cutlass.const_expr(self.cluster_pairs):
+            grid = (2 * ((n_q_blocks + 2 * NC - 1) // (2 * NC)), mQ.shape[1], mQ.shape[0])
+            cluster = (2, 1, 1)
         if cutlass.const_expr(self.persistent):
             groups = (n_q_blocks * mQ.shape[1] * mQ.shape[0] + NC - 1) // NC
             grid = (cutlass.min(groups, self.persistent_ctas), 1, 1)
         self.kernel(tQ, tK, tV, gO4, mLSE, tma_q, tma_k, tma_v, mSelIdx, mSelNum, mKVCounts,
                     mQCounts, mGate, mOutC, mOutFine, mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout,
-                    softmax_scale * LOG2_E, mUnionIdx, mUnionNum, tma_o, tO).launch(
-            grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream,
+                    softmax_scale * LOG2_E, mUnionIdx, mUnionNum, tma_o, tO,
+                    tma_k_pair, tK_pair, tma_v_pair, tV_pair).launch(
+            grid=grid, block=(self.threads, 1, 1), cluster=cluster, smem=Storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)  # all of L1 as shared memory
 
     # ---- device side ------------------------------------------------------------------------------
@@ -306,7 +342,8 @@ class BlockSparseFwd64Sm90:
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                c: cutlass.Float32, mUnionIdx: cute.Tensor, mUnionNum: cute.Tensor,
-               tma_o: cute.CopyAtom, tO: cute.Tensor):
+               tma_o: cute.CopyAtom, tO: cute.Tensor, tma_k_pair: cute.CopyAtom, tK_pair: cute.Tensor,
+               tma_v_pair: cute.CopyAtom, tV_pair: cute.Tensor):
         NC, KS, VS = self.consumers, self.k_stages, self.v_stages
         NR = self.rings
         tidx, _, _ = cute.arch.thread_idx()
@@ -324,7 +361,8 @@ class BlockSparseFwd64Sm90:
             # one arrival per consumer warp (each after its own wait_group); shared rings: every warp
             # of every consumer arrives for every slot fill (class docstring)
             release = (pipeline.PipelineOp.AsyncThread,
-                       pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * (NC if self.shared_kv else 1)))
+                       pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                 4 * (NC if self.shared_kv else 2 if self.cluster_pairs else 1)))
             bars["k_empty"] = pipeline.MbarrierArray(st.k_empty.data_ptr(), num_stages=NR * KS, agent=release)
             bars["v_empty"] = pipeline.MbarrierArray(st.v_empty.data_ptr(), num_stages=NR * VS, agent=release)
             if cutlass.const_expr(self.persistent):
@@ -336,13 +374,20 @@ class BlockSparseFwd64Sm90:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
                 if cutlass.const_expr(self.tma_store):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_o)
+                if cutlass.const_expr(self.cluster_pairs):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_k_pair)
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_v_pair)
 
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tK=tK, tV=tV, sK=sK, sV=sV, o=tma_o, tO=tO)
+        rank = cutlass.Int32(0)  # this CTA's rank in its cluster (cluster_pairs)
+        if cutlass.const_expr(self.cluster_pairs):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tma = dict(q=tma_q, k=tma_k, v=tma_v, tQ=tQ, sQ=sQ, tK=tK, tV=tV, sK=sK, sV=sV, o=tma_o, tO=tO,
+                   k_pair=tma_k_pair, tK_pair=tK_pair, v_pair=tma_v_pair, tV_pair=tV_pair, rank=rank)
         tma.update(self._kv_views(tma, h, b))
-        lists = dict(idx=mSelIdx, num=mSelNum, kv_counts=mKVCounts, h=h, b=b)
+        lists = dict(idx=mSelIdx, num=mSelNum, kv_counts=mKVCounts, h=h, b=b, shared_num=mUnionNum)
         if cutlass.const_expr(self.shared_kv):
             lists.update(union=mUnionIdx[b, h, bx, None],
                          union_n=cutlass.min(cutlass.max(mUnionNum[b, h, bx], 0), mUnionIdx.shape[3]))
@@ -350,6 +395,10 @@ class BlockSparseFwd64Sm90:
         if cutlass.const_expr(self.list_in_smem):
             lists["win"] = self._fill_windows(st, lists, bx, tidx)
         cute.arch.sync_threads()  # barrier inits (and list windows) visible before any arrive / wait
+        if cutlass.const_expr(self.cluster_pairs):
+            cute.arch.mbarrier_init_fence()  # ... and to the mate CTA, which arrives on them remotely
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
         if cutlass.const_expr(not self.ws):
             self._consumer(0, bx, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c)
@@ -382,12 +431,25 @@ class BlockSparseFwd64Sm90:
             if wg == 0:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp < NC:
-                    self._producer(warp, bx * NC + warp, tma, bars, lists)
+                    self._producer(warp, self._query_block(bx, warp, rank), tma, bars, lists)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 ci = wg - 1
-                self._consumer(ci, bx * NC + ci, tidx % 128, warp % 4, tma, bars, lists, sQ, sK, sV,
-                               mma_qk, mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
+                self._consumer(ci, self._query_block(bx, ci, rank), tidx % 128, warp % 4, tma, bars, lists, sQ, sK,
+                               sV, mma_qk, mma_pv, gO4, mLSE, mQCounts, mGate, mOutC, mOutFine, c)
+        if cutlass.const_expr(self.cluster_pairs):
+            # no CTA leaves while its mate may still arrive on its barriers or multicast into it
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def _query_block(self, bx, ci, rank):
+        """Consumer ci's query block: bx * consumers + ci, or with cluster_pairs 2p + rank, p the
+        cluster's pair of consumer ci."""
+        qb = bx * self.consumers + ci
+        if cutlass.const_expr(self.cluster_pairs):
+            qb = 2 * ((bx // 2) * self.consumers + ci) + rank
+        return qb
 
     @cute.jit
     def _kv_views(self, tma, h, b):
@@ -399,7 +461,17 @@ class BlockSparseFwd64Sm90:
                                                     cute.group_modes(gK, 0, 2))
         tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma["v"], 0, one, cute.group_modes(tma["sV"], 0, 2),
                                                     cute.group_modes(gV, 0, 2))
-        return dict(tKs=tKs, tKg=tKg, tVs=tVs, tVg=tVg)
+        views = dict(tKs=tKs, tKg=tKg, tVs=tVs, tVg=tVg)
+        if cutlass.const_expr(self.cluster_pairs):
+            # this CTA's half of a tile, multicast into the same slot of both CTAs of the cluster
+            gKp = cute.local_tile(tma["tK_pair"][None, None, h, b], (BLOCK, self.head_dim), (None, 0))
+            gVp = cute.local_tile(tma["tV_pair"][None, None, h, b], (self.head_dim, BLOCK), (0, None))
+            two = cute.make_layout(2)
+            views["tKs_pair"], views["tKg_pair"] = cute.nvgpu.cpasync.tma_partition(
+                tma["k_pair"], tma["rank"], two, cute.group_modes(tma["sK"], 0, 2), cute.group_modes(gKp, 0, 2))
+            views["tVs_pair"], views["tVg_pair"] = cute.nvgpu.cpasync.tma_partition(
+                tma["v_pair"], tma["rank"], two, cute.group_modes(tma["sV"], 0, 2), cute.group_modes(gVp, 0, 2))
+        return views
 
     @cute.jit
     def _persistent_walk(self, ci, producer, tidx, warp, tma, bars, lists, sQ, sK, sV, mma_qk, mma_pv, gO4, mLSE,
@@ -447,6 +519,18 @@ class BlockSparseFwd64Sm90:
         return n
 
     @cute.jit
+    def _pair_counts(self, lists, qb):
+        """cluster_pairs: (query block qb's own count, the positions its pair walks: the longer of
+        the two counts, the shared positions: clamped to the shorter), as both CTAs compute them."""
+        n_own = self._count(lists, qb)
+        n_mate = self._count(lists, qb + 1 - 2 * (qb % 2))
+        shared = cutlass.Int32(0)
+        if qb // 2 < lists["shared_num"].shape[2]:
+            shared = cutlass.min(cutlass.max(lists["shared_num"][lists["b"], lists["h"], qb // 2], 0),
+                                 cutlass.min(n_own, n_mate))
+        return n_own, cutlass.max(n_own, n_mate), shared
+
+    @cute.jit
     def _producer(self, ci, qb, tma, bars, lists, t0=0, filled=0):
         """Warp ci of the producer warpgroup: every TMA load of consumer ci, in the order it uses
         them (Q, K_0, then K_j before V_{j-1}); a refill waits for the slot's release. persistent:
@@ -456,8 +540,11 @@ class BlockSparseFwd64Sm90:
         KS, VS = self.k_stages, self.v_stages
         n_kv = lists["kv_counts"].shape[0]
         n = self._count(lists, qb)
+        shared = cutlass.Int32(0)
+        if cutlass.const_expr(self.cluster_pairs):
+            _, n, shared = self._pair_counts(lists, qb)  # positions past the own count: masked tiles
         if n > 0:
-            sel = lists["idx"][lists["b"], lists["h"], qb, None]
+            sel = lists["idx"][lists["b"], lists["h"], cutlass.min(qb, lists["idx"].shape[2] - 1), None]
             if cutlass.const_expr(not self.persistent):
                 self._load_q(ci, qb, tma, bars, lists)
             # tile j's block is read one iteration ahead (before the empty waits); V_{j-1} reuses K_{j-1}'s
@@ -469,7 +556,14 @@ class BlockSparseFwd64Sm90:
                     tk = t0 + j
                     if tk >= KS:
                         bars["k_empty"].wait(ci * KS + tk % KS, (tk // KS + 1) % 2)
-                    self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + tk % KS)
+                    if cutlass.const_expr(self.cluster_pairs):
+                        if j < shared:
+                            self._load_pair(tma["k_pair"], tma["tKg_pair"], tma["tKs_pair"], bars["k_full"], k_blk,
+                                            ci * KS + tk % KS)
+                        else:
+                            self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + tk % KS)
+                    else:
+                        self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + tk % KS)
                 if cutlass.const_expr(self.persistent):
                     # K_0 goes first: its slot is free once the last item's last QK has retired,
                     # the Q slot only once that item's last PV has (or its out has left the slot)
@@ -481,7 +575,14 @@ class BlockSparseFwd64Sm90:
                     t = t0 + j - 1
                     if t >= VS:
                         bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
-                    self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
+                    if cutlass.const_expr(self.cluster_pairs):
+                        if j - 1 < shared:
+                            self._load_pair(tma["v_pair"], tma["tVg_pair"], tma["tVs_pair"], bars["v_full"], v_blk,
+                                            ci * VS + t % VS)
+                        else:
+                            self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
+                    else:
+                        self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
                 v_blk = k_blk
                 k_blk = k_after
 
@@ -495,9 +596,12 @@ class BlockSparseFwd64Sm90:
 
     @cute.jit
     def _release(self, bar, slot):
-        """This warp's arrival on an "empty" mbarrier: its wgmmas reading the slot have retired."""
+        """This warp's arrival on an "empty" mbarrier: its wgmmas reading the slot have retired.
+        cluster_pairs: on the mate CTA's barrier of the slot too (either CTA's producer may refill it)."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive(bar.get_barrier(slot))
+            if cutlass.const_expr(self.cluster_pairs):
+                cute.arch.mbarrier_arrive(bar.get_barrier(slot), 1 - cute.arch.block_idx_in_cluster())
 
     @cute.jit
     def _turn_wait(self, ci):
@@ -520,6 +624,9 @@ class BlockSparseFwd64Sm90:
         n_kv = lists["kv_counts"].shape[0]
         mKVCounts = lists["kv_counts"]
         n = self._count(lists, qb)
+        n_own = n
+        if cutlass.const_expr(self.cluster_pairs):
+            n_own, n, _ = self._pair_counts(lists, qb)  # n: the pair's positions (past n_own: masked)
         sel = lists["idx"][b, h, cutlass.min(qb, lists["idx"].shape[2] - 1), None]
         win = lists["win"][None, None, ci] if cutlass.const_expr(self.list_in_smem) else sel  # (placeholder)
         ks0, vs0 = ci * KS, ci * VS  # this consumer's ring slots
@@ -571,6 +678,7 @@ class BlockSparseFwd64Sm90:
             # List entries are read one tile ahead (loads issued before the waits they would
             # otherwise sit behind): `entry` / `count` are tile j's, for its mask.
             entry, count = self._entry_count(sel, win, 0, n_kv, mKVCounts)
+            entry = self._own_entry(entry, 0, n_own)
             k_next = self._blk(sel, win, cutlass.min(KS, n - 1), n_kv)
             bars["q_full"].wait(ci, filled % 2)
             if cutlass.const_expr(self.q_in_regs):
@@ -596,6 +704,7 @@ class BlockSparseFwd64Sm90:
             rP_as_S.store(accS.load().to(self.dtype))
             for j in cutlass.range(1, n, unroll=1):
                 entry, count = self._entry_count(sel, win, j, n_kv, mKVCounts)
+                entry = self._own_entry(entry, j, n_own)
                 k_next = self._blk(sel, win, cutlass.min(j + KS, n - 1), n_kv)
                 # PV_{j-2} retired at the end of the last step: its V slot takes tile j - 2 + VS. Done
                 # here, not right after that wait: a branch behind the wait lets the compilers sink the
@@ -929,6 +1038,14 @@ class BlockSparseFwd64Sm90:
         return entry, count
 
     @cute.jit
+    def _own_entry(self, entry, j, n_own):
+        """cluster_pairs: a position past the list's own count holds no entry (its tile is masked)."""
+        if cutlass.const_expr(self.cluster_pairs):
+            if j >= n_own:
+                entry = cutlass.Int32(-1)
+        return entry
+
+    @cute.jit
     def _blk(self, sel, win, j, n_kv):
         """The (clamped) block of list entry j, from the window with list_in_smem."""
         blk = cutlass.Int32(0)
@@ -967,6 +1084,13 @@ class BlockSparseFwd64Sm90:
         cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
 
     @cute.jit
+    def _load_pair(self, atom, tXg, tXs, bar, blk, slot):
+        """cluster_pairs: this CTA's half of KV block `blk`'s tile, multicast into `slot` of both CTAs;
+        the slot's mbarrier expects the whole tile (the mate CTA sends the other half)."""
+        bar.arrive_and_expect_tx(slot, self.tile_bytes)
+        cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot), mcast_mask=cutlass.Int16(3))
+
+    @cute.jit
     def _qk(self, mma_qk, accS, rQ, rK, k_bar, j, slot0):
         """Issues S = Q K_j^T (K slot slot0 + j % k_stages) once its tile has landed; committed, not waited."""
         slot = slot0 + j % self.k_stages
@@ -983,9 +1107,13 @@ class BlockSparseFwd64Sm90:
         entry), its padded keys (past its block's count) masked to -inf, then the online softmax.
         Returns the last counted entry."""
         valid = cutlass.Int32(0)
-        if (entry > last) & (entry < n_kv):
-            last = entry
-            valid = cutlass.min(cutlass.max(count, 0), BLOCK)
+        if cutlass.const_expr(self.cluster_pairs):  # pair lists: the rule was applied by `stages.pair_lists`
+            if (entry >= 0) & (entry < n_kv):
+                valid = cutlass.min(cutlass.max(count, 0), BLOCK)
+        else:
+            if (entry > last) & (entry < n_kv):
+                last = entry
+                valid = cutlass.min(cutlass.max(count, 0), BLOCK)
         if valid < BLOCK:
             for ci in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 if cS_rc[0, ci][1] >= valid:
@@ -1081,7 +1209,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                       q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
-                      list_in_smem: bool = False, persistent=False, tma_store: bool = False):
+                      list_in_smem: bool = False, persistent=False, tma_store: bool = False,
+                      cluster_pairs: bool = False):
     """Checks the arguments (once per problem), compiles on first use of a configuration, and returns a
     callable that launches the forward on torch's current stream at the time of this call.
 
@@ -1096,6 +1225,10 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     returned callable, so the lists may change between calls. The callable's `lists_only` runs
     that step alone (for timing it).
 
+    cluster_pairs (warp_specialized, own rings, not persistent): the pair lists are built here on the
+    current stream (`stages.pair_lists`, one Triton launch) and run with the kernel by every call,
+    as shared_kv's unions are; `lists_only` runs that step alone.
+
     persistent (warp_specialized without shared_kv / pingpong / list_in_smem): True for one CTA per
     SM of q's device, or a number of CTAs (tests: few CTAs walk many query blocks each); each
     consumer walks its share of the query blocks (the class docstring)."""
@@ -1104,7 +1237,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
 
     config = dict(k_stages=k_stages, v_stages=v_stages, consumers=consumers, warp_specialized=warp_specialized,
                   pingpong=pingpong, q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
-                  list_in_smem=list_in_smem, persistent=persistent, tma_store=tma_store)
+                  list_in_smem=list_in_smem, persistent=persistent, tma_store=tma_store, cluster_pairs=cluster_pairs)
     tensors = (q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine)
     key = (tuple(config.values()), q.get_device(), layout_key(*tensors))  # device: its SM count (persistent)
     fn = _PLANS.get(key)
@@ -1132,6 +1265,18 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                                    own_num)
         # the kernel reads its own tiles' union positions where the other variants read the lists
         sel_idx, sel_num = own_pos, own_num
+    elif cluster_pairs:
+        from vsa_core import stages
+        from ..launch import eager_launcher
+        B, H = q.shape[0], q.shape[1]
+        pair_idx, pair_num = torch.empty_like(sel_idx), torch.empty_like(sel_num)
+        union_idx = sel_idx  # (placeholder, never read)
+        union_num = torch.empty((B, H, -(-nq // 2)), dtype=torch.int32, device=q.device)  # shared counts
+        given_idx, given_num, nkv = sel_idx, sel_num, k.shape[2] // BLOCK
+
+        def lists_step():
+            stages.pair_lists(eager_launcher, given_idx, given_num, nkv, pair_idx, pair_num, union_num)
+        sel_idx, sel_num = pair_idx, pair_num
     else:
         union_idx, union_num = sel_idx, sel_num  # placeholders (never read)
     args = [q, k, v, out, lse, sel_idx, sel_num, kv_counts.contiguous(),
@@ -1167,6 +1312,10 @@ def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, g
 
     if config["shared_kv"] and (not config["warp_specialized"] or config["pingpong"]):
         raise ValueError("sm90_fwd64: shared_kv needs warp_specialized=True (and no pingpong)")
+    if config["cluster_pairs"] and (not config["warp_specialized"] or config["pingpong"] or config["shared_kv"]
+                                    or config["list_in_smem"] or config["persistent"]):
+        raise ValueError("sm90_fwd64: cluster_pairs needs warp_specialized=True without pingpong, shared_kv, "
+                         "list_in_smem and persistent")
     persistent = config["persistent"]
     if not isinstance(persistent, int) or persistent < 0:  # True, False, or a CTA count (0: not persistent)
         raise ValueError(f"sm90_fwd64: persistent must be False, True or a CTA count >= 1 (got {persistent!r})")
