@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs (each under 10 minutes)
+#   cudnnbench | pairs | pairsprof | xu (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -208,6 +208,28 @@ case $step in
           # against the default (ws3LT), each checked against float64, timed on random and smooth lists
     t 60 python3 -m pytest -q tests/test_pair_lists.py
     t 400 python3 benchmarks/sm90_fwd64_check.py --only=ws3LT,ws3LTC,ws2LTCk2v3 --quick
+    ;;
+  xu)  # issue 21: the forward's instruction mix per opcode and per pipe, ours (ws3LT) against cuDNN's
+        # (ncu), and the cluster_pairs GPU tests, once under compute-sanitizer's memcheck
+    t 200 ncu --clock-control none --profile-from-start off --section InstructionStats --section WarpStateStats \
+      --metrics smsp__inst_executed_pipe_xu.sum,smsp__inst_executed.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_uniform.sum,smsp__inst_executed_pipe_lsu.sum,smsp__inst_executed_pipe_adu.sum,smsp__inst_executed_pipe_cbu.sum,sass__inst_executed_per_opcode \
+      -f -o "$out/xu" python3 benchmarks/sm90_fwd64_profile.py ws3LT cudnn
+    t 60 sh -c "ncu -i '$out/xu.ncu-rep' --page raw --print-metric-instances details --print-units base > '$out/xu_raw.txt'"
+    t 60 sh -c "ncu -i '$out/xu.ncu-rep' --page details --print-details all --print-units base > '$out/xu_details.txt'"
+    rm -f "$out/xu.ncu-rep"
+    t 120 python3 -m pytest -q -m gpu tests/test_sm90_fwd64.py -k "cluster"
+    t 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_sm90_fwd64.py \
+      -k "ws3-cluster-pairs and (nq4 or sq-gt-skv)"
+    ;;
+  pairsprof)  # issue 21: where the time of the forward goes, with and without the pairs' multicast (ncu)
+    for lists in random smooth; do
+      flag=$([[ $lists == smooth ]] && echo --smooth)
+      t 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy -f -o "$out/pairs_$lists" \
+        python3 benchmarks/sm90_fwd64_profile.py ws3LT ws3LTC cudnn $flag
+      t 60 sh -c "ncu -i '$out/pairs_$lists.ncu-rep' --page details --print-units base > '$out/pairs_$lists.txt'"
+      rm -f "$out/pairs_$lists.ncu-rep"
+    done
     ;;
   cudnnbench)  # 480p-64, the cudnn and sm90 backends on both frontends against cuDNN called directly
     t 300 python3 benchmarks/bench.py --quick --shapes 480p-64 --backends cudnn,sm90 --frontends eager,jax \

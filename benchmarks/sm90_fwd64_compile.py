@@ -91,6 +91,11 @@ VARIANTS = {
     "ws-c3-k1v2-lazy-tma-store-pairs-vsa": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
                                                 lazy_rescale=True, tma_store=True, cluster_pairs=True,
                                                 has_coarse=True, has_gate=True, store_fine=True),
+    "ws-c3-k1v2-lazy-tma-store-qregs": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                            lazy_rescale=True, tma_store=True, q_in_regs=True),
+    "ws-c3-k1v2-lazy-tma-store-pairs-qregs": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                                  lazy_rescale=True, tma_store=True, cluster_pairs=True,
+                                                  q_in_regs=True),
     "ws-c2-k2v3-lazy-tma-store-pairs": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True,
                                             lazy_rescale=True, tma_store=True, cluster_pairs=True),
 }

@@ -7,7 +7,8 @@ for Nsight Compute:
 Every kernel is compiled and run once before the range opens, so the range holds exactly one launch
 per name (cuDNN's call launches only its forward kernel once its graph is built). Inputs are those of
 sm90_fwd64_check.time_source("random"): B1 H12 S39936 D128 top-62 (`--topk=N` for another list
-length), random ascending lists, bf16.
+length), random ascending lists, bf16; `--smooth`: sm90_fwd64_check.time_source("smooth")'s (VSA's own
+selection over a smooth synthetic field, where neighbouring query blocks' lists overlap).
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ import sm90_fwd64_check as check  # noqa: E402
 E = 64
 
 
-def main(names, topk: int = 62) -> None:
+def main(names, topk: int = 62, smooth: bool = False) -> None:
     B, H, S = 1, 12, 39936
-    q, k, v, idx, num, counts = check.timing_problem(B, H, S, 128, topk)
+    if smooth:
+        q, k, v, idx, num, counts = check.smooth_problem()
+        topk = idx.shape[-1]
+    else:
+        q, k, v, idx, num, counts = check.timing_problem(B, H, S, 128, topk)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     calls = []
@@ -61,4 +66,4 @@ def profile_calls(calls) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     topk = [int(a.split("=", 1)[1]) for a in args if a.startswith("--topk=")]
-    main([a for a in args if not a.startswith("--")] or ["k1v2L", "ws3L", "cudnn"], *topk[-1:])
+    main([a for a in args if not a.startswith("--")] or ["k1v2L", "ws3L", "cudnn"], *topk[-1:], smooth="--smooth" in args)

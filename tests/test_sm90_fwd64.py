@@ -36,6 +36,12 @@ VARIANTS = {
     "ws2-shared": dict(k_stages=5, v_stages=7, consumers=2, warp_specialized=True, lazy_rescale=True, shared_kv=True),
     "ws3-shared": dict(k_stages=4, v_stages=7, consumers=3, warp_specialized=True, lazy_rescale=True, shared_kv=True),
     "ws3-shared-k1v1": dict(k_stages=1, v_stages=1, consumers=3, warp_specialized=True, shared_kv=True),
+    # 2-CTA clusters walking pair lists (a pair's shared tiles multicast): odd nq (a last block without
+    # a mate), pairs of unequal counts and an empty row, whole shared lists (long-list: nkv == cap)
+    "ws3-cluster-pairs": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
+                              tma_store=True, cluster_pairs=True),
+    "ws2-cluster-pairs-k2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True,
+                                   cluster_pairs=True),
 }
 
 
@@ -133,3 +139,21 @@ def test_bad_persistent_is_refused_naming_it(persistent):
     with pytest.raises(ValueError, match="persistent"):
         prepare_forward64(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(B, H, nq * E), **lists,
                           warp_specialized=True, consumers=3, persistent=persistent)
+
+
+@pytest.mark.parametrize("config", [dict(warp_specialized=False), dict(pingpong=True, consumers=2),
+                                    dict(persistent=2), dict(list_in_smem=True)],
+                         ids=["simple", "pingpong", "persistent", "list-in-smem"])
+def test_cluster_pairs_outside_its_configuration_is_refused_naming_it(config):
+    """cluster_pairs runs on the warp-specialized kernel with its own rings only; checked on the host."""
+    pytest.importorskip("cutlass")
+    pytest.importorskip("cuda.bindings")
+    from vsa_core.backends.sm90_fwd64 import prepare_forward64
+    B, H, nq, cap = 1, 1, 2, 2
+    q = torch.randn(B, H, nq * E, 128).to(torch.bfloat16)
+    lists = dict(sel_idx=torch.zeros(B, H, nq, cap, dtype=torch.int32), sel_num=torch.ones(B, H, nq, dtype=torch.int32),
+                 kv_counts=torch.full((nq,), E, dtype=torch.int32))
+    kw = dict(warp_specialized=True, consumers=3, cluster_pairs=True)
+    kw.update(config)
+    with pytest.raises(ValueError, match="cluster_pairs"):
+        prepare_forward64(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(B, H, nq * E), **lists, **kw)
