@@ -207,7 +207,7 @@ case $step in
   pairs)  # issue 21: the forward on 2-CTA clusters (cluster_pairs: a pair's shared K/V tiles multicast)
           # against the default (ws3LT), each checked against float64, timed on random and smooth lists
     t 60 python3 -m pytest -q tests/test_pair_lists.py
-    t 400 python3 benchmarks/sm90_fwd64_check.py --only=ws3LT,ws3LTC,ws2LTCk2v3 --quick
+    t 400 python3 benchmarks/sm90_fwd64_check.py --only=ws3LT,ws3LTrf,ws3LTC,ws3LTCrf --quick
     ;;
   xu)  # issue 21: the forward's instruction mix per opcode and per pipe, ours (ws3LT) against cuDNN's
         # (ncu), and the cluster_pairs GPU tests, once under compute-sanitizer's memcheck

@@ -83,6 +83,12 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
     # C = cluster_pairs: 2-CTA clusters, neighbouring query blocks' shared K/V tiles multicast
     "ws3LTC": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
                    cluster_pairs=True),
+    # rf = rescale_first: the step's O rescale between the row maxima and the exponentials, P converted at
+    # the top of the next step (no exponentials computed twice)
+    "ws3LTrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
+                    rescale_first=True),
+    "ws3LTCrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
+                     cluster_pairs=True, rescale_first=True),
     "ws2LTCk2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True,
                        tma_store=True, cluster_pairs=True),
 }

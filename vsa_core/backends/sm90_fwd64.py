@@ -160,7 +160,7 @@ class BlockSparseFwd64Sm90:
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
                  shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0,
-                 tma_store: bool = False, cluster_pairs: bool = False):
+                 tma_store: bool = False, cluster_pairs: bool = False, rescale_first: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
@@ -208,6 +208,12 @@ class BlockSparseFwd64Sm90:
         # walking their pair lists (`stages.pair_lists`) position by position; a block both select
         # sits at the same position in both and is loaded once, half by each CTA, multicast to both
         self.cluster_pairs = cluster_pairs
+        # a step's order: the row maxima, the O rescale (its vote and branch), then the exponentials,
+        # with P converted at the top of the next step. Softmax first, then the rescale branch (the
+        # default) keeps the fp32 P live across the branch, and ptxas, short of registers at 3
+        # consumers, computed one row's exponentials twice (for the row sum before the branch and for
+        # P after it: 16 extra MUFU.EX2 and FFMA per thread and tile)
+        self.rescale_first = rescale_first
         assert not cluster_pairs or (warp_specialized and not (pingpong or shared_kv or list_in_smem or
                                                                self.persistent)), \
             "cluster_pairs: the warp-specialized kernel with each consumer on its own rings, not persistent"
@@ -701,8 +707,15 @@ class BlockSparseFwd64Sm90:
                 if warp == 0 and KS < n:
                     self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, 0)
             last = self._softmax_tile(S, cS_rc, entry, count, cutlass.Int32(-1), n_kv, row_max, row_sum, alpha, c)
-            rP_as_S.store(accS.load().to(self.dtype))
+            if cutlass.const_expr(not self.rescale_first):
+                rP_as_S.store(accS.load().to(self.dtype))
             for j in cutlass.range(1, n, unroll=1):
+                if cutlass.const_expr(self.rescale_first):
+                    # P_{j-1} here, at the top of the step, in a block of its own: the wait ptxas hoists to
+                    # its block's start no longer sits above the exponentials of the last step
+                    if j >= 2:
+                        cute.nvgpu.warpgroup.wait_group(0)  # PV_{j-2} retired: P's registers are free
+                    rP_as_S.store(accS.load().to(self.dtype))
                 entry, count = self._entry_count(sel, win, j, n_kv, mKVCounts)
                 entry = self._own_entry(entry, j, n_own)
                 k_next = self._blk(sel, win, cutlass.min(j + KS, n - 1), n_kv)
@@ -735,9 +748,19 @@ class BlockSparseFwd64Sm90:
                 else:
                     if warp == 0 and j + KS < n:
                         self._load_tile(tma["k"], tma["tKg"], tma["tKs"], k_full, k_next, (j + KS) % KS)
-                last = self._softmax_tile(S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c)
-                self._rescale_o(O, alpha)
-                cute.nvgpu.warpgroup.wait_group(0)  # PV_{j-1} retired: P's registers are free
+                if cutlass.const_expr(self.rescale_first):
+                    last = self._softmax_tile(S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c,
+                                              part="max")
+                    self._rescale_o(O, alpha)
+                    self._online_softmax(S, row_max, row_sum, alpha, c, part="exp")
+                else:
+                    last = self._softmax_tile(S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c)
+                    self._rescale_o(O, alpha)
+                    cute.nvgpu.warpgroup.wait_group(0)  # PV_{j-1} retired: P's registers are free
+                    rP_as_S.store(accS.load().to(self.dtype))
+            if cutlass.const_expr(self.rescale_first):
+                if n >= 2:
+                    cute.nvgpu.warpgroup.wait_group(0)  # PV_{n-2} retired
                 rP_as_S.store(accS.load().to(self.dtype))
             # drain: the last tile's PV (O was rescaled for it at the end of the last step)
             v_full.wait(vs0 + (t0 + n - 1) % VS, ((t0 + n - 1) // VS) % 2)
@@ -1102,7 +1125,7 @@ class BlockSparseFwd64Sm90:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _softmax_tile(self, S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c):
+    def _softmax_tile(self, S, cS_rc, entry, count, last, n_kv, row_max, row_sum, alpha, c, part="all"):
         """List rule for the tile's entry (counted only if in [0, nKV) and above the last counted
         entry), its padded keys (past its block's count) masked to -inf, then the online softmax.
         Returns the last counted entry."""
@@ -1119,7 +1142,7 @@ class BlockSparseFwd64Sm90:
                 if cS_rc[0, ci][1] >= valid:
                     for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
                         S[ri, ci] = -cutlass.Float32.inf
-        self._online_softmax(S, row_max, row_sum, alpha, c)
+        self._online_softmax(S, row_max, row_sum, alpha, c, part)
         return last
 
     @cute.jit
@@ -1146,38 +1169,42 @@ class BlockSparseFwd64Sm90:
 
     @cute.jit
     def _online_softmax(self, S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor,
-                        c: cutlass.Float32):
+                        c: cutlass.Float32, part: str = "all"):
         """S (raw logits) becomes P = exp2(S c - m c) with m the running row max; alpha gets
         exp2((m_old - m) c) for O, row_sum (this thread's part) is rescaled and accumulated.
         A row with only -inf so far keeps m = -inf and uses 0 in its place (P = 0, alpha = 0).
         With lazy_rescale m moves only when the tile's max exceeds it by more than
         LAZY_RESCALE_LOG2 (base 2): P <= 2^LAZY_RESCALE_LOG2 then, exact in fp32 sums and with bf16's
-        relative precision, and most tiles leave alpha = 1 (no O rescale, see _rescale_o)."""
+        relative precision, and most tiles leave alpha = 1 (no O rescale, see _rescale_o).
+        `part`: "max" (the row maxima and alpha), "exp" (P and the row sums, after "max"), or both."""
         n_cols = cute.size(S, mode=[1])
-        for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            m = _tree([S[ri, ci] for ci in range(n_cols)], cute.arch.fmax)
-            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
-            m_new = cute.arch.fmax(row_max[ri], m)
-            a = cutlass.Float32(1.0)
-            if cutlass.const_expr(self.lazy_rescale):
-                # NaN (both -inf) compares false: the row keeps m = -inf
-                if (m_new - row_max[ri]) * c > LAZY_RESCALE_LOG2:
-                    a = cute.math.exp2((row_max[ri] - m_new) * c, fastmath=True)
+        if cutlass.const_expr(part != "exp"):
+            for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                m = _tree([S[ri, ci] for ci in range(n_cols)], cute.arch.fmax)
+                m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+                m_new = cute.arch.fmax(row_max[ri], m)
+                a = cutlass.Float32(1.0)
+                if cutlass.const_expr(self.lazy_rescale):
+                    # NaN (both -inf) compares false: the row keeps m = -inf
+                    if (m_new - row_max[ri]) * c > LAZY_RESCALE_LOG2:
+                        a = cute.math.exp2((row_max[ri] - m_new) * c, fastmath=True)
+                        row_max[ri] = m_new
+                else:
+                    m_safe = m_new
+                    if m_new == -cutlass.Float32.inf:
+                        m_safe = cutlass.Float32(0.0)
+                    a = cute.math.exp2((row_max[ri] - m_safe) * c, fastmath=True)
                     row_max[ri] = m_new
-            else:
-                m_safe = m_new
-                if m_new == -cutlass.Float32.inf:
-                    m_safe = cutlass.Float32(0.0)
-                a = cute.math.exp2((row_max[ri] - m_safe) * c, fastmath=True)
-                row_max[ri] = m_new
-            alpha[ri] = a
-            m_used = row_max[ri]
-            if m_used == -cutlass.Float32.inf:
-                m_used = cutlass.Float32(0.0)
-            neg = -(m_used * c)
-            for ci in cutlass.range_constexpr(n_cols):
-                S[ri, ci] = cute.math.exp2(cute.math.fma(S[ri, ci], c, neg), fastmath=True)
-            row_sum[ri] = row_sum[ri] * a + _tree([S[ri, ci] for ci in range(n_cols)], lambda x, y: x + y)
+                alpha[ri] = a
+        if cutlass.const_expr(part != "max"):
+            for ri in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                m_used = row_max[ri]
+                if m_used == -cutlass.Float32.inf:
+                    m_used = cutlass.Float32(0.0)
+                neg = -(m_used * c)
+                for ci in cutlass.range_constexpr(n_cols):
+                    S[ri, ci] = cute.math.exp2(cute.math.fma(S[ri, ci], c, neg), fastmath=True)
+                row_sum[ri] = row_sum[ri] * alpha[ri] + _tree([S[ri, ci] for ci in range(n_cols)], lambda x, y: x + y)
 
 
 def _tree(vals, op):
@@ -1210,7 +1237,7 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
                       list_in_smem: bool = False, persistent=False, tma_store: bool = False,
-                      cluster_pairs: bool = False):
+                      cluster_pairs: bool = False, rescale_first: bool = False):
     """Checks the arguments (once per problem), compiles on first use of a configuration, and returns a
     callable that launches the forward on torch's current stream at the time of this call.
 
@@ -1237,7 +1264,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
 
     config = dict(k_stages=k_stages, v_stages=v_stages, consumers=consumers, warp_specialized=warp_specialized,
                   pingpong=pingpong, q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
-                  list_in_smem=list_in_smem, persistent=persistent, tma_store=tma_store, cluster_pairs=cluster_pairs)
+                  list_in_smem=list_in_smem, persistent=persistent, tma_store=tma_store, cluster_pairs=cluster_pairs,
+                  rescale_first=rescale_first)
     tensors = (q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine)
     key = (tuple(config.values()), q.get_device(), layout_key(*tensors))  # device: its SM count (persistent)
     fn = _PLANS.get(key)
