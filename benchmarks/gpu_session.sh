@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu (each under 10 minutes)
+#   cudnnbench | pairs | pairsprof | xu | xubwd (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -220,6 +220,16 @@ case $step in
     t 120 python3 -m pytest -q -m gpu tests/test_sm90_fwd64.py -k "cluster"
     t 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_sm90_fwd64.py \
       -k "ws3-cluster-pairs and (nq4 or sq-gt-skv)"
+    ;;
+  xubwd)  # issue 21: the backward's instruction mix per opcode and per pipe, ours (sm90_backend.BACKWARD)
+           # against cuDNN's (ncu)
+    t 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section InstructionStats \
+      --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --metrics smsp__inst_executed_pipe_xu.sum,smsp__inst_executed.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_uniform.sum,smsp__inst_executed_pipe_lsu.sum,sass__inst_executed_per_opcode \
+      -f -o "$out/xubwd" python3 benchmarks/sm90_bwd64_profile.py backend cudnn
+    t 60 sh -c "ncu -i '$out/xubwd.ncu-rep' --page raw --print-metric-instances details --print-units base > '$out/xubwd_raw.txt'"
+    t 60 sh -c "ncu -i '$out/xubwd.ncu-rep' --page details --print-units base > '$out/xubwd_details.txt'"
+    rm -f "$out/xubwd.ncu-rep"
     ;;
   pairsprof)  # issue 21: where the time of the forward goes, with and without the pairs' multicast (ncu)
     for lists in random smooth; do

@@ -2,7 +2,7 @@
 profiler range, for Nsight Compute:
 
     ncu --clock-control none --profile-from-start off --set full --import-source yes \
-        -o $OUT/bwd64 python3 benchmarks/sm90_bwd64_profile.py [ours] [split] [cudnn]
+        -o $OUT/bwd64 python3 benchmarks/sm90_bwd64_profile.py [ours] [split] [backend] [cudnn]
 
 Everything is compiled and run twice before the range opens, so the range holds exactly one call of
 each: ours (the default configuration) and split (`sm90_bwd64_split`) are the dq_accum fill, the
@@ -51,8 +51,9 @@ def main(names) -> None:
             calls.append((name, lambda: cudnn_api.block_sparse_attention_backward(
                 do, q, k, v, out, lse, idx, None, counts, num, softmax_scale=scale, dq_tensor=dq, dk_tensor=dk,
                 dv_tensor=dv, sparse_block_size=E, layout="bhsd")))
-        else:  # "ours": the default configuration; "split": sm90_bwd64_split (3 slots)
-            options = dict(split=True, stages=3) if name == "split" else {}
+        else:  # "ours": the kernel's defaults; "split": sm90_bwd64_split (3 slots); "backend": sm90_backend.BACKWARD
+            from vsa_core.backends.sm90_backend import BACKWARD
+            options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD)[name]
             calls.append((name, sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
                                                               counts, softmax_scale=scale, **options)))
     fprof.profile_calls(calls)
