@@ -65,7 +65,8 @@ DTYPES = ("bfloat16", "float16")
 # warp-specialized: a producer warpgroup and 3 consumer warpgroups, each on its own query block,
 # with lazy rescaling, out leaving through shared memory by one TMA store per tile
 # (`sm90_fwd64.BlockSparseFwd64Sm90`; "ws3LT" in the check script)
-FORWARD = dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True)
+FORWARD = dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
+               rescale_first=True)
 # the GEMMs split over two cooperating warpgroups and a producer, a 3-slot Q / dO ring, dQ staged
 # in shared memory and sent as one bulk reduction (`sm90_bwd64_split`; "split3B" in the check script)
 BACKWARD = dict(stages=3, split=True, dq_bulk=True)
