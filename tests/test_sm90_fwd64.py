@@ -129,16 +129,8 @@ def test_sm90_fwd64_matches_float64_reference(variant, shape):
 @pytest.mark.parametrize("persistent", [-1, 2.5, "yes"])
 def test_bad_persistent_is_refused_naming_it(persistent):
     """Checked on the host before anything reaches a device (CPU tensors of valid shapes)."""
-    pytest.importorskip("cutlass")
-    pytest.importorskip("cuda.bindings")
-    from vsa_core.backends.sm90_fwd64 import prepare_forward64
-    B, H, nq, cap = 1, 1, 2, 2
-    q = torch.randn(B, H, nq * E, 128).to(torch.bfloat16)
-    lists = dict(sel_idx=torch.zeros(B, H, nq, cap, dtype=torch.int32), sel_num=torch.ones(B, H, nq, dtype=torch.int32),
-                 kv_counts=torch.full((nq,), E, dtype=torch.int32))
     with pytest.raises(ValueError, match="persistent"):
-        prepare_forward64(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(B, H, nq * E), **lists,
-                          warp_specialized=True, consumers=3, persistent=persistent)
+        _prepare_on_host(warp_specialized=True, consumers=3, persistent=persistent)
 
 
 @pytest.mark.parametrize("config", [dict(warp_specialized=False), dict(pingpong=True, consumers=2),
@@ -146,6 +138,14 @@ def test_bad_persistent_is_refused_naming_it(persistent):
                          ids=["simple", "pingpong", "persistent", "list-in-smem"])
 def test_cluster_pairs_outside_its_configuration_is_refused_naming_it(config):
     """cluster_pairs runs on the warp-specialized kernel with its own rings only; checked on the host."""
+    kw = dict(warp_specialized=True, consumers=3, cluster_pairs=True)
+    kw.update(config)
+    with pytest.raises(ValueError, match="cluster_pairs"):
+        _prepare_on_host(**kw)
+
+
+def _prepare_on_host(**config):
+    """`prepare_forward64` on CPU tensors of valid shapes: its host checks, before anything reaches a device."""
     pytest.importorskip("cutlass")
     pytest.importorskip("cuda.bindings")
     from vsa_core.backends.sm90_fwd64 import prepare_forward64
@@ -153,7 +153,4 @@ def test_cluster_pairs_outside_its_configuration_is_refused_naming_it(config):
     q = torch.randn(B, H, nq * E, 128).to(torch.bfloat16)
     lists = dict(sel_idx=torch.zeros(B, H, nq, cap, dtype=torch.int32), sel_num=torch.ones(B, H, nq, dtype=torch.int32),
                  kv_counts=torch.full((nq,), E, dtype=torch.int32))
-    kw = dict(warp_specialized=True, consumers=3, cluster_pairs=True)
-    kw.update(config)
-    with pytest.raises(ValueError, match="cluster_pairs"):
-        prepare_forward64(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(B, H, nq * E), **lists, **kw)
+    prepare_forward64(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(B, H, nq * E), **lists, **config)

@@ -562,14 +562,7 @@ class BlockSparseFwd64Sm90:
                     tk = t0 + j
                     if tk >= KS:
                         bars["k_empty"].wait(ci * KS + tk % KS, (tk // KS + 1) % 2)
-                    if cutlass.const_expr(self.cluster_pairs):
-                        if j < shared:
-                            self._load_pair(tma["k_pair"], tma["tKg_pair"], tma["tKs_pair"], bars["k_full"], k_blk,
-                                            ci * KS + tk % KS)
-                        else:
-                            self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + tk % KS)
-                    else:
-                        self._load_tile(tma["k"], tma["tKg"], tma["tKs"], bars["k_full"], k_blk, ci * KS + tk % KS)
+                    self._load_kv("k", tma, bars["k_full"], k_blk, ci * KS + tk % KS, j < shared)
                 if cutlass.const_expr(self.persistent):
                     # K_0 goes first: its slot is free once the last item's last QK has retired,
                     # the Q slot only once that item's last PV has (or its out has left the slot)
@@ -581,14 +574,7 @@ class BlockSparseFwd64Sm90:
                     t = t0 + j - 1
                     if t >= VS:
                         bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
-                    if cutlass.const_expr(self.cluster_pairs):
-                        if j - 1 < shared:
-                            self._load_pair(tma["v_pair"], tma["tVg_pair"], tma["tVs_pair"], bars["v_full"], v_blk,
-                                            ci * VS + t % VS)
-                        else:
-                            self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
-                    else:
-                        self._load_tile(tma["v"], tma["tVg"], tma["tVs"], bars["v_full"], v_blk, ci * VS + t % VS)
+                    self._load_kv("v", tma, bars["v_full"], v_blk, ci * VS + t % VS, j - 1 < shared)
                 v_blk = k_blk
                 k_blk = k_after
 
@@ -1107,11 +1093,20 @@ class BlockSparseFwd64Sm90:
         cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
 
     @cute.jit
-    def _load_pair(self, atom, tXg, tXs, bar, blk, slot):
-        """cluster_pairs: this CTA's half of KV block `blk`'s tile, multicast into `slot` of both CTAs;
-        the slot's mbarrier expects the whole tile (the mate CTA sends the other half)."""
-        bar.arrive_and_expect_tx(slot, self.tile_bytes)
-        cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot), mcast_mask=cutlass.Int16(3))
+    def _load_kv(self, kind, tma, bar, blk, slot, shared):
+        """The producer's load of KV block `blk`'s K or V tile (kind "k" / "v") into `slot`. cluster_pairs:
+        at a `shared` position this CTA's half of the tile, multicast into `slot` of both CTAs (the
+        slot's mbarrier expects the whole tile: the mate CTA sends the other half)."""
+        X = kind.upper()
+        if cutlass.const_expr(self.cluster_pairs):
+            if shared:
+                bar.arrive_and_expect_tx(slot, self.tile_bytes)
+                cute.copy(tma[f"{kind}_pair"], tma[f"t{X}g_pair"][None, blk], tma[f"t{X}s_pair"][None, slot],
+                          tma_bar_ptr=bar.get_barrier(slot), mcast_mask=cutlass.Int16(3))
+            else:
+                self._load_tile(tma[kind], tma[f"t{X}g"], tma[f"t{X}s"], bar, blk, slot)
+        else:
+            self._load_tile(tma[kind], tma[f"t{X}g"], tma[f"t{X}s"], bar, blk, slot)
 
     @cute.jit
     def _qk(self, mma_qk, accS, rQ, rK, k_bar, j, slot0):
