@@ -89,6 +89,14 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
                     rescale_first=True),
     "ws3LTCrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
                      cluster_pairs=True, rescale_first=True),
+    # q = q_in_regs with rf at 2 consumers (240 registers: no spills; at 3 consumers ptxas spills and
+    # serialises the wgmmas): QK^T reads only K from shared memory
+    "ws2ppqLrf": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True, q_in_regs=True,
+                      lazy_rescale=True, rescale_first=True),
+    "ws2qLTrf": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, q_in_regs=True, lazy_rescale=True,
+                     tma_store=True, rescale_first=True),
+    "ws2qLTrfk3v3": dict(k_stages=3, v_stages=3, consumers=2, warp_specialized=True, q_in_regs=True,
+                         lazy_rescale=True, tma_store=True, rescale_first=True),
     "ws2LTCk2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True,
                        tma_store=True, cluster_pairs=True),
 }
