@@ -30,8 +30,14 @@ E = 64
 
 
 def main(names) -> None:
+    fprof.profile_calls(list(backward_calls(names).items()))
+
+
+def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62) -> dict:
+    """name -> a callable running that backward once on the timing problem (fcheck.timing_problem's
+    inputs, dO random, out / lse from our forward, delta from it, the KV-owned lists of the same
+    selection): "ours", "split", "backend" (our kernels, see main's doc) or "cudnn"."""
     from vsa_core.backends import sm90_bwd64, sm90_fwd64
-    B, H, S, D, topk = 1, 12, 39936, 128, 62
     n = S // E
     q, k, v, idx, num, counts = fcheck.timing_problem(B, H, S, D, topk)
     gen = torch.Generator(device=q.device).manual_seed(1)
@@ -44,19 +50,19 @@ def main(names) -> None:
     mask = torch.zeros(B, H, n, n, dtype=torch.bool, device=q.device).scatter_(-1, idx.long(), True)
     _, _, inv_idx, inv_num = bcheck.lists_from_mask(mask)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    calls = []
+    calls = {}
     for name in names:
         if name == "cudnn":
             from cudnn.block_sparse_attention import api as cudnn_api
-            calls.append((name, lambda: cudnn_api.block_sparse_attention_backward(
+            calls[name] = lambda: cudnn_api.block_sparse_attention_backward(
                 do, q, k, v, out, lse, idx, None, counts, num, softmax_scale=scale, dq_tensor=dq, dk_tensor=dk,
-                dv_tensor=dv, sparse_block_size=E, layout="bhsd")))
+                dv_tensor=dv, sparse_block_size=E, layout="bhsd")
         else:  # "ours": the kernel's defaults; "split": sm90_bwd64_split (3 slots); "backend": sm90_backend.BACKWARD
             from vsa_core.backends.sm90_backend import BACKWARD
             options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD)[name]
-            calls.append((name, sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
-                                                              counts, softmax_scale=scale, **options)))
-    fprof.profile_calls(calls)
+            calls[name] = sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
+                                                        counts, softmax_scale=scale, **options)
+    return calls
 
 
 if __name__ == "__main__":
