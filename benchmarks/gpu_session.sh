@@ -231,6 +231,14 @@ case $step in
     t 60 sh -c "ncu -i '$out/xubwd.ncu-rep' --page details --print-units base > '$out/xubwd_details.txt'"
     rm -f "$out/xubwd.ncu-rep"
     ;;
+  groups)  # issue 21: the backward's query groups (each CTA one group's part of a KV block's list, the
+           # partial dK / dV summed in group order): GPU tests, memcheck, A/B against the default and cuDNN
+    t 200 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_bwd64.py
+    t 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q -m gpu \
+      tests/test_sm90_bwd64.py -k "query_groups or (split-groups and (nq4 or long))"
+    t 300 python3 benchmarks/sm90_bwd64_ab.py --rounds=${AB_ROUNDS:-4} --shapes=${AB_SHAPES:-12x39936,24x19968} \
+      --calls=backend,groups,cudnn
+    ;;
   pairsprof)  # issue 21: where the time of the forward goes, with and without the pairs' multicast (ncu)
     for lists in random smooth; do
       flag=$([[ $lists == smooth ]] && echo --smooth)

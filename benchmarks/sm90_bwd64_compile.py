@@ -50,6 +50,9 @@ VARIANTS = {
     "split-s3-bulk-d64": dict(split=True, stages=3, dq_bulk=True, head_dim=64),
     "split-s3-bulk-fp16": dict(split=True, stages=3, dq_bulk=True, dtype=cutlass.Float16),
     "split-s2-bulk": dict(split=True, stages=2, dq_bulk=True),
+    # query groups (a 20 MiB working set per group)
+    "split-s3-bulk-groups": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=20 << 20),
+    "split-s3-bulk-groups-pool": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=20 << 20, pool_grads=True),
     "post": dict(postprocess=True),
     "post-d64": dict(postprocess=True, head_dim=64),
     "post-pool-ignore": dict(postprocess=True, pool_grads=True, ignore_padding=True),
@@ -74,7 +77,8 @@ def fake_args(dtype, D):
     pool = lambda n: make_fake_tensor(cutlass.Float32, (B, H, n, D), (i32(), i32(), i32(), 1), assumed_align=4)  # noqa: E731
     return dict(dq_pool=pool(NQ), k_pool=pool(NKV), v_pool=pool(NKV), q_counts=i32t((NQ,)),q=tok(S), k=tok(SK), v=tok(SK), do=tok(S), lse=stat(), delta=stat(), dq_acc=dq_acc, dk=tok(SK),
                 dv=tok(SK), inv_idx=i32t((B, H, NKV, CAP)), inv_num=i32t((B, H, NKV)), kv_counts=i32t((NKV,)),
-                dq=tok(S))
+                dq=tok(S), partial=make_fake_tensor(cutlass.Float32, (i32(),), (1,), assumed_align=16),
+                flags=i32t((i32(), 2)))
 
 
 def compile_variant(name, kw):
@@ -90,7 +94,8 @@ def compile_variant(name, kw):
         kw.pop("dtype", None), kw.pop("head_dim", None)
         kernel = MOD.backward_kernel(dtype, D, **kw, **flags)
         args = [a[n] for n in ("q", "k", "v", "do", "lse", "delta", "dq_acc", "dk", "dv", "inv_idx", "inv_num",
-                               "kv_counts", "k_pool", "v_pool")]
+                               "kv_counts", "k_pool", "v_pool", "partial", "flags")]
+        return compile_report(kernel, args, (cutlass.Float32(0.088), cutlass.Int32(132)))
     return compile_report(kernel, args)
 
 

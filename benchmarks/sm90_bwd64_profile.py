@@ -33,10 +33,15 @@ def main(names) -> None:
     fprof.profile_calls(list(backward_calls(names).items()))
 
 
-def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62) -> dict:
+GROUP_BYTES = 20 << 20  # "groups": query groups of a 20 MiB working set (Q, dO, fp32 dQ) each
+
+
+def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> dict:
     """name -> a callable running that backward once on the timing problem (fcheck.timing_problem's
     inputs, dO random, out / lse from our forward, delta from it, the KV-owned lists of the same
-    selection): "ours", "split", "backend" (our kernels, see main's doc) or "cudnn"."""
+    selection): "ours", "split", "backend" (our kernels, see main's doc), "groups" (the backend's
+    configuration with query groups of GROUP_BYTES) or "cudnn". All write the same dq, dk, dv, which
+    `outputs` (a dict) receives when given."""
     from vsa_core.backends import sm90_bwd64, sm90_fwd64
     n = S // E
     q, k, v, idx, num, counts = fcheck.timing_problem(B, H, S, D, topk)
@@ -50,6 +55,8 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62) -> dict:
     mask = torch.zeros(B, H, n, n, dtype=torch.bool, device=q.device).scatter_(-1, idx.long(), True)
     _, _, inv_idx, inv_num = bcheck.lists_from_mask(mask)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    if outputs is not None:
+        outputs.update(dq=dq, dk=dk, dv=dv)
     calls = {}
     for name in names:
         if name == "cudnn":
@@ -59,7 +66,8 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62) -> dict:
                 dv_tensor=dv, sparse_block_size=E, layout="bhsd")
         else:  # "ours": the kernel's defaults; "split": sm90_bwd64_split (3 slots); "backend": sm90_backend.BACKWARD
             from vsa_core.backends.sm90_backend import BACKWARD
-            options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD)[name]
+            options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD,
+                           groups=dict(BACKWARD, q_group_bytes=GROUP_BYTES))[name]
             calls[name] = sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
                                                         counts, softmax_scale=scale, **options)
     return calls

@@ -23,9 +23,11 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
 
-def compile_report(kernel, args) -> dict:
-    """Compiles kernel(*args, scale, stream) for sm_90a and returns ptxas's figures (lists: one
-    entry per kernel of the compile), the compiler's warnings and the whole report."""
+def compile_report(kernel, args, scalars=None) -> dict:
+    """Compiles kernel(*args, *scalars, stream) for sm_90a (scalars: the softmax scale unless given) and
+    returns ptxas's figures (lists: one entry per kernel of the compile), the compiler's warnings and
+    the whole report."""
+    scalars = (cutlass.Float32(0.088),) if scalars is None else scalars
     buf = io.StringIO()
     t = time.time()
     # ptxas's report goes to the process's stderr (fd 2): capture it through a pipe
@@ -34,7 +36,7 @@ def compile_report(kernel, args) -> dict:
     os.dup2(w, 2)
     try:
         with contextlib.redirect_stdout(buf):
-            cute.compile(kernel, *args, cutlass.Float32(0.088), make_fake_stream(use_tvm_ffi_env_stream=False),
+            cute.compile(kernel, *args, *scalars, make_fake_stream(use_tvm_ffi_env_stream=False),
                          options="--gpu-arch sm_90a remarks{ptx}")
     finally:
         os.dup2(saved, 2)

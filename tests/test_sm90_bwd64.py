@@ -4,7 +4,9 @@ GPU only (`-m gpu`, sm_90 with nvidia-cutlass-dsl 4.8.1; skipped otherwise): dq,
 float64 reference (vsa_core.reference, given the float64 forward's lse and out) with fresh random
 inputs, outputs poisoned with NaN first: partial and empty KV blocks, empty query rows, KV blocks
 nobody selected, nQ != nKV, BSHD, a long KV-owned list, padded query rows (lse +inf, q and dout
-zeroed there), softmax_scale. Bound: P and dS are rounded to bf16 before their GEMMs and the
+zeroed there), softmax_scale; each for the one-warpgroup kernel, the split kernel and the split
+kernel with query groups. The query groups also on lists the list rule must clean (equal to the
+clean lists' result) and run to run (dk, dv bitwise). Bound: P and dS are rounded to bf16 before their GEMMs and the
 gradients once more on output (as in the Triton backward, which measures ~6e-3 on these cases):
 rel-L2 < 1e-2. The wider matrix, the comparison with the Triton backward and the timing are in
 benchmarks/sm90_bwd64_check.py.
@@ -22,8 +24,12 @@ from vsa_core import reference as R
 E = 64
 # The two kernels behind `prepare_backward64`, each as the sm90 backend would configure it (the
 # backend's BACKWARD is one of them: test_backend_backward_is_tested)
+# query groups of 2 query blocks at D128 (`sm90_bwd64.group_blocks`): several groups per list at
+# these sizes, so the ring of partial sums and its counters run over several generations
+TWO_BLOCK_GROUPS = 2 * E * 128 * 8
 CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
-           "split": dict(stages=3, split=True, dq_bulk=True)}
+           "split": dict(stages=3, split=True, dq_bulk=True),
+           "split-groups": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS)}
 
 
 def _backward():
@@ -88,6 +94,79 @@ def test_sm90_bwd64_matches_float64_reference(shape, config):
         den = np.linalg.norm(r)
         err = np.linalg.norm(got - r) / den if den > 0 else np.abs(got).max()
         assert err < 1e-2, f"{name}: rel-L2 {err:.2e}"
+
+
+def _problem(g, B, H, nq, nkv, D=128):
+    q, k, v, do = (torch.randn(B, H, n * E, D, generator=g).to(torch.bfloat16).cuda() for n in (nq, nkv, nkv, nq))
+    out = torch.randn(B, H, nq * E, D, generator=g).to(torch.bfloat16).cuda()
+    lse = (torch.rand(B, H, nq * E, generator=g) * 4 + 2).cuda()
+    return q, k, v, do, out, lse
+
+
+def _run(M, tensors, inv_idx, inv_num, kv_counts, config):
+    q, k, v, do, out, lse = tensors
+    dq, dk, dv = (torch.full_like(x, math.nan) for x in (q, k, v))
+    M.sparse_backward64(q, k, v, out, do, lse, dq, dk, dv, inv_idx, inv_num, kv_counts, **config)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def _clean(idx, num, nq):
+    """The lists as the list rule reads them: entries in [0, nq) above the last counted one."""
+    clean = np.zeros_like(idx)
+    counts = np.zeros_like(num)
+    for pos in np.ndindex(*num.shape):
+        last, kept = -1, []
+        for e in idx[pos][:max(0, min(int(num[pos]), idx.shape[-1]))]:
+            if last < e < nq:
+                kept.append(e)
+                last = e
+        clean[pos][:len(kept)] = kept
+        counts[pos] = len(kept)
+    return clean, counts
+
+
+@pytest.mark.gpu
+def test_sm90_bwd64_query_groups_read_lists_by_the_list_rule():
+    """Lists with entries out of range, repeated and descending, and counts past the capacity: the
+    query groups give what the clean lists give (dk, dv bitwise: the skipped entries add exact zeros
+    in the same order; dq's fp32 reductions run in any order) and agree with the kernel without
+    groups."""
+    M = _backward()
+    g = torch.Generator().manual_seed(11)
+    B, H, nq, nkv, cap = 2, 2, 7, 3, 12
+    tensors = _problem(g, B, H, nq, nkv)
+    idx = torch.randint(-3, nq + 3, (B, H, nkv, cap), generator=g, dtype=torch.int32)
+    idx[0, 0, 0] = torch.arange(cap, dtype=torch.int32) % nq  # ascending, then again from 0
+    num = torch.randint(0, cap + 3, (B, H, nkv), generator=g, dtype=torch.int32)
+    clean_idx, clean_num = (torch.from_numpy(x) for x in _clean(idx.numpy(), num.numpy(), nq))
+    counts = torch.full((nkv,), E, dtype=torch.int32).cuda()
+    config = CONFIGS["split-groups"]
+    bad = _run(M, tensors, idx.cuda(), num.cuda(), counts, config)
+    clean = _run(M, tensors, clean_idx.cuda(), clean_num.cuda(), counts, config)
+    whole = _run(M, tensors, clean_idx.cuda(), clean_num.cuda(), counts, CONFIGS["split"])
+    for name, x, y, z in zip(("dq", "dk", "dv"), bad, clean, whole):
+        assert torch.isfinite(x).all(), name
+        if name != "dq":
+            assert torch.equal(x, y), f"{name}: bad lists != clean lists"
+        err = ((x.double() - z.double()).norm() / z.double().norm()).item()
+        assert err < 1e-2, f"{name}: groups vs one group rel-L2 {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_sm90_bwd64_query_groups_dk_dv_are_deterministic():
+    """dk and dv from query groups come out bitwise equal run to run: each KV block's partial sums
+    are added in group order by its last group's CTA, whatever order the CTAs finish in."""
+    M = _backward()
+    g = torch.Generator().manual_seed(12)
+    B, H, nq, nkv = 2, 3, 9, 5
+    tensors = _problem(g, B, H, nq, nkv)
+    inv_idx, inv_num = _lists((torch.rand(B, H, nkv, nq, generator=g) < 0.7))
+    counts = torch.full((nkv,), E, dtype=torch.int32).cuda()
+    first = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups"])
+    for _ in range(3):
+        again = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups"])
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
 
 
 def test_backend_backward_is_tested():

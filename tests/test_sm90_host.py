@@ -37,6 +37,7 @@ def stubbed(monkeypatch):
         monkeypatch.setattr(mod, "_PLANS", {})
         monkeypatch.setattr(mod, "compile_for_torch", compile_for_torch)
         monkeypatch.setattr(mod, "cute_tensor", lambda t, align=16: (t, align))
+    monkeypatch.setattr(sm90_bwd64, "grid_chunk", lambda device_ordinal: 132)  # no CUDA driver here
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: types.SimpleNamespace(cuda_stream=7))
     return compiled
 
@@ -177,17 +178,21 @@ def test_backward_same_problem_reuses_checks_and_build_and_passes_the_new_buffer
     for _ in range(3):
         args, kw = _backward_args()
         kw["dq_accum"].fill_(1.0)
+        kw["group_flags"] = torch.ones(sm90_bwd64.RING_CHUNKS * sm90_bwd64.CHUNK_MAX, 2, dtype=torch.int32)
         sm90_bwd64.prepare_backward64(*args, **kw, softmax_scale=0.5, **sm90_backend.BACKWARD)()
         assert not kw["dq_accum"].any()  # zeroed by every launch, before the main kernel
+        assert not kw["group_flags"].any()  # so are the query groups' counters
     assert len(checks) == 1 and len(stubbed) == 2  # the main kernel and the dQ postprocess
     main, post = stubbed
     q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts = args
     m, p = main.calls[-1], post.calls[-1]
     assert [t is x for t, x in zip(m[:9], (q, k, v, dout, lse, delta, kw["dq_accum"], dk, dv))] == [True] * 9
     assert m[9] is inv_idx and m[10] is inv_num and m[11] is kv_counts
-    assert m[12] is kw["dk_pool"] and m[13] is kw["dv_pool"] and m[14] == 0.5
+    assert m[12] is kw["dk_pool"] and m[13] is kw["dv_pool"] and m[15] is kw["group_flags"]
+    assert m[14].dtype == torch.float32 and m[16] == 0.5 and m[17] == 132  # dkv_partial, scale, the grid chunk
     assert p[0] is kw["dq_accum"] and p[1] is dq and p[2] is kw["dq_pool"] and p[3] is kw["q_counts"] and p[4] == 0.5
-    assert [a for _, a in main.examples] == [16] * 9 + [4] * 5 and [a for _, a in post.examples] == [16, 16, 4, 4]
+    assert [a for _, a in main.examples] == [16] * 9 + [4] * 5 + [16, 4]
+    assert [a for _, a in post.examples] == [16, 16, 4, 4]
 
 
 def test_backward_new_layout_checks_again_and_reuses_the_build(stubbed, monkeypatch):

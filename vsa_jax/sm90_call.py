@@ -36,9 +36,9 @@ STEPS = ("sm90_fwd64", "sm90_bwd64")
 TOKEN_ARGS = frozenset({"q", "k", "v", "out", "gate", "out_fine", "dout", "dq", "dk", "dv"})
 # the pointer alignment each argument gets, as the eager launchers assume it (`sm90_common.cute_tensor`
 # of the TMA / vector operands at 16 bytes, the rest at 4)
-_ALIGN16 = {"sm90_fwd64": TOKEN_ARGS, "sm90_bwd64": TOKEN_ARGS | {"lse", "delta", "dq_accum"}}
+_ALIGN16 = {"sm90_fwd64": TOKEN_ARGS, "sm90_bwd64": TOKEN_ARGS | {"lse", "delta", "dq_accum", "dkv_partial"}}
 # buffers a step needs zeroed on entry (its eager launch zeroes them itself)
-ZEROED = {"sm90_bwd64": frozenset({"dq_accum"})}
+ZEROED = {"sm90_bwd64": frozenset({"dq_accum", "group_flags"})}
 
 
 def _spec(step: str, arg: str, layout: str):
@@ -79,8 +79,11 @@ class _Adapter:
             main = sm90_bwd64.backward_kernel(dtype, s["head_dim"], **s["config"], **flags)
             post = sm90_bwd64.DqPostprocess(dtype, s["head_dim"], **flags)
             lse = t["lse"]
+            # the query groups' chunk: the SM count of device 0 (the adapter is traced without a device;
+            # a host's GPUs are one model, and the count only orders the grid)
             main(t["q"], t["k"], t["v"], t["dout"], lse, t["delta"], t["dq_accum"], t["dk"], t["dv"], t["inv_idx"],
-                 t["inv_num"], t["kv_counts"], t.get("dk_pool", lse), t.get("dv_pool", lse), scale, stream)
+                 t["inv_num"], t["kv_counts"], t.get("dk_pool", lse), t.get("dv_pool", lse), t["dkv_partial"],
+                 t["group_flags"], scale, cutlass.Int32(sm90_bwd64.grid_chunk(0)), stream)
             post(t["dq_accum"], t["dq"], t.get("dq_pool", lse), t.get("q_counts", lse), scale, stream)
 
 

@@ -125,14 +125,22 @@ def _dq_accum_shape(p: AttnProblem):
     return (p.batch, p.heads, p.n_q_blocks, BLOCK_ELEMS * p.head_dim)
 
 
+def _group_shapes(p: AttnProblem) -> dict:
+    from .sm90_bwd64 import group_workspace_shapes
+    return group_workspace_shapes(p.n_q_blocks, p.head_dim, BACKWARD.get("q_group_bytes", 0))
+
+
 def workspaces(stage: str, p: AttnProblem) -> dict:
     """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
     each from `launcher.workspace`: the padded-rows-zeroed copies of padding="ignore"
-    ("<name>_valid", `stages.valid_rows_input`) and the backward's fp32 dQ accumulator
-    ([B, H, nQ, 64 * D], which the sm90_bwd64 launch zeroes before its main kernel)."""
+    ("<name>_valid", `stages.valid_rows_input`), the backward's fp32 dQ accumulator
+    ([B, H, nQ, 64 * D], which the sm90_bwd64 launch zeroes before its main kernel) and its query
+    groups' partial sums and flags (`sm90_bwd64.group_workspace_shapes`; the flags zeroed by the
+    launch too)."""
     table = valid_rows_workspaces(stage, p)
     if stage == "backward":
         table["dq_accum"] = (_dq_accum_shape(p), "float32")
+        table.update(_group_shapes(p))
     return table
 
 
@@ -189,6 +197,8 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
     buffers = dict(q=q, k=k, v=v, dout=dout, lse=a.lse, delta=a.delta, dq=a.dq, dk=a.dk, dv=a.dv,
                    inv_idx=a.inv_idx, inv_num=a.inv_num, kv_counts=a.kv_counts,
                    dq_accum=launcher.workspace("dq_accum", _dq_accum_shape(p), "float32", a.q))
+    for name, (shape, dtype) in _group_shapes(p).items():
+        buffers[name] = launcher.workspace(name, shape, dtype, a.q)
     pool_grads = a.dq_pool is not None
     if pool_grads:  # VSA: the pooling gradients, added where dq / dk / dv are formed
         buffers.update(dq_pool=a.dq_pool, dk_pool=a.dk_pool, dv_pool=a.dv_pool, q_counts=a.q_counts)
@@ -200,8 +210,8 @@ def launch_backward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, 
                       pool_grads: bool, ignore_padding: bool, config: dict):
     """The "sm90_bwd64" launch on framework buffers (`CUTE_STEPS`): dq_accum zeroed,
     the main kernel and the dQ postprocess (`prepare_backward64`) on torch views, on the caller's
-    stream. Buffers: q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum;
-    with pool_grads dq_pool, dk_pool, dv_pool, q_counts."""
+    stream. Buffers: q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum,
+    dkv_partial, group_flags; with pool_grads dq_pool, dk_pool, dv_pool, q_counts."""
     from ._torch_views import as_torch_buffers
     from .sm90_bwd64 import prepare_backward64
     with caller_stream(), _COMPILE_LOCK:
@@ -213,7 +223,8 @@ def launch_backward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, 
         t = {n: _bhsd(layout, b[n]) for n in ("q", "k", "v", "dout", "dq", "dk", "dv")}
         prepare_backward64(t["q"], t["k"], t["v"], t["dout"], b["lse"], b["delta"], t["dq"], t["dk"], t["dv"],
                            b["inv_idx"], b["inv_num"], b["kv_counts"], softmax_scale=softmax_scale,
-                           dq_accum=b["dq_accum"], **pools, **config)()
+                           dq_accum=b["dq_accum"], dkv_partial=b["dkv_partial"], group_flags=b["group_flags"],
+                           **pools, **config)()
 
 
 # The CuTe DSL launches of this backend (`launcher.cute(step, buffers, **statics)`; the eager

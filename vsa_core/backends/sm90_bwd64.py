@@ -94,14 +94,53 @@ except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
 from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
-                          rows_cols)
+                          resident_ctas, rows_cols)
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 THREADS = 128       # one warpgroup
 LIST_WINDOW = 256   # list_in_smem: the first entries of a KV block's list kept in shared memory
+# query groups: what one query block brings into L2 (Q and dO tiles in 16 bits, its fp32 dQ
+# accumulator) per head-dim column and row
+GROUP_BYTES_PER_ELEMENT = 2 + 2 + 4
+# the grid's chunk: the CTAs resident at once (one per SM), at most CHUNK_MAX (an H100 / H200's 132
+# SMs); the partial sums live in a ring of RING_CHUNKS chunks' slots
+CHUNK_MAX = 132
+RING_CHUNKS = 2
 MAJOR_K = cute.nvgpu.warpgroup.OperandMajorMode.K
 MAJOR_MN = cute.nvgpu.warpgroup.OperandMajorMode.MN
+
+
+# ---- query groups ------------------------------------------------------------------------------
+def group_blocks(q_group_bytes: int, head_dim: int) -> int:
+    """The most query blocks a group may hold under a working-set budget of q_group_bytes (0: no
+    groups, one CTA per KV block walks the whole list)."""
+    if q_group_bytes <= 0:
+        return 0
+    return max(1, q_group_bytes // (BLOCK * head_dim * GROUP_BYTES_PER_ELEMENT))
+
+
+def group_count(n_q, max_blocks):
+    """Groups of at most max_blocks query blocks over n_q (host ints or the kernel's Int32s)."""
+    return (n_q + max_blocks - 1) // max_blocks
+
+
+def grid_chunk(device_ordinal: int) -> int:
+    """The split kernel's grid chunk on a device (`BlockSparseBwd64Sm90Split._tile`)."""
+    return min(CHUNK_MAX, resident_ctas(device_ordinal))
+
+
+def group_workspace_shapes(n_q: int, head_dim: int, q_group_bytes: int) -> dict:
+    """The query groups' workspaces, independent of batch, heads and KV length: `dkv_partial`
+    (fp32, flat: a ring of RING_CHUNKS chunks of CHUNK_MAX KV blocks, per block a 64 x D slot of dV
+    and of dK for each group before the last; 4 elements when there is one group, never read) and
+    `group_flags` (int32 [RING_CHUNKS * CHUNK_MAX, 2], zeroed before each launch: the ring slots'
+    counters, for dV and for dK)."""
+    blocks = group_blocks(q_group_bytes, head_dim)
+    groups = group_count(n_q, blocks) if blocks else 1
+    ring = RING_CHUNKS * CHUNK_MAX
+    partial = (groups - 1) * ring * 2 * BLOCK * head_dim if groups > 1 else 4
+    return dict(dkv_partial=((partial,), "float32"), group_flags=((ring, 2), "int32"))
 
 
 # ---- small helpers -----------------------------------------------------------------------------
@@ -268,10 +307,13 @@ class BlockSparseBwd64Sm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mDQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
-                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, softmax_scale: cutlass.Float32, stream):
+                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, mPartial: cute.Tensor, mFlags: cute.Tensor,
+                 softmax_scale: cutlass.Float32, chunk: cutlass.Int32, stream):
         """q, k, v, dout, dk, dv: [B, H, S, D]; lse, delta [B, H, Sq] fp32; dq_accum [B, H, nQ, 64 * D]
         fp32 (zeroed by the caller); inv_idx [B, H, nKV, cap], inv_num [B, H, nKV], kv_counts [nKV] int32;
-        dk_pool, dv_pool [B, H, nKV, D] fp32 with pool_grads (placeholders otherwise, never read)."""
+        dk_pool, dv_pool [B, H, nKV, D] fp32 with pool_grads (placeholders otherwise, never read);
+        dkv_partial, group_flags and chunk: the split kernel's query groups (`group_workspace_shapes`;
+        chunk: the CTAs resident at once), not read by this kernel."""
         S = self.stages
         dt = self.dtype
         o = self._operands(mQ, mK, mV, mdO, mdK, mdV)
@@ -647,6 +689,7 @@ class DqPostprocess:
 # (`sm90_common.compile_for_torch`, TVM-FFI), its checks run once per problem (`_PLANS`, keyed by the
 # options and `layout_key` of every tensor), and the kernels are built once per configuration and dtype
 # (`_COMPILED`): shapes and strides are run-time values of one build.
+PARTIAL_ARG = 14  # dkv_partial's place among the main kernel's tensor arguments
 _COMPILED = {}  # compile key (configuration, dtype, broadcast dims) -> (main kernel, dQ postprocess), compiled
 _PLANS = {}     # problem key -> the compiled pair of a problem whose checks passed
 
@@ -685,17 +728,18 @@ def backward_delta(out, dout, delta=None):
 
 
 def backward_kernel(dtype, head_dim: int, *, stages: int = 2, dq_red: bool = True, dk_overlap: bool = True,
-                    split: bool = False, list_in_smem: bool = False, dq_bulk: bool = False, pool_grads: bool = False,
-                    ignore_padding: bool = False):
+                    split: bool = False, list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
+                    pool_grads: bool = False, ignore_padding: bool = False):
     """The main kernel of one configuration (`prepare_backward64`'s options; `split` picks
     `sm90_bwd64_split`, whose dq_red and dk_overlap are its own): the one place a configuration
     becomes a kernel object, for the eager launcher and the JAX native call alike."""
     flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding, list_in_smem=list_in_smem)
     if split:
         from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
-        return BlockSparseBwd64Sm90Split(dtype, head_dim, stages, dq_bulk=dq_bulk, **flags)
-    if dq_bulk:
-        raise ValueError("sm90_bwd64: dq_bulk is an option of the split kernel (give split=True)")
+        return BlockSparseBwd64Sm90Split(dtype, head_dim, stages, dq_bulk=dq_bulk,
+                                         q_group_blocks=group_blocks(q_group_bytes, head_dim), **flags)
+    if dq_bulk or q_group_bytes:
+        raise ValueError("sm90_bwd64: dq_bulk and q_group_bytes are options of the split kernel (give split=True)")
     return BlockSparseBwd64Sm90(dtype, head_dim, stages, dq_red=dq_red, dk_overlap=dk_overlap, **flags)
 
 
@@ -712,7 +756,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                        softmax_scale: Optional[float] = None, stages: int = 2, dq_red: bool = True,
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
                        q_counts=None, ignore_padding: bool = False, split: bool = False,
-                       list_in_smem: bool = False, dq_bulk: bool = False):
+                       list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
+                       dkv_partial=None, group_flags=None):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -725,38 +770,48 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     none): the mean pooling's gradients, dx_pool[block] / count added to every row of the block (to
     its valid rows only with ignore_padding), in the dQ postprocess and the dK / dV epilogue.
     split: the GEMMs over two cooperating warpgroups and a producer (`sm90_bwd64_split`; dq_red and
-    dk_overlap are its own, `stages` its Q / dO ring; dq_bulk its dQ through a staging buffer)."""
+    dk_overlap are its own, `stages` its Q / dO ring; dq_bulk its dQ through a staging buffer;
+    q_group_bytes its query groups' working-set budget, 0 for none: dkv_partial and group_flags are
+    their workspaces, `group_workspace_shapes`, allocated here when not given; group_flags is zeroed
+    by the launch)."""
     import cuda.bindings.driver as cuda
     import torch
 
     B, H, Sq, D = q.shape
     if dq_accum is None:
         dq_accum = torch.empty(B, H, Sq // BLOCK, BLOCK * D, dtype=torch.float32, device=q.device)
+    shapes = group_workspace_shapes(Sq // BLOCK, D, q_group_bytes)
+    if dkv_partial is None:
+        dkv_partial = torch.empty(shapes["dkv_partial"][0], dtype=torch.float32, device=q.device)
+    if group_flags is None:
+        group_flags = torch.empty(shapes["group_flags"][0], dtype=torch.int32, device=q.device)
     config = dict(stages=stages, dq_red=dq_red, dk_overlap=dk_overlap, split=split, list_in_smem=list_in_smem,
-                  dq_bulk=dq_bulk)
+                  dq_bulk=dq_bulk, q_group_bytes=q_group_bytes)
     pool_grads = dq_pool is not None
     ignore_padding = bool(ignore_padding and pool_grads)
     tensors = (q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum, dq_pool, dk_pool, dv_pool,
-               q_counts)
+               q_counts, dkv_partial, group_flags)
     key = (tuple(config.values()), ignore_padding, layout_key(*tensors))
     fns = _PLANS.get(key)
     if fns is None:
-        _check_backward64(*tensors, config)
+        _check_backward64(*tensors, config, shapes)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     lists = [inv_idx.contiguous(), inv_num.contiguous(), kv_counts.contiguous()]
     placeholder = lse  # never read when pool_grads is off
     pool_kv = [dk_pool.contiguous(), dv_pool.contiguous()] if pool_grads else [placeholder, placeholder]
     pool_q = [dq_pool.contiguous(), q_counts.contiguous()] if pool_grads else [placeholder, placeholder]
-    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists, *pool_kv]
+    main_args = [q, k, v, dout, lse, delta, dq_accum, dk, dv, *lists, *pool_kv, dkv_partial, group_flags]
     post_args = [dq_accum, dq, *pool_q]
     if fns is None:
         fns = remember(_PLANS, key, _compiled_backward64(main_args, post_args, pool_grads, ignore_padding, config))
     main_fn, post_fn = fns
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    chunk = grid_chunk(q.device.index or 0)
 
     def launch():
         dq_accum.zero_()
-        main_fn(*main_args, scale, stream)
+        group_flags.zero_()
+        main_fn(*main_args, scale, chunk, stream)
         post_fn(*post_args, scale, stream)
 
     launch.keep_alive = main_args + [dq] + pool_q  # the contiguous copies the calls read
@@ -764,7 +819,7 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
 
 
 def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum, dq_pool, dk_pool,
-                      dv_pool, q_counts, config: dict):
+                      dv_pool, q_counts, dkv_partial, group_flags, config: dict, group_shapes: dict):
     """ValueError unless the tensors are what the kernels read (shapes, dtypes, strides, alignment) and
     the configuration is one the kernels have."""
     import torch
@@ -782,15 +837,20 @@ def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, k
     if Sq % BLOCK or Skv % BLOCK:
         raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
     nq, nkv = Sq // BLOCK, Skv // BLOCK
-    if config["dq_bulk"] and not config["split"]:
-        raise ValueError("sm90_bwd64: dq_bulk is an option of the split kernel (give split=True)")
+    if (config["dq_bulk"] or config["q_group_bytes"]) and not config["split"]:
+        raise ValueError("sm90_bwd64: dq_bulk and q_group_bytes are options of the split kernel (give split=True)")
+    if config["q_group_bytes"] and config["list_in_smem"]:
+        raise ValueError("sm90_bwd64: q_group_bytes and list_in_smem do not go together (the groups read the list "
+                         "from global memory)")
     if config["stages"] < 2:
         raise ValueError(f"sm90_bwd64 needs stages >= 2 (the Q / dO ring), got {config['stages']}")
     expect = dict(lse=((B, H, Sq), torch.float32), delta=((B, H, Sq), torch.float32),
                   dq_accum=((B, H, nq, BLOCK * D), torch.float32),
                   inv_idx=((B, H, nkv, inv_idx.shape[-1]), torch.int32), inv_num=((B, H, nkv), torch.int32),
                   kv_counts=((nkv,), torch.int32))
-    given = dict(lse=lse, delta=delta, dq_accum=dq_accum, inv_idx=inv_idx, inv_num=inv_num, kv_counts=kv_counts)
+    expect.update({n: (shape, getattr(torch, dtype)) for n, (shape, dtype) in group_shapes.items()})
+    given = dict(lse=lse, delta=delta, dq_accum=dq_accum, inv_idx=inv_idx, inv_num=inv_num, kv_counts=kv_counts,
+                 dkv_partial=dkv_partial, group_flags=group_flags)
     pools = (dq_pool, dk_pool, dv_pool, q_counts)
     pool_grads = dq_pool is not None
     if any((x is None) == pool_grads for x in pools):
@@ -803,11 +863,13 @@ def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, k
         t = given[name]
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"sm90_bwd64 needs {name} {list(shape)} {dtype} (got {list(t.shape)} {t.dtype})")
-    for name in ("lse", "delta", "dq_accum"):
+    for name in ("lse", "delta", "dq_accum", "dkv_partial"):
         t = given[name]
         if t.stride(-1) != 1 or any(st % 4 for st in t.stride()[:-1]) or t.data_ptr() % 16:
             raise ValueError(f"sm90_bwd64 needs {name} with a contiguous last dimension, strides in multiples of 4 "
                              "elements and a 16-byte aligned start (bulk copies)")
+    if not (dkv_partial.is_contiguous() and group_flags.is_contiguous()):
+        raise ValueError("sm90_bwd64 needs dkv_partial and group_flags contiguous")
     if dq_accum.stride(2) != BLOCK * D:
         raise ValueError("sm90_bwd64 needs dq_accum's query blocks contiguous ([B, H, nQ, 64 * D])")
     for name, t in toks.items():
@@ -821,7 +883,8 @@ def _compiled_backward64(main_args: list, post_args: list, pool_grads: bool, ign
     compiled on first use with the call's arguments as examples (their CuTe types hold dtype, rank and
     alignment, which the configuration fixes, and the broadcast dims, `broadcast_dims`: one build serves
     every shape and every layout without broadcast dims). Alignment:
-    16 bytes for the token tensors, lse, delta and dq_accum (TMA, bulk copies), 4 for the rest."""
+    16 bytes for the token tensors, lse, delta, dq_accum (TMA, bulk copies) and dkv_partial (vector
+    stores), 4 for the rest."""
     q = main_args[0]
     D = q.shape[3]
     key = (q.dtype, D, pool_grads, ignore_padding, *config.values(), broadcast_dims(main_args + post_args))
@@ -830,8 +893,8 @@ def _compiled_backward64(main_args: list, post_args: list, pool_grads: bool, ign
         main = backward_kernel(cutlass_dtype(q), D, **config, pool_grads=pool_grads, ignore_padding=ignore_padding)
         post = DqPostprocess(cutlass_dtype(q), D, pool_grads=pool_grads, ignore_padding=ignore_padding)
         fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
-        main_c = [cute_tensor(t, 16 if i < 9 else 4) for i, t in enumerate(main_args)]
+        main_c = [cute_tensor(t, 16 if i < 9 or i == PARTIAL_ARG else 4) for i, t in enumerate(main_args)]
         post_c = [cute_tensor(post_args[0]), cute_tensor(post_args[1]), *(cute_tensor(t, 4) for t in post_args[2:])]
-        fns = _COMPILED[key] = (compile_for_torch(main, main_c, cutlass.Float32(1.0), fake_stream),
+        fns = _COMPILED[key] = (compile_for_torch(main, main_c, cutlass.Float32(1.0), cutlass.Int32(1), fake_stream),
                                 compile_for_torch(post, post_c, cutlass.Float32(1.0), fake_stream))
     return fns

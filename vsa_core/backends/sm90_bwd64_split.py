@@ -42,12 +42,23 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
 from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _bulk_reduce_add_f32,
-                         _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
+                         RING_CHUNKS, _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed,
+                         group_count)
 from .sm90_common import rows_cols
 
 WG = 128            # threads per warpgroup
 P_READY, P_FREE, DS_STORED = (1, 2), (4, 5), 3  # named barriers (0 is sync_threads); P_*: per P buffer
 DQ_FULL, DQ_EMPTY = 6, 7  # dq_bulk: warpgroup 2 <-> the producer's warp 1, 128 + 32 threads
+GROUP_SYNC = (8, 9)       # query groups: warpgroup 1 (dV), warpgroup 2 (dK) around their partial sums
+
+
+@cute.jit
+def _wait_count(counter, target):
+    """Spin until the int32 at `counter` reaches `target` (acquire: what its adders stored before
+    their release is visible after)."""
+    seen = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
 
 
 class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
@@ -55,7 +66,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     the pooling gradients (VSA) as in the one-warpgroup kernel."""
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
-                 ignore_padding: bool = False, list_in_smem: bool = False, dq_bulk: bool = False):
+                 ignore_padding: bool = False, list_in_smem: bool = False, dq_bulk: bool = False,
+                 q_group_blocks: int = 0):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
@@ -65,6 +77,10 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         # the producer's warp 1 sends one 32 KiB cp.reduce.async.bulk per pair (cuDNN's blk64 split), in
         # place of 16 red.global.add.v4 a thread on warpgroup 2 (the busier one)
         self.dq_bulk = dq_bulk
+        # query groups (module docstring of sm90_bwd64, "Query groups"): at most this many query blocks
+        # per CTA's part of a list; 0: one CTA walks the whole list
+        assert not (q_group_blocks and list_in_smem), "query groups read the list from global memory"
+        self.q_group_blocks = q_group_blocks
         # setmaxnreg budgets: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers
         self.producer_regs, self.mma_regs = 24, 240
 
@@ -72,7 +88,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mDQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
-                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, softmax_scale: cutlass.Float32, stream):
+                 mdKPool: cute.Tensor, mdVPool: cute.Tensor, mPartial: cute.Tensor, mFlags: cute.Tensor,
+                 softmax_scale: cutlass.Float32, chunk: cutlass.Int32, stream):
         """The arguments of `BlockSparseBwd64Sm90.__call__`."""
         S = self.stages
         dt = self.dtype
@@ -98,12 +115,15 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
         self.storage = Storage
         self.smem_bytes = Storage.size_in_bytes()
-        grid = (mInvIdx.shape[2], mQ.shape[1], mQ.shape[0])
+        groups = 1
+        if cutlass.const_expr(self.q_group_blocks > 0):
+            groups = group_count(mDQacc.shape[2], self.q_group_blocks)
+        grid = (mInvIdx.shape[2] * groups, mQ.shape[1], mQ.shape[0])
         mma_s2, mma_kv2, _ = self._mmas()  # warpgroup 2's own
         self.kernel(o["tQ"], o["tdO"], o["tK"], o["tV"], o["tma_q"], o["tma_do"], o["tma_k"], o["tma_v"], mLSE,
-                    mDelta, mDQacc, o["gdK4"], o["gdV4"], mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool,
-                    o["mma_s"], o["mma_kv"], mma_s2, mma_kv2, o["mma_dq"], sKV_layout, sQdO_layout, sdS_layout,
-                    softmax_scale * LOG2_E, softmax_scale).launch(
+                    mDelta, mDQacc, o["gdK4"], o["gdV4"], mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool, mPartial,
+                    mFlags, o["mma_s"], o["mma_kv"], mma_s2, mma_kv2, o["mma_dq"], sKV_layout, sQdO_layout,
+                    sdS_layout, softmax_scale * LOG2_E, softmax_scale, chunk).launch(
             grid=grid, block=(3 * WG, 1, 1), smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
 
@@ -112,18 +132,28 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mDQacc: cute.Tensor, gdK4: cute.Tensor, gdV4: cute.Tensor,
                mInvIdx: cute.Tensor, mInvNum: cute.Tensor, mKVCounts: cute.Tensor,
-               mdKPool: cute.Tensor, mdVPool: cute.Tensor,
+               mdKPool: cute.Tensor, mdVPool: cute.Tensor, mPartial: cute.Tensor, mFlags: cute.Tensor,
                mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_s2: cute.TiledMma, mma_kv2: cute.TiledMma,
                mma_dq: cute.TiledMma, sKV_layout: cute.ComposedLayout, sQdO_layout: cute.ComposedLayout,
-               sdS_layout: cute.ComposedLayout, c: cutlass.Float32, scale: cutlass.Float32):
+               sdS_layout: cute.ComposedLayout, c: cutlass.Float32, scale: cutlass.Float32, chunk: cutlass.Int32):
         S = self.stages
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
         t = tidx % WG
-        kvb, h, b = cute.arch.block_idx()
+        x, h, b = cute.arch.block_idx()
         n_q = mDQacc.shape[2]
+        n_kv = mInvIdx.shape[2]
         cap = mInvIdx.shape[3]
+        # query groups: this CTA's KV block, its group g of `groups` and the group's query blocks
+        # [first, end); without them one group of every query block
+        kvb, g, groups, first, end = x, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0), n_q
+        if cutlass.const_expr(self.q_group_blocks > 0):
+            groups = group_count(n_q, self.q_group_blocks)
+            size = (n_q + groups - 1) // groups
+            kvb, g = self._tile(x, n_kv, groups, chunk)
+            first = g * size
+            end = cutlass.min(first + size, n_q)
 
         st = SmemAllocator().allocate(self.storage)
         kv_full, qdo_full = self._load_barriers(st, warp, (tma_q, tma_do, tma_k, tma_v))
@@ -139,8 +169,13 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
         count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
         sel = mInvIdx[b, h, kvb, None]
+        if cutlass.const_expr(self.q_group_blocks > 0):  # the group's part of the list, as a list
+            lo, n = self._group_range(sel, n, n_q, first, end)
+            sel = cute.domain_offset((lo,), sel)
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
         window = self._list_window(st, sel, n, tidx, 3 * WG)
+        grp = dict(first=first, end=end, g=g, groups=groups, partial=mPartial, flags=mFlags, chunk=chunk,
+                   heads=mInvNum.shape[1], n_kv=n_kv)
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
@@ -155,10 +190,102 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             cute.arch.setmaxregister_increase(self.mma_regs)
             if wg == 1:
                 self._s_and_dv(t, n, count, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
-                               mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c)
+                               mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c, grp)
             else:
                 self._dp_dq_dk(t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
-                               sdQ, mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale)
+                               sdQ, mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale,
+                               grp)
+
+    # ---- query groups -------------------------------------------------------------------------------
+    @cute.jit
+    def _tile(self, x, n_kv, groups, chunk):
+        """(KV block, group) of CTA x. The grid runs in chunks of `chunk` KV blocks (the CTAs resident
+        at once), each chunk once per group in group order: the CTAs running together share one
+        group's query blocks (the working set the groups exist for), a KV block's last group starts
+        about one chunk after its first (the partial sums it adds are still in L2), and every CTA
+        a last group waits for has a lower block index (launched before it: it cannot wait for a CTA
+        that has no SM)."""
+        per_chunk = groups * chunk
+        c = x // per_chunk
+        base = c * chunk
+        width = cutlass.min(chunk, n_kv - base)
+        within = x - c * per_chunk
+        g = within // width
+        return base + within - g * width, g
+
+    @cute.jit
+    def _group_range(self, sel, n, n_q, first, end):
+        """(start, count) of the group's part of the list (its first n entries): from the first entry
+        in [first, n_q) to the first in [end, n_q). Under the list rule the counted entries ascend,
+        so the group's counted entries are all in that span, and the first entry in [first, n_q) is
+        counted (every in-range entry before it is smaller); inside the span the walk applies the rule
+        with the group's bounds (an entry counts if in [first, end) and above the last counted one),
+        which counts what the rule over the whole list does. Every warp finds it on its own (no
+        barrier): a few loads a lane."""
+        lane = cute.arch.lane_idx()
+        lo = n
+        hi = n
+        for i in cutlass.range((n + 31) // 32, unroll=1):
+            p = i * 32 + lane
+            if p < n:
+                e = sel[p]
+                if (e >= first) & (e < n_q):
+                    lo = cutlass.min(lo, p)
+                if (e >= end) & (e < n_q):
+                    hi = cutlass.min(hi, p)
+        lo = cute.arch.warp_redux_sync(lo, "min")
+        hi = cute.arch.warp_redux_sync(hi, "min")
+        return lo, hi - lo
+
+    @cute.jit
+    def _join_groups(self, acc, grp, which: cutlass.Constexpr, kvb, h, b, t):
+        """The KV block's other groups' fp32 partial dV (which 0) or dK (1) added to this warpgroup's
+        `acc`, in group order (the same sum every run). True for the CTA that writes the gradient
+        (the last group's).
+
+        The partial sums go through a ring of RING_CHUNKS chunks' slots (`partial`, thread-ordered as
+        `_staging_layout`), one counter per slot in `flags`: the CTAs of global chunk n (chunks
+        numbered over batch, head, chunk) use ring chunk n % RING_CHUNKS, generation
+        k = n // RING_CHUNKS. A group before the last waits for the count k * groups (the slot's
+        previous generation read), stores its sums and counts itself; the last group waits for
+        k * groups + groups - 1 (every partial of its generation stored), adds them and counts
+        itself, freeing the slot. Every wait is for CTAs of lower block index (`_tile`)."""
+        D = self.head_dim
+        g, groups, partial, flags, chunk = grp["g"], grp["groups"], grp["partial"], grp["flags"], grp["chunk"]
+        chunks_per_head = (grp["n_kv"] + chunk - 1) // chunk
+        n = (b * grp["heads"] + h) * chunks_per_head + kvb // chunk
+        ring_slot = (n % RING_CHUNKS) * chunk + kvb % chunk
+        base = (n // RING_CHUNKS) * groups
+        counter = flags[ring_slot, None].iterator + which
+        v = BLOCK * D // WG
+        slots = cute.make_tensor(partial.iterator, cute.make_layout(
+            (4, v // 4, WG, partial.shape[0] // (BLOCK * D)), stride=(1, 4 * WG, 4, BLOCK * D)))
+        regs = _regs_4(acc)
+        barrier = GROUP_SYNC[which]
+        if g < groups - 1:
+            if t == 0:
+                _wait_count(counter, base)
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=WG)
+            cute.autovec_copy(regs, slots[None, None, t, (ring_slot * (groups - 1) + g) * 2 + which])
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=WG)
+            if t == 0:
+                cute.arch.atomic_add(counter, cutlass.Int32(1), sem="release", scope="gpu")
+        else:
+            if t == 0:
+                _wait_count(counter, base + groups - 1)
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=WG)
+            cute.arch.fence_acq_rel_gpu()
+            part = cute.make_rmem_tensor(regs.layout, cutlass.Float32)
+            for gi in cutlass.range(groups - 1, unroll=1):
+                cute.autovec_copy(slots[None, None, t, (ring_slot * (groups - 1) + gi) * 2 + which], part)
+                for i in cutlass.range_constexpr(cute.size(part)):
+                    regs[i] = regs[i] + part[i]
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=WG)
+            if t == 0:
+                cute.arch.atomic_add(counter, cutlass.Int32(1), sem="release", scope="gpu")
+        return g == groups - 1
 
     # ---- warpgroup 0, warp 0: the loads -----------------------------------------------------------
     @cute.jit
@@ -217,7 +344,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     # ---- warpgroup 1: S^T, P^T, dV ----------------------------------------------------------------
     @cute.jit
     def _s_and_dv(self, t, n, count, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
-                  mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c):
+                  mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c, grp):
         S = self.stages
         D = self.head_dim
         dt = self.dtype
@@ -240,12 +367,12 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         if n > 0:
             kv_full.wait(0, 0)
-            last = cutlass.Int32(-1)
+            last = grp["first"] - 1  # the list rule inside the group's query blocks [first, end)
             for j in cutlass.range(n, unroll=1):
                 s = j % S
                 entry = self._entry(sel, window, j)
                 valid = cutlass.Int32(0)
-                if (entry > last) & (entry < n_q):
+                if (entry > last) & (entry < grp["end"]):
                     last = entry
                     valid = count
                 qdo_full.wait(s, (j // S) % 2)
@@ -278,19 +405,23 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
                 cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-        gdV = cute.local_tile(gdV4[None, None, h, b], (BLOCK, D), (kvb, 0))
-        rOut = cute.make_rmem_tensor_like(accdV, dt)
-        if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
-            cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
-            _pooling_grad(mdVPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdV), cKV_rc,
-                          cutlass.Float32(1.0))
-        rOut.store(accdV.load().to(dt))
-        cute.autovec_copy(rOut, thr_kv.partition_C(gdV))
+        writes = True
+        if cutlass.const_expr(self.q_group_blocks > 0):
+            writes = self._join_groups(accdV, grp, 0, kvb, h, b, t)
+        if writes:
+            gdV = cute.local_tile(gdV4[None, None, h, b], (BLOCK, D), (kvb, 0))
+            rOut = cute.make_rmem_tensor_like(accdV, dt)
+            if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
+                cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
+                _pooling_grad(mdVPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdV),
+                              cKV_rc, cutlass.Float32(1.0))
+            rOut.store(accdV.load().to(dt))
+            cute.autovec_copy(rOut, thr_kv.partition_C(gdV))
 
     # ---- warpgroup 2: dP^T, dS^T, dQ, dK ----------------------------------------------------------
     @cute.jit
     def _dp_dq_dk(self, t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
-                  sdQ, mma_s, mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale):
+                  sdQ, mma_s, mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale, grp):
         S = self.stages
         D = self.head_dim
         dt = self.dtype
@@ -365,13 +496,17 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                     for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
                         _red_add_v4_f32(gAcc[None, k4, t].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
             cute.nvgpu.warpgroup.wait_group(0)  # the last dK
-        gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
-        rOut = cute.make_rmem_tensor_like(accdK, dt)
-        if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
-            cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
-            _pooling_grad(mdKPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdK), cKV_rc,
-                          scale)
-            rOut.store(accdK.load().to(dt))
-        else:
-            rOut.store((accdK.load() * scale).to(dt))
-        cute.autovec_copy(rOut, thr_kv.partition_C(gdK))
+        writes = True
+        if cutlass.const_expr(self.q_group_blocks > 0):
+            writes = self._join_groups(accdK, grp, 1, kvb, h, b, t)
+        if writes:
+            gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
+            rOut = cute.make_rmem_tensor_like(accdK, dt)
+            if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
+                cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
+                _pooling_grad(mdKPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdK),
+                              cKV_rc, scale)
+                rOut.store(accdK.load().to(dt))
+            else:
+                rOut.store((accdK.load() * scale).to(dt))
+            cute.autovec_copy(rOut, thr_kv.partition_C(gdK))

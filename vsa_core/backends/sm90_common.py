@@ -47,6 +47,25 @@ def compile_for_torch(kernel, examples, *scalars):
     return cute.compile(kernel, *examples, *scalars, options="--enable-tvm-ffi")
 
 
+_SM_COUNTS = {}
+
+
+def resident_ctas(device_ordinal: int = 0) -> int:
+    """The CTAs of a one-CTA-per-SM kernel resident at once on a device: its SM count (CUDA driver,
+    no framework; cached per device)."""
+    count = _SM_COUNTS.get(device_ordinal)
+    if count is None:
+        import cuda.bindings.driver as cuda
+        err, dev = cuda.cuDeviceGet(device_ordinal)
+        if err == cuda.CUresult.CUDA_SUCCESS:
+            err, count = cuda.cuDeviceGetAttribute(
+                cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+        if err != cuda.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: the SM count of device {device_ordinal}: {err}")
+        count = _SM_COUNTS[device_ordinal] = int(count)
+    return count
+
+
 def broadcast_dims(tensors) -> tuple:
     """Which dims of each tensor have stride 0. The one part of a `cute_tensor`'s type that depends on
     the strides: a zero stride (a broadcast dim) stays static in it, and the compiled function then
