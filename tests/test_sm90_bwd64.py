@@ -25,11 +25,14 @@ E = 64
 # The two kernels behind `prepare_backward64`, each as the sm90 backend would configure it (the
 # backend's BACKWARD is one of them: test_backend_backward_is_tested)
 # query groups of 2 query blocks at D128 (`sm90_bwd64.group_blocks`): several groups per list at
-# these sizes, so the ring of partial sums and its counters run over several generations
+# these sizes; a grid chunk of 2 KV blocks runs the ring of partial sums (4 slots) over many
+# generations and makes chunks that end a head short
 TWO_BLOCK_GROUPS = 2 * E * 128 * 8
 CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
            "split": dict(stages=3, split=True, dq_bulk=True),
-           "split-groups": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS)}
+           "split-groups": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS),
+           "split-groups-chunk2": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                       grid_chunk_blocks=2)}
 
 
 def _backward():
@@ -141,7 +144,7 @@ def test_sm90_bwd64_query_groups_read_lists_by_the_list_rule():
     num = torch.randint(0, cap + 3, (B, H, nkv), generator=g, dtype=torch.int32)
     clean_idx, clean_num = (torch.from_numpy(x) for x in _clean(idx.numpy(), num.numpy(), nq))
     counts = torch.full((nkv,), E, dtype=torch.int32).cuda()
-    config = CONFIGS["split-groups"]
+    config = CONFIGS["split-groups-chunk2"]
     bad = _run(M, tensors, idx.cuda(), num.cuda(), counts, config)
     clean = _run(M, tensors, clean_idx.cuda(), clean_num.cuda(), counts, config)
     whole = _run(M, tensors, clean_idx.cuda(), clean_num.cuda(), counts, CONFIGS["split"])
@@ -163,9 +166,9 @@ def test_sm90_bwd64_query_groups_dk_dv_are_deterministic():
     tensors = _problem(g, B, H, nq, nkv)
     inv_idx, inv_num = _lists((torch.rand(B, H, nkv, nq, generator=g) < 0.7))
     counts = torch.full((nkv,), E, dtype=torch.int32).cuda()
-    first = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups"])
+    first = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups-chunk2"])
     for _ in range(3):
-        again = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups"])
+        again = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups-chunk2"])
         assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
 
 

@@ -757,7 +757,7 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
                        q_counts=None, ignore_padding: bool = False, split: bool = False,
                        list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
-                       dkv_partial=None, group_flags=None):
+                       dkv_partial=None, group_flags=None, grid_chunk_blocks: Optional[int] = None):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -773,7 +773,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     dk_overlap are its own, `stages` its Q / dO ring; dq_bulk its dQ through a staging buffer;
     q_group_bytes its query groups' working-set budget, 0 for none: dkv_partial and group_flags are
     their workspaces, `group_workspace_shapes`, allocated here when not given; group_flags is zeroed
-    by the launch)."""
+    by the launch; grid_chunk_blocks: the grid's chunk, `grid_chunk` of the device unless given (tests:
+    a small one runs the ring of partial sums over many generations))."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -806,7 +807,9 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
         fns = remember(_PLANS, key, _compiled_backward64(main_args, post_args, pool_grads, ignore_padding, config))
     main_fn, post_fn = fns
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    chunk = grid_chunk(q.device.index or 0)
+    chunk = grid_chunk(q.device.index or 0) if grid_chunk_blocks is None else grid_chunk_blocks
+    if not 1 <= chunk <= CHUNK_MAX:
+        raise ValueError(f"sm90_bwd64 needs grid_chunk_blocks in [1, {CHUNK_MAX}] (got {chunk})")
 
     def launch():
         dq_accum.zero_()

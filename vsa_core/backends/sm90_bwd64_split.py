@@ -243,19 +243,19 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         `acc`, in group order (the same sum every run). True for the CTA that writes the gradient
         (the last group's).
 
-        The partial sums go through a ring of RING_CHUNKS chunks' slots (`partial`, thread-ordered as
-        `_staging_layout`), one counter per slot in `flags`: the CTAs of global chunk n (chunks
-        numbered over batch, head, chunk) use ring chunk n % RING_CHUNKS, generation
-        k = n // RING_CHUNKS. A group before the last waits for the count k * groups (the slot's
-        previous generation read), stores its sums and counts itself; the last group waits for
-        k * groups + groups - 1 (every partial of its generation stored), adds them and counts
-        itself, freeing the slot. Every wait is for CTAs of lower block index (`_tile`)."""
+        The partial sums go through a ring of RING_CHUNKS * chunk slots (`partial`, thread-ordered as
+        `_staging_layout`), one counter per slot in `flags`: KV block u (numbered over batch, head and
+        KV block) uses slot u % (RING_CHUNKS * chunk) in its generation k = u // (RING_CHUNKS * chunk).
+        A group before the last waits for the count k * groups (the slot's previous generation read),
+        stores its sums and counts itself; the last group waits for k * groups + groups - 1 (every
+        partial of its generation stored), adds them and counts itself, freeing the slot. Every wait
+        is for CTAs of lower block index (`_tile`; the previous generation's block is two chunks'
+        width back, so in an earlier chunk)."""
         D = self.head_dim
         g, groups, partial, flags, chunk = grp["g"], grp["groups"], grp["partial"], grp["flags"], grp["chunk"]
-        chunks_per_head = (grp["n_kv"] + chunk - 1) // chunk
-        n = (b * grp["heads"] + h) * chunks_per_head + kvb // chunk
-        ring_slot = (n % RING_CHUNKS) * chunk + kvb % chunk
-        base = (n // RING_CHUNKS) * groups
+        u = (b * grp["heads"] + h) * grp["n_kv"] + kvb
+        ring_slot = u % (RING_CHUNKS * chunk)
+        base = (u // (RING_CHUNKS * chunk)) * groups
         counter = flags[ring_slot, None].iterator + which
         v = BLOCK * D // WG
         slots = cute.make_tensor(partial.iterator, cute.make_layout(
