@@ -170,7 +170,9 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
         sel = mInvIdx[b, h, kvb, None]
         if cutlass.const_expr(self.q_group_blocks > 0):  # the group's part of the list, as a list
-            lo, n = self._group_range(sel, n, n_q, first, end)
+            lo = cutlass.Int32(0)
+            if groups > 1:
+                lo, n = self._group_range(sel, n, n_q, first, end)
             sel = cute.domain_offset((lo,), sel)
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
         window = self._list_window(st, sel, n, tidx, 3 * WG)
@@ -405,9 +407,10 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
                 cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-        writes = True
+        writes = cutlass.Boolean(True)
         if cutlass.const_expr(self.q_group_blocks > 0):
-            writes = self._join_groups(accdV, grp, 0, kvb, h, b, t)
+            if grp["groups"] > 1:
+                writes = self._join_groups(accdV, grp, 0, kvb, h, b, t)
         if writes:
             gdV = cute.local_tile(gdV4[None, None, h, b], (BLOCK, D), (kvb, 0))
             rOut = cute.make_rmem_tensor_like(accdV, dt)
@@ -496,9 +499,10 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                     for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
                         _red_add_v4_f32(gAcc[None, k4, t].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
             cute.nvgpu.warpgroup.wait_group(0)  # the last dK
-        writes = True
+        writes = cutlass.Boolean(True)
         if cutlass.const_expr(self.q_group_blocks > 0):
-            writes = self._join_groups(accdK, grp, 1, kvb, h, b, t)
+            if grp["groups"] > 1:
+                writes = self._join_groups(accdK, grp, 1, kvb, h, b, t)
         if writes:
             gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
             rOut = cute.make_rmem_tensor_like(accdK, dt)
