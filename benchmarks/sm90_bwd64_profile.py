@@ -40,7 +40,7 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
     """name -> a callable running that backward once on the timing problem (fcheck.timing_problem's
     inputs, dO random, out / lse from our forward, delta from it, the KV-owned lists of the same
     selection): "ours", "split", "backend" (our kernels, see main's doc), "groups" (the backend's
-    configuration with query groups of GROUP_BYTES) or "cudnn". All write the same dq, dk, dv, which
+    configuration with query groups of GROUP_BYTES; "groups<N>": of N MiB) or "cudnn". All write the same dq, dk, dv, which
     `outputs` (a dict) receives when given."""
     from vsa_core.backends import sm90_bwd64, sm90_fwd64
     n = S // E
@@ -66,8 +66,11 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
                 dv_tensor=dv, sparse_block_size=E, layout="bhsd")
         else:  # "ours": the kernel's defaults; "split": sm90_bwd64_split (3 slots); "backend": sm90_backend.BACKWARD
             from vsa_core.backends.sm90_backend import BACKWARD
-            options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD,
-                           groups=dict(BACKWARD, q_group_bytes=GROUP_BYTES))[name]
+            if name.startswith("groups") and name != "groups":  # groups<N>: query groups of N MiB
+                options = dict(BACKWARD, q_group_bytes=int(name[len("groups"):]) << 20)
+            else:
+                options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD,
+                               groups=dict(BACKWARD, q_group_bytes=GROUP_BYTES))[name]
             calls[name] = sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
                                                         counts, softmax_scale=scale, **options)
     return calls
