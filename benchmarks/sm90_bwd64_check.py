@@ -80,6 +80,8 @@ VARIANTS = {
     "split3B": (dict(stages=3, split=True, dq_bulk=True),
                 "split3 with dq_bulk and without the list window (split3L lost to split3: the window costs the split)"),
     "split2B": (dict(stages=2, split=True, dq_bulk=True), "split3B with a 2-slot Q/dO ring"),
+    "split3BG": (dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20),
+                 "split3B with query groups of a 32 MiB working set (sm90_backend.BACKWARD)"),
 }
 ACTIVE = ["redov", "s2", "red"]  # the default first (its row + preprocess is timed too)
 

@@ -31,7 +31,7 @@ import pytest
 from common import Case, assert_close, compile_in_subprocess, make_inputs, reference, require_jax_gpu
 from test_import_boundaries import NO_TORCH, TORCH_NEVER_LOADED
 from vsa_core import plan as core_plan, stages
-from vsa_core.backends import sm90_backend
+from vsa_core.backends import sm90_backend, sm90_bwd64_groups
 from vsa_core.launch import Launcher
 from vsa_core.problem import AttnProblem
 
@@ -40,6 +40,7 @@ HAS_CUTE_JAX = all(importlib.util.find_spec(m) is not None for m in ("jax", "cut
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 FORWARD_TRITON = ["block_mean_pool_qkv_kernel", "coarse_attn_fwd_kernel", stages.TOPK_KERNELS[stages.TOPK_ALGORITHM]]
+BACKWARD_GROUPS = ("dkv_partial", "group_flags")  # the sm90 backward's query groups' workspaces
 BACKWARD_TRITON = ["columns_to_lists_kernel", "sparse_attn_bwd_preprocess_kernel", "coarse_attn_bwd_ds_kernel",
                    "coarse_attn_bwd_grads_kernel"]
 
@@ -112,13 +113,19 @@ def test_vsa_backward_plan_records_the_cute_step(padding, layout):
     assert dict(cute.args) == dict(q="q" + v, k="k" + v, v="v" + v, dout="dout" + v, lse="lse", delta="delta", dq="dq",
                                    dk="dk", dv="dv", inv_idx="inv_idx", inv_num="inv_num", kv_counts="kv_counts",
                                    dq_accum="dq_accum", dq_pool="dq_pool", dk_pool="dk_pool", dv_pool="dv_pool",
-                                   q_counts="q_counts")
+                                   q_counts="q_counts", dkv_partial="dkv_partial", group_flags="group_flags")
     assert cute.statics_dict() == dict(dtype="bfloat16", head_dim=128, layout=layout, softmax_scale=p.softmax_scale,
                                        pool_grads=True, ignore_padding=ignore, config=sm90_backend.BACKWARD)
     assert plan.workspaces["dq_accum"] == ((1, 2, 4, 64 * 128), "float32")
-    assert set(plan.workspaces) == {"dq_accum"} | ({"q_valid", "dout_valid", "k_valid", "v_valid"} if ignore else set())
+    # the query groups' workspaces: one group at this size (partial sums never read), the ring's counters
+    assert plan.workspaces["dkv_partial"] == ((4,), "float32")
+    ring = sm90_bwd64_groups.RING_CHUNKS * sm90_bwd64_groups.CHUNK_MAX
+    assert plan.workspaces["group_flags"] == ((ring, 2), "int32")
+    assert set(plan.workspaces) == {"dq_accum", *BACKWARD_GROUPS} | ({"q_valid", "dout_valid", "k_valid", "v_valid"}
+                                                                      if ignore else set())
     steps = _check_schedule(plan)
-    assert "dq_accum" in steps[-1].results[:steps[-1].n_param_results], "born at the cute step (zeroed there)"
+    for name in ("dq_accum", "group_flags"):
+        assert name in steps[-1].results[:steps[-1].n_param_results], f"{name} born at the cute step (zeroed there)"
 
 
 @pytest.mark.parametrize("padding", ["zeros", "ignore"])
@@ -133,7 +140,7 @@ def test_block_sparse_plans_have_no_coarse_branch(padding):
     assert bwd.launches[-1].statics_dict()["pool_grads"] is False
     # no query counts: only the padded KV rows are known, so only K and V are copied
     copied = {"k_valid", "v_valid"} if padding == "ignore" else set()
-    assert set(fwd.workspaces) == copied and set(bwd.workspaces) == copied | {"dq_accum"}
+    assert set(fwd.workspaces) == copied and set(bwd.workspaces) == copied | {"dq_accum", *BACKWARD_GROUPS}
     for plan in (fwd, bwd):
         _check_schedule(plan)
 
@@ -168,7 +175,7 @@ def _check_schedule(plan):
 
 _COMPILE_TRITON = textwrap.dedent("""
     from vsa_core import plan as P
-    from vsa_core.backends import sm90_backend
+    from vsa_core.backends import sm90_backend, sm90_bwd64_groups
     from vsa_core.problem import AttnProblem
     p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16", topk=2,
                     has_gate=True, padding="ignore", layout="bshd", fine_residual="float32")
@@ -404,7 +411,7 @@ SHARD_MAP = textwrap.dedent("""
     import cutlass.jax
     from jax.sharding import NamedSharding, PartitionSpec as PS
     from vsa_core import plan as P
-    from vsa_core.backends import sm90_backend
+    from vsa_core.backends import sm90_backend, sm90_bwd64_groups
     from vsa_core.problem import AttnProblem
     from vsa_jax import native, ops
     from vsa_jax.cutlass_common import compile_without_gpu
@@ -454,7 +461,7 @@ DEFAULT_LOWER = textwrap.dedent("""
     import jax, jax.numpy as jnp
     import cutlass.jax
     from vsa_core import plan as P
-    from vsa_core.backends import sm90_backend
+    from vsa_core.backends import sm90_backend, sm90_bwd64_groups
     from vsa_core.config import LaunchConfig, config
     from vsa_core.problem import AttnProblem
     from vsa_jax import native, ops

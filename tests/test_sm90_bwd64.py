@@ -32,7 +32,9 @@ CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
            "split": dict(stages=3, split=True, dq_bulk=True),
            "split-groups": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS),
            "split-groups-chunk2": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
-                                       grid_chunk_blocks=2)}
+                                       grid_chunk_blocks=2),
+           # the backend's: one group at these sizes (the groups' build, its one-group path)
+           "split-groups-32mib": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20)}
 
 
 def _backward():

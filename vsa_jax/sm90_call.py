@@ -79,11 +79,11 @@ class _Adapter:
             main = sm90_bwd64.backward_kernel(dtype, s["head_dim"], **s["config"], **flags)
             post = sm90_bwd64.DqPostprocess(dtype, s["head_dim"], **flags)
             lse = t["lse"]
-            # the query groups' chunk: the SM count of device 0 (the adapter is traced without a device;
-            # a host's GPUs are one model, and the count only orders the grid)
+            # the query groups' grid chunk: lowering knows no device, so an H100 / H200's SM count
+            # (`grid_chunk(None)`; it orders the grid only, the results are the same)
             main(t["q"], t["k"], t["v"], t["dout"], lse, t["delta"], t["dq_accum"], t["dk"], t["dv"], t["inv_idx"],
                  t["inv_num"], t["kv_counts"], t.get("dk_pool", lse), t.get("dv_pool", lse), t["dkv_partial"],
-                 t["group_flags"], scale, cutlass.Int32(sm90_bwd64.grid_chunk(0)), stream)
+                 t["group_flags"], scale, cutlass.Int32(sm90_bwd64.grid_chunk(None)), stream)
             post(t["dq_accum"], t["dq"], t.get("dq_pool", lse), t.get("q_counts", lse), scale, stream)
 
 

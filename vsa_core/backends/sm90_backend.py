@@ -41,7 +41,8 @@ device and size eagerly). The buffer tables stay backend-independent.
 
 What it supports: sm_90 only (the kernels use sm_90a's wgmma and TMA), 64-token blocks,
 head dim 64 or 128, bf16 or fp16, forward and backward. dq is not bitwise deterministic run
-to run (the order of its fp32 reductions varies); out, lse, dk and dv are.
+to run (the order of its fp32 reductions varies); out, lse, dk and dv are (with query groups too:
+their partial sums are added in group order).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from ..runtime import DeviceInfo, caller_stream
 from ..stages import valid_rows_input, valid_rows_workspaces
 from .availability import gpu_reason, library_probe, library_reason
 from .base import FineBackward, FineForward
+from .sm90_bwd64_groups import group_workspace_shapes
 
 name = "sm90"
 replayable = True  # its launches: Triton copies and two CuTe DSL steps, on the call's buffers and workspaces
@@ -68,8 +70,10 @@ DTYPES = ("bfloat16", "float16")
 FORWARD = dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
                rescale_first=True)
 # the GEMMs split over two cooperating warpgroups and a producer, a 3-slot Q / dO ring, dQ staged
-# in shared memory and sent as one bulk reduction (`sm90_bwd64_split`; "split3B" in the check script)
-BACKWARD = dict(stages=3, split=True, dq_bulk=True)
+# in shared memory and sent as one bulk reduction (`sm90_bwd64_split`; "split3B" in the check script),
+# each KV block's list split into query groups of at most a 32 MiB working set (`sm90_bwd64`, "Query
+# groups": one group up to 512 query blocks at D128)
+BACKWARD = dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20)
 
 # The CuTe DSL keeps per-compile state on a process-wide singleton, so two threads compiling at
 # once (one per GPU under a JAX mesh) corrupt each other: every call holds this for its host work.
@@ -126,8 +130,7 @@ def _dq_accum_shape(p: AttnProblem):
 
 
 def _group_shapes(p: AttnProblem) -> dict:
-    from .sm90_bwd64 import group_workspace_shapes
-    return group_workspace_shapes(p.n_q_blocks, p.head_dim, BACKWARD.get("q_group_bytes", 0))
+    return group_workspace_shapes(p.n_q_blocks, p.head_dim, BACKWARD["q_group_bytes"])
 
 
 def workspaces(stage: str, p: AttnProblem) -> dict:

@@ -69,6 +69,20 @@ on the H200 (benchmarks/results/2026-12-02-h200/); dq_red=False is the staged pa
     Prediction: the per-step bubble between dQ retiring and the next S issue (reds, list read,
     mbarrier wait) is hidden behind dK; +3-8% over dq_red; registers 251, no spills.
 
+Query groups (`q_group_bytes`, split kernel only; the sm90 backend's default at 32 MiB). A KV block's
+list spans every query block of its head, so the CTAs running at once read Q and dO and reduce into
+the fp32 dQ of the whole head: 64 KiB per query block at D128, 75 MB a head at S 75264, more than the
+50 MB of L2, and Q / dO / dQ lines then make round trips to DRAM between the KV blocks that share
+them. With groups, CTA (KV block, g) walks only the entries of the list in query group g (groups of
+at most q_group_bytes of that working set, `group_blocks`), the grid runs chunk by chunk of KV blocks
+(a chunk: the CTAs resident at once), each chunk once per group, so the CTAs running together share
+one group's query blocks. dK and dV become sums over the groups: each group but the last stores its
+fp32 partial sums into a ring of slots in L2 (a few chunks' worth, `group_workspace_shapes`, not a
+copy of dK / dV), and the last group's CTA adds them in group order before its epilogue, so dk and dv
+are still the same every run (but not bitwise the one-group result: another order of fp32 sums).
+Counters order the ring (`sm90_bwd64_split._join_groups`); every wait is for a CTA launched before
+the waiting one. A problem with one group runs the kernel without any of it.
+
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
 of 8 elements and base addresses 16-byte aligned (TMA); lse, delta [B, H, Sq] fp32 with a
@@ -93,6 +107,7 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
+from .sm90_bwd64_groups import CHUNK_MAX, RING_CHUNKS, group_blocks, group_count, group_workspace_shapes  # noqa: F401
 from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
                           resident_ctas, rows_cols)
 
@@ -100,47 +115,8 @@ BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 THREADS = 128       # one warpgroup
 LIST_WINDOW = 256   # list_in_smem: the first entries of a KV block's list kept in shared memory
-# query groups: what one query block brings into L2 (Q and dO tiles in 16 bits, its fp32 dQ
-# accumulator) per head-dim column and row
-GROUP_BYTES_PER_ELEMENT = 2 + 2 + 4
-# the grid's chunk: the CTAs resident at once (one per SM), at most CHUNK_MAX (an H100 / H200's 132
-# SMs); the partial sums live in a ring of RING_CHUNKS chunks' slots
-CHUNK_MAX = 132
-RING_CHUNKS = 2
 MAJOR_K = cute.nvgpu.warpgroup.OperandMajorMode.K
 MAJOR_MN = cute.nvgpu.warpgroup.OperandMajorMode.MN
-
-
-# ---- query groups ------------------------------------------------------------------------------
-def group_blocks(q_group_bytes: int, head_dim: int) -> int:
-    """The most query blocks a group may hold under a working-set budget of q_group_bytes (0: no
-    groups, one CTA per KV block walks the whole list)."""
-    if q_group_bytes <= 0:
-        return 0
-    return max(1, q_group_bytes // (BLOCK * head_dim * GROUP_BYTES_PER_ELEMENT))
-
-
-def group_count(n_q, max_blocks):
-    """Groups of at most max_blocks query blocks over n_q (host ints or the kernel's Int32s)."""
-    return (n_q + max_blocks - 1) // max_blocks
-
-
-def grid_chunk(device_ordinal: int) -> int:
-    """The split kernel's grid chunk on a device (`BlockSparseBwd64Sm90Split._tile`)."""
-    return min(CHUNK_MAX, resident_ctas(device_ordinal))
-
-
-def group_workspace_shapes(n_q: int, head_dim: int, q_group_bytes: int) -> dict:
-    """The query groups' workspaces, independent of batch, heads and KV length: `dkv_partial`
-    (fp32, flat: a ring of RING_CHUNKS chunks of CHUNK_MAX KV blocks, per block a 64 x D slot of dV
-    and of dK for each group before the last; 4 elements when there is one group, never read) and
-    `group_flags` (int32 [RING_CHUNKS * CHUNK_MAX, 2], zeroed before each launch: the ring slots'
-    counters, for dV and for dK)."""
-    blocks = group_blocks(q_group_bytes, head_dim)
-    groups = group_count(n_q, blocks) if blocks else 1
-    ring = RING_CHUNKS * CHUNK_MAX
-    partial = (groups - 1) * ring * 2 * BLOCK * head_dim if groups > 1 else 4
-    return dict(dkv_partial=((partial,), "float32"), group_flags=((ring, 2), "int32"))
 
 
 # ---- small helpers -----------------------------------------------------------------------------
@@ -682,6 +658,15 @@ class DqPostprocess:
             out.store((acc.load() * scale).to(self.dtype))
         gdQ = cute.local_tile(gdQ4[None, None, h, b], (BLOCK, D), (qb, 0))
         cute.autovec_copy(out, thr.partition_C(gdQ))
+
+
+def grid_chunk(device_ordinal: Optional[int]) -> int:
+    """The split kernel's grid chunk on a device (`BlockSparseBwd64Sm90Split._tile`); None: CHUNK_MAX,
+    for a launch built before its device is known (XLA lowers without one). The chunk orders the grid
+    only: the results are the same for any chunk."""
+    if device_ordinal is None:
+        return CHUNK_MAX
+    return min(CHUNK_MAX, resident_ctas(device_ordinal))
 
 
 # ---- host launcher ------------------------------------------------------------------------------

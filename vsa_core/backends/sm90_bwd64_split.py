@@ -77,7 +77,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         # the producer's warp 1 sends one 32 KiB cp.reduce.async.bulk per pair (cuDNN's blk64 split), in
         # place of 16 red.global.add.v4 a thread on warpgroup 2 (the busier one)
         self.dq_bulk = dq_bulk
-        # query groups (module docstring of sm90_bwd64, "Query groups"): at most this many query blocks
+        # query groups (sm90_bwd64's module docstring, "Query groups"): at most this many query blocks
         # per CTA's part of a list; 0: one CTA walks the whole list
         assert not (q_group_blocks and list_in_smem), "query groups read the list from global memory"
         self.q_group_blocks = q_group_blocks
