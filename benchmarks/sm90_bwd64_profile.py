@@ -40,8 +40,8 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
     """name -> a callable running that backward once on the timing problem (fcheck.timing_problem's
     inputs, dO random, out / lse from our forward, delta from it, the KV-owned lists of the same
     selection): "ours", "split", "backend" (our kernels, see main's doc), "groups" (the backend's
-    configuration with query groups of GROUP_BYTES; "groups<N>": of N MiB) or "cudnn". All write the same dq, dk, dv, which
-    `outputs` (a dict) receives when given."""
+    configuration with query groups of GROUP_BYTES; "groups<N>": of N MiB) or "cudnn". All write the
+    same dq, dk, dv, which `outputs` (a dict) receives when given."""
     from vsa_core.backends import sm90_bwd64, sm90_fwd64
     n = S // E
     q, k, v, idx, num, counts = fcheck.timing_problem(B, H, S, D, topk)
