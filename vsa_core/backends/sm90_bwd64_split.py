@@ -204,9 +204,9 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         """(KV block, group) of CTA x. The grid runs in chunks of `chunk` KV blocks (the CTAs resident
         at once), each chunk once per group in group order: the CTAs running together share one
         group's query blocks (the working set the groups exist for), a KV block's last group starts
-        about one chunk after its first (the partial sums it adds are still in L2), and every CTA
-        a last group waits for has a lower block index (launched before it: it cannot wait for a CTA
-        that has no SM)."""
+        about one chunk after its first (the partial sums it adds are still in L2), and every CTA a
+        group waits for (`_join_groups`) has a lower block index (launched before it: it cannot wait
+        for a CTA that has no SM)."""
         per_chunk = groups * chunk
         c = x // per_chunk
         base = c * chunk
