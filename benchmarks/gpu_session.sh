@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd (each under 10 minutes)
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -238,6 +238,15 @@ case $step in
       tests/test_sm90_bwd64.py -k "query_groups or (split-groups and (nq4 or long))"
     t 300 python3 benchmarks/sm90_bwd64_ab.py --rounds=${AB_ROUNDS:-4} --shapes=${AB_SHAPES:-12x39936,24x19968} \
       --calls=backend,groups,cudnn
+    ;;
+  persist)  # issue 21: the persistent split backward (one CTA per SM taking tiles from a counter): GPU tests,
+            # memcheck of its cases, A/B against the default and cuDNN at 480p and 720p lengths
+    t 150 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_bwd64.py
+    grep -E "FAILED|ERROR" "$out/$step.log" | head -20
+    t 90 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q -m gpu \
+      tests/test_sm90_bwd64.py -k "persist and (nq4 or long or list_rule)"
+    t 330 python3 benchmarks/sm90_bwd64_ab.py --rounds=${AB_ROUNDS:-3} --shapes=${AB_SHAPES:-12x39936,6x75264} \
+      --calls=${AB_CALLS:-backend,persist,persist20,persist10,cudnn}
     ;;
   pairsprof)  # issue 21: where the time of the forward goes, with and without the pairs' multicast (ncu)
     for lists in random smooth; do

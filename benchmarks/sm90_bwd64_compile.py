@@ -53,6 +53,12 @@ VARIANTS = {
     # query groups (a 20 MiB working set per group)
     "split-s3-bulk-groups": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=20 << 20),
     "split-s3-bulk-groups-pool": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=20 << 20, pool_grads=True),
+    # persistent: one CTA per SM taking tiles from a counter
+    "split-s3-bulk-persist": dict(split=True, stages=3, dq_bulk=True, persistent=True),
+    "split-s3-bulk-groups-persist": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=20 << 20, persistent=True),
+    "split-s3-bulk-groups-persist-pool": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=20 << 20,
+                                              persistent=True, pool_grads=True),
+    "split-s3-groups-persist": dict(split=True, stages=3, q_group_bytes=20 << 20, persistent=True),
     "post": dict(postprocess=True),
     "post-d64": dict(postprocess=True, head_dim=64),
     "post-pool-ignore": dict(postprocess=True, pool_grads=True, ignore_padding=True),

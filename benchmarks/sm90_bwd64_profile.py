@@ -40,7 +40,8 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
     """name -> a callable running that backward once on the timing problem (fcheck.timing_problem's
     inputs, dO random, out / lse from our forward, delta from it, the KV-owned lists of the same
     selection): "ours", "split", "backend" (our kernels, see main's doc), "groups" (the backend's
-    configuration with query groups of GROUP_BYTES; "groups<N>": of N MiB) or "cudnn". All write the
+    configuration with query groups of GROUP_BYTES; "groups<N>": of N MiB), "persist" (the backend's
+    configuration, persistent; "persist<N>": with groups of N MiB; "persist0": without groups) or "cudnn". All write the
     same dq, dk, dv, which `outputs` (a dict) receives when given."""
     from vsa_core.backends import sm90_bwd64, sm90_fwd64
     n = S // E
@@ -68,6 +69,10 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
             from vsa_core.backends.sm90_backend import BACKWARD
             if name.startswith("groups") and name != "groups":  # groups<N>: query groups of N MiB
                 options = dict(BACKWARD, q_group_bytes=int(name[len("groups"):]) << 20)
+            elif name.startswith("persist"):  # persist: BACKWARD persistent; persist<N>: with groups of N MiB
+                options = dict(BACKWARD, persistent=True)
+                if name != "persist":
+                    options["q_group_bytes"] = int(name[len("persist"):]) << 20
             else:
                 options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD,
                                groups=dict(BACKWARD, q_group_bytes=GROUP_BYTES))[name]

@@ -119,8 +119,7 @@ def test_vsa_backward_plan_records_the_cute_step(padding, layout):
     assert plan.workspaces["dq_accum"] == ((1, 2, 4, 64 * 128), "float32")
     # the query groups' workspaces: one group at this size (partial sums never read), the ring's counters
     assert plan.workspaces["dkv_partial"] == ((4,), "float32")
-    ring = sm90_bwd64_groups.RING_CHUNKS * sm90_bwd64_groups.CHUNK_MAX
-    assert plan.workspaces["group_flags"] == ((ring, 2), "int32")
+    assert plan.workspaces["group_flags"] == ((sm90_bwd64_groups.TILE_COUNTER_ROW + 1, 2), "int32")
     assert set(plan.workspaces) == {"dq_accum", *BACKWARD_GROUPS} | ({"q_valid", "dout_valid", "k_valid", "v_valid"}
                                                                       if ignore else set())
     steps = _check_schedule(plan)

@@ -5,7 +5,7 @@ float64 reference (vsa_core.reference, given the float64 forward's lse and out) 
 inputs, outputs poisoned with NaN first: partial and empty KV blocks, empty query rows, KV blocks
 nobody selected, nQ != nKV, BSHD, a long KV-owned list, padded query rows (lse +inf, q and dout
 zeroed there), softmax_scale; each for the one-warpgroup kernel, the split kernel and the split
-kernel with query groups. The query groups also on lists the list rule must clean (equal to the
+kernel with query groups, persistent or not. The query groups also on lists the list rule must clean (equal to the
 clean lists' result) and run to run (dk, dv bitwise). Bound: P and dS are rounded to bf16 before their GEMMs and the
 gradients once more on output (as in the Triton backward, which measures ~6e-3 on these cases):
 rel-L2 < 1e-2. The wider matrix, the comparison with the Triton backward and the timing are in
@@ -34,7 +34,15 @@ CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
            "split-groups-chunk2": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
                                        grid_chunk_blocks=2),
            # the backend's: one group at these sizes (the groups' build, its one-group path)
-           "split-groups-32mib": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20)}
+           "split-groups-32mib": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20),
+           # persistent: 2 or 3 CTAs take every tile from the counter (K / V and the ring reused across
+           # tiles, tiles with empty lists among them), with and without query groups and dq_bulk
+           "split-persist": dict(stages=3, split=True, dq_bulk=True, persistent=True, grid_chunk_blocks=3),
+           "split-persist-red": dict(stages=3, split=True, persistent=True, grid_chunk_blocks=2),
+           "split-groups-persist": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                        persistent=True, grid_chunk_blocks=2)}
+# the query groups' configurations with several groups (the list rule, determinism)
+GROUP_CONFIGS = ("split-groups-chunk2", "split-groups-persist")
 
 
 def _backward():
@@ -132,7 +140,8 @@ def _clean(idx, num, nq):
 
 
 @pytest.mark.gpu
-def test_sm90_bwd64_query_groups_read_lists_by_the_list_rule():
+@pytest.mark.parametrize("config_name", GROUP_CONFIGS)
+def test_sm90_bwd64_query_groups_read_lists_by_the_list_rule(config_name):
     """Lists with entries out of range, repeated and descending, and counts past the capacity: the
     query groups give what the clean lists give (dk, dv bitwise: the skipped entries add exact zeros
     in the same order; dq's fp32 reductions run in any order) and agree with the kernel without
@@ -146,7 +155,7 @@ def test_sm90_bwd64_query_groups_read_lists_by_the_list_rule():
     num = torch.randint(0, cap + 3, (B, H, nkv), generator=g, dtype=torch.int32)
     clean_idx, clean_num = (torch.from_numpy(x) for x in _clean(idx.numpy(), num.numpy(), nq))
     counts = torch.full((nkv,), E, dtype=torch.int32).cuda()
-    config = CONFIGS["split-groups-chunk2"]
+    config = CONFIGS[config_name]
     bad = _run(M, tensors, idx.cuda(), num.cuda(), counts, config)
     clean = _run(M, tensors, clean_idx.cuda(), clean_num.cuda(), counts, config)
     whole = _run(M, tensors, clean_idx.cuda(), clean_num.cuda(), counts, CONFIGS["split"])
@@ -159,7 +168,8 @@ def test_sm90_bwd64_query_groups_read_lists_by_the_list_rule():
 
 
 @pytest.mark.gpu
-def test_sm90_bwd64_query_groups_dk_dv_are_deterministic():
+@pytest.mark.parametrize("config_name", GROUP_CONFIGS)
+def test_sm90_bwd64_query_groups_dk_dv_are_deterministic(config_name):
     """dk and dv from query groups come out bitwise equal run to run: each KV block's partial sums
     are added in group order by its last group's CTA, whatever order the CTAs finish in."""
     M = _backward()
@@ -168,9 +178,9 @@ def test_sm90_bwd64_query_groups_dk_dv_are_deterministic():
     tensors = _problem(g, B, H, nq, nkv)
     inv_idx, inv_num = _lists((torch.rand(B, H, nkv, nq, generator=g) < 0.7))
     counts = torch.full((nkv,), E, dtype=torch.int32).cuda()
-    first = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups-chunk2"])
+    first = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS[config_name])
     for _ in range(3):
-        again = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS["split-groups-chunk2"])
+        again = _run(M, tensors, inv_idx.cuda(), inv_num.cuda(), counts, CONFIGS[config_name])
         assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
 
 

@@ -20,10 +20,11 @@ from common import record_compiles
 torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
 
-from vsa_core.backends import sm90_backend, sm90_bwd64, sm90_fwd64  # noqa: E402
+from vsa_core.backends import sm90_backend, sm90_bwd64, sm90_bwd64_groups, sm90_fwd64  # noqa: E402
 
 B, H, S, D, E, K = 1, 2, 256, 128, 64, 2
 NB = S // E
+SEVERAL_GROUPS = 64 * D * 8  # one query block per group (`sm90_bwd64_groups.group_blocks`)
 
 
 @pytest.fixture
@@ -178,10 +179,10 @@ def test_backward_same_problem_reuses_checks_and_build_and_passes_the_new_buffer
     for _ in range(3):
         args, kw = _backward_args()
         kw["dq_accum"].fill_(1.0)
-        kw["group_flags"] = torch.ones(sm90_bwd64.RING_CHUNKS * sm90_bwd64.CHUNK_MAX, 2, dtype=torch.int32)
+        kw["group_flags"] = torch.ones(sm90_bwd64_groups.TILE_COUNTER_ROW + 1, 2, dtype=torch.int32)
         sm90_bwd64.prepare_backward64(*args, **kw, softmax_scale=0.5, **sm90_backend.BACKWARD)()
         assert not kw["dq_accum"].any()  # zeroed by every launch, before the main kernel
-        assert not kw["group_flags"].any()  # so are the query groups' counters
+        assert kw["group_flags"].all()  # one query group, not persistent: the kernel never reads the flags
     assert len(checks) == 1 and len(stubbed) == 2  # the main kernel and the dQ postprocess
     main, post = stubbed
     q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts = args
@@ -193,6 +194,44 @@ def test_backward_same_problem_reuses_checks_and_build_and_passes_the_new_buffer
     assert p[0] is kw["dq_accum"] and p[1] is dq and p[2] is kw["dq_pool"] and p[3] is kw["q_counts"] and p[4] == 0.5
     assert [a for _, a in main.examples] == [16] * 9 + [4] * 5 + [16, 4]
     assert [a for _, a in post.examples] == [16, 16, 4, 4]
+
+
+@pytest.mark.parametrize("options", [dict(persistent=True), dict(q_group_bytes=SEVERAL_GROUPS)],
+                         ids=["persistent", "several-groups"])
+def test_backward_zeroes_the_flags_where_the_kernel_reads_them(stubbed, options):
+    """The persistent kernel's tile counter and the query groups' ring counters start at zero on
+    every launch."""
+    config = dict(sm90_backend.BACKWARD, **options)
+    for _ in range(2):
+        args, kw = _backward_args()
+        kw["group_flags"] = torch.ones(sm90_bwd64_groups.TILE_COUNTER_ROW + 1, 2, dtype=torch.int32)
+        if "q_group_bytes" in options:
+            shape = sm90_bwd64_groups.group_workspace_shapes(S // E, D, options["q_group_bytes"])
+            kw["dkv_partial"] = torch.zeros(shape["dkv_partial"][0])
+        sm90_bwd64.prepare_backward64(*args, **kw, **config)()
+        assert not kw["group_flags"].any()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(group_flags=torch.zeros(8, 2, dtype=torch.int32)), "group_flags"),
+    (dict(group_flags=torch.zeros(sm90_bwd64_groups.TILE_COUNTER_ROW + 1, 2)), "group_flags"),
+    (dict(q_group_bytes=SEVERAL_GROUPS, dkv_partial=torch.zeros(4)), "dkv_partial"),
+    (dict(dkv_partial=torch.zeros(4, dtype=torch.float64)), "dkv_partial"),
+    (dict(grid_chunk_blocks=0), "grid_chunk_blocks"),
+    (dict(grid_chunk_blocks=133), "grid_chunk_blocks"),
+    (dict(split=False, q_group_bytes=SEVERAL_GROUPS, dq_bulk=False), "split"),
+    (dict(split=False, persistent=True, dq_bulk=False, q_group_bytes=0), "split"),
+    (dict(q_group_bytes=SEVERAL_GROUPS, list_in_smem=True), "list_in_smem"),
+    (dict(persistent=True, q_group_bytes=0, list_in_smem=True), "list_in_smem"),
+], ids=["flags-shape", "flags-dtype", "partial-shape", "partial-dtype", "chunk-0", "chunk-133", "groups-not-split",
+        "persistent-not-split", "groups-list-window", "persistent-list-window"])
+def test_backward_bad_workspace_or_configuration_names_it(stubbed, change, message):
+    args, kw = _backward_args()
+    options = dict(sm90_backend.BACKWARD)
+    for name, value in change.items():
+        (kw if name in ("group_flags", "dkv_partial") else options)[name] = value
+    with pytest.raises(ValueError, match=message):
+        sm90_bwd64.prepare_backward64(*args, **kw, **options)()
 
 
 def test_backward_new_layout_checks_again_and_reuses_the_build(stubbed, monkeypatch):

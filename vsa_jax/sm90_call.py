@@ -14,8 +14,8 @@ array, no copy) and calls our kernel classes (`sm90_fwd64.BlockSparseFwd64Sm90`,
 - same kernel classes, same constructor arguments (the statics), the scale as an fp32 value
   (so scale * log2(e) is the same fp32 product), same placeholders for absent features;
 - the buffers the step writes in place are aliased (`input_output_aliases`), the ones born there
-  are results; the dQ accumulator, which the eager launch zeroes, is handed in as XLA zeros
-  (donated); padding="zeros"'s full query counts are an XLA constant;
+  are results; the dQ accumulator (and the query groups' flags where read), which the eager launch
+  zeroes, is handed in as XLA zeros (donated); padding="zeros"'s full query counts are an XLA constant;
 - compiled at lowering, once per (step, statics, shapes): `compile_key` skips re-tracing the
   adapter on a second lowering; `allow_cuda_graph=True` (XLA may capture it in a command buffer).
 """
@@ -37,8 +37,18 @@ TOKEN_ARGS = frozenset({"q", "k", "v", "out", "gate", "out_fine", "dout", "dq", 
 # the pointer alignment each argument gets, as the eager launchers assume it (`sm90_common.cute_tensor`
 # of the TMA / vector operands at 16 bytes, the rest at 4)
 _ALIGN16 = {"sm90_fwd64": TOKEN_ARGS, "sm90_bwd64": TOKEN_ARGS | {"lse", "delta", "dq_accum", "dkv_partial"}}
-# buffers a step needs zeroed on entry (its eager launch zeroes them itself)
-ZEROED = {"sm90_bwd64": frozenset({"dq_accum", "group_flags"})}
+
+
+def zeroed(step: str, statics: dict, current: Dict[str, jax.Array], launch) -> frozenset:
+    """The buffers step needs zeroed on entry (its eager launch zeroes them itself): the backward's dQ
+    accumulator, and its query groups' flags where the kernel reads them (`flags_in_use`)."""
+    if step != "sm90_bwd64":
+        return frozenset()
+    from vsa_core.backends.sm90_bwd64_groups import flags_in_use
+    config = statics["config"]
+    n_q = current[launch.buffer("lse")].shape[2] // BLOCK  # lse [B, H, Sq]
+    flags = flags_in_use(n_q, statics["head_dim"], config.get("q_group_bytes", 0), config.get("persistent", False))
+    return frozenset({"dq_accum", "group_flags"} if flags else {"dq_accum"})
 
 
 def _spec(step: str, arg: str, layout: str):
@@ -124,7 +134,7 @@ def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tu
     arrays `current` (buffer name -> array); result_types: a ShapeDtypeStruct per step result."""
     check(launch)
     statics = launch.statics_dict()
-    args = arrange(launch, step, current, result_types, ZEROED.get(launch.step, frozenset()))
+    args = arrange(launch, step, current, result_types, zeroed(launch.step, statics, current, launch))
     if launch.step == "sm90_fwd64" and statics["has_coarse"] and not statics["ignore_padding"]:
         n_q = current[launch.buffer("sel_num")].shape[2]
         args.add_input("q_counts", jnp.full((n_q,), BLOCK, jnp.int32))  # padding="zeros": every query row valid

@@ -107,11 +107,11 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_bwd64_groups import CHUNK_MAX, RING_CHUNKS, group_blocks, group_count, group_workspace_shapes  # noqa: F401
+from .sm90_bwd64_groups import (BLOCK, CHUNK_MAX, RING_CHUNKS, flags_in_use, group_blocks,  # noqa: F401
+                                 group_count, group_workspace_shapes)
 from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
                           resident_ctas, rows_cols)
 
-BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
 THREADS = 128       # one warpgroup
 LIST_WINDOW = 256   # list_in_smem: the first entries of a KV block's list kept in shared memory
@@ -674,7 +674,11 @@ def grid_chunk(device_ordinal: Optional[int]) -> int:
 # (`sm90_common.compile_for_torch`, TVM-FFI), its checks run once per problem (`_PLANS`, keyed by the
 # options and `layout_key` of every tensor), and the kernels are built once per configuration and dtype
 # (`_COMPILED`): shapes and strides are run-time values of one build.
-PARTIAL_ARG = 14  # dkv_partial's place among the main kernel's tensor arguments
+MAIN_ARGS = ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", "inv_idx", "inv_num", "kv_counts",
+             "dk_pool", "dv_pool", "dkv_partial", "group_flags")  # the main kernel's tensor arguments, in order
+# the ones read with 16-byte alignment (TMA, bulk copies, vector stores); the rest 4
+ALIGN16_ARGS = frozenset({"q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", "dkv_partial"})
+SPLIT_ONLY = "sm90_bwd64: dq_bulk, q_group_bytes and persistent are options of the split kernel (give split=True)"
 _COMPILED = {}  # compile key (configuration, dtype, broadcast dims) -> (main kernel, dQ postprocess), compiled
 _PLANS = {}     # problem key -> the compiled pair of a problem whose checks passed
 
@@ -714,7 +718,7 @@ def backward_delta(out, dout, delta=None):
 
 def backward_kernel(dtype, head_dim: int, *, stages: int = 2, dq_red: bool = True, dk_overlap: bool = True,
                     split: bool = False, list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
-                    pool_grads: bool = False, ignore_padding: bool = False):
+                    persistent: bool = False, pool_grads: bool = False, ignore_padding: bool = False):
     """The main kernel of one configuration (`prepare_backward64`'s options; `split` picks
     `sm90_bwd64_split`, whose dq_red and dk_overlap are its own): the one place a configuration
     becomes a kernel object, for the eager launcher and the JAX native call alike."""
@@ -722,9 +726,10 @@ def backward_kernel(dtype, head_dim: int, *, stages: int = 2, dq_red: bool = Tru
     if split:
         from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
         return BlockSparseBwd64Sm90Split(dtype, head_dim, stages, dq_bulk=dq_bulk,
-                                         q_group_blocks=group_blocks(q_group_bytes, head_dim), **flags)
-    if dq_bulk or q_group_bytes:
-        raise ValueError("sm90_bwd64: dq_bulk and q_group_bytes are options of the split kernel (give split=True)")
+                                         q_group_blocks=group_blocks(q_group_bytes, head_dim), persistent=persistent,
+                                         **flags)
+    if dq_bulk or q_group_bytes or persistent:
+        raise ValueError(SPLIT_ONLY)
     return BlockSparseBwd64Sm90(dtype, head_dim, stages, dq_red=dq_red, dk_overlap=dk_overlap, **flags)
 
 
@@ -742,7 +747,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
                        q_counts=None, ignore_padding: bool = False, split: bool = False,
                        list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
-                       dkv_partial=None, group_flags=None, grid_chunk_blocks: Optional[int] = None):
+                       persistent: bool = False, dkv_partial=None, group_flags=None,
+                       grid_chunk_blocks: Optional[int] = None):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
     main kernel, the dQ postprocess (the tensors' CuTe views are built once here: timing the callable
@@ -758,8 +764,9 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     dk_overlap are its own, `stages` its Q / dO ring; dq_bulk its dQ through a staging buffer;
     q_group_bytes its query groups' working-set budget, 0 for none: dkv_partial and group_flags are
     their workspaces, `group_workspace_shapes`, allocated here when not given; group_flags is zeroed
-    by the launch; grid_chunk_blocks: the grid's chunk, `grid_chunk` of the device unless given (tests:
-    a small one runs the ring of partial sums over many generations))."""
+    by the launch where the kernel reads it, `flags_in_use`; grid_chunk_blocks: the grid's chunk,
+    `grid_chunk` of the device unless given (tests: a small one runs the ring of partial sums over many
+    generations); persistent: at most that many CTAs, each taking tiles from a counter)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -772,7 +779,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     if group_flags is None:
         group_flags = torch.empty(shapes["group_flags"][0], dtype=torch.int32, device=q.device)
     config = dict(stages=stages, dq_red=dq_red, dk_overlap=dk_overlap, split=split, list_in_smem=list_in_smem,
-                  dq_bulk=dq_bulk, q_group_bytes=q_group_bytes)
+                  dq_bulk=dq_bulk, q_group_bytes=q_group_bytes, persistent=persistent)
+    zero_flags = flags_in_use(Sq // BLOCK, D, q_group_bytes, persistent)
     pool_grads = dq_pool is not None
     ignore_padding = bool(ignore_padding and pool_grads)
     tensors = (q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum, dq_pool, dk_pool, dv_pool,
@@ -798,7 +806,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
 
     def launch():
         dq_accum.zero_()
-        group_flags.zero_()
+        if zero_flags:
+            group_flags.zero_()
         main_fn(*main_args, scale, chunk, stream)
         post_fn(*post_args, scale, stream)
 
@@ -825,11 +834,14 @@ def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, k
     if Sq % BLOCK or Skv % BLOCK:
         raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
     nq, nkv = Sq // BLOCK, Skv // BLOCK
-    if (config["dq_bulk"] or config["q_group_bytes"]) and not config["split"]:
-        raise ValueError("sm90_bwd64: dq_bulk and q_group_bytes are options of the split kernel (give split=True)")
+    if (config["dq_bulk"] or config["q_group_bytes"] or config["persistent"]) and not config["split"]:
+        raise ValueError(SPLIT_ONLY)
     if config["q_group_bytes"] and config["list_in_smem"]:
         raise ValueError("sm90_bwd64: q_group_bytes and list_in_smem do not go together (the groups read the list "
                          "from global memory)")
+    if config["persistent"] and config["list_in_smem"]:
+        raise ValueError("sm90_bwd64: persistent and list_in_smem do not go together (the list window is filled "
+                         "once per CTA)")
     if config["stages"] < 2:
         raise ValueError(f"sm90_bwd64 needs stages >= 2 (the Q / dO ring), got {config['stages']}")
     expect = dict(lse=((B, H, Sq), torch.float32), delta=((B, H, Sq), torch.float32),
@@ -881,7 +893,7 @@ def _compiled_backward64(main_args: list, post_args: list, pool_grads: bool, ign
         main = backward_kernel(cutlass_dtype(q), D, **config, pool_grads=pool_grads, ignore_padding=ignore_padding)
         post = DqPostprocess(cutlass_dtype(q), D, pool_grads=pool_grads, ignore_padding=ignore_padding)
         fake_stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
-        main_c = [cute_tensor(t, 16 if i < 9 or i == PARTIAL_ARG else 4) for i, t in enumerate(main_args)]
+        main_c = [cute_tensor(t, 16 if name in ALIGN16_ARGS else 4) for name, t in zip(MAIN_ARGS, main_args)]
         post_c = [cute_tensor(post_args[0]), cute_tensor(post_args[1]), *(cute_tensor(t, 4) for t in post_args[2:])]
         fns = _COMPILED[key] = (compile_for_torch(main, main_c, cutlass.Float32(1.0), cutlass.Int32(1), fake_stream),
                                 compile_for_torch(post, post_c, cutlass.Float32(1.0), fake_stream))

@@ -42,14 +42,15 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
 from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _bulk_reduce_add_f32,
-                         RING_CHUNKS, _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed,
-                         group_count)
+                         _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
+from .sm90_bwd64_groups import RING_CHUNKS, TILE_COUNTER_ROW, group_count
 from .sm90_common import rows_cols
 
 WG = 128            # threads per warpgroup
 P_READY, P_FREE, DS_STORED = (1, 2), (4, 5), 3  # named barriers (0 is sync_threads); P_*: per P buffer
 DQ_FULL, DQ_EMPTY = 6, 7  # dq_bulk: warpgroup 2 <-> the producer's warp 1, 128 + 32 threads
 GROUP_SYNC = (8, 9)       # query groups: warpgroup 1 (dV), warpgroup 2 (dK) around their partial sums
+TILE_DONE = 10            # persistent: warpgroups 1 and 2 at the end of each tile's steps
 
 
 @cute.jit
@@ -67,7 +68,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
                  ignore_padding: bool = False, list_in_smem: bool = False, dq_bulk: bool = False,
-                 q_group_blocks: int = 0):
+                 q_group_blocks: int = 0, persistent: bool = False):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
@@ -81,6 +82,11 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         # per CTA's part of a list; 0: one CTA walks the whole list
         assert not (q_group_blocks and list_in_smem), "query groups read the list from global memory"
         self.q_group_blocks = q_group_blocks
+        # persistent: a grid of at most `chunk` CTAs, each taking tiles (KV block, group) from a
+        # counter in tile order until none is left (`_next_tile`): the next tile's first Q / dO
+        # tiles and its K / V load run under the current tile's last steps and epilogue
+        assert not (persistent and list_in_smem), "the list window is filled once per CTA"
+        self.persistent = persistent
         # setmaxnreg budgets: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers
         self.producer_regs, self.mma_regs = 24, 240
 
@@ -102,8 +108,12 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         @cute.struct
         class Storage:
             kv_full: cute.struct.MemRange[cutlass.Int64, 1]
+            kv_empty: cute.struct.MemRange[cutlass.Int64, 1]      # persistent only
+            tile_full: cute.struct.MemRange[cutlass.Int64, 2]     # persistent only: the tile handoff
+            tile_empty: cute.struct.MemRange[cutlass.Int64, 2]
             qdo_full: cute.struct.MemRange[cutlass.Int64, S]
             qdo_empty: cute.struct.MemRange[cutlass.Int64, S]
+            sTile: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
             sP: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, p_floats], 128]
@@ -119,6 +129,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         if cutlass.const_expr(self.q_group_blocks > 0):
             groups = group_count(mDQacc.shape[2], self.q_group_blocks)
         grid = (mInvIdx.shape[2] * groups, mQ.shape[1], mQ.shape[0])
+        if cutlass.const_expr(self.persistent):
+            grid = (cutlass.min(chunk, mInvIdx.shape[2] * groups * mQ.shape[1] * mQ.shape[0]), 1, 1)
         mma_s2, mma_kv2, _ = self._mmas()  # warpgroup 2's own
         self.kernel(o["tQ"], o["tdO"], o["tK"], o["tV"], o["tma_q"], o["tma_do"], o["tma_k"], o["tma_v"], mLSE,
                     mDelta, mDQacc, o["gdK4"], o["gdV4"], mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool, mPartial,
@@ -141,62 +153,125 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
         t = tidx % WG
-        x, h, b = cute.arch.block_idx()
+        x, y, z = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
         n_q = mDQacc.shape[2]
-        n_kv = mInvIdx.shape[2]
-        cap = mInvIdx.shape[3]
-        # query groups: this CTA's KV block, its group g of `groups` and the group's query blocks
-        # [first, end); without them one group of every query block
-        kvb, g, groups, first, end = x, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0), n_q
+        groups = cutlass.Int32(1)
         if cutlass.const_expr(self.q_group_blocks > 0):
             groups = group_count(n_q, self.q_group_blocks)
-            size = (n_q + groups - 1) // groups
-            kvb, g = self._tile(x, n_kv, groups, chunk)
-            first = g * size
-            end = cutlass.min(first + size, n_q)
+        # the work: tiles (KV block, group) of every head, in `_tile`'s order within a head
+        w = dict(n_q=n_q, n_kv=mInvIdx.shape[2], groups=groups, heads=mInvNum.shape[1], chunk=chunk,
+                 inv_idx=mInvIdx, inv_num=mInvNum, partial=mPartial, flags=mFlags,
+                 n_tiles=mInvIdx.shape[2] * groups * mInvNum.shape[1] * mInvNum.shape[0],
+                 block_tile=x + gx * (y + gy * z))
 
         st = SmemAllocator().allocate(self.storage)
         kv_full, qdo_full = self._load_barriers(st, warp, (tma_q, tma_do, tma_k, tma_v))
         release = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(pipeline.Agent.Thread, 8))
         qdo_empty = pipeline.MbarrierArray(st.qdo_empty.data_ptr(), num_stages=S, agent=release)
+        kv_empty = qdo_empty  # (not persistent: K / V are loaded once, never released)
+        hand = None
+        if cutlass.const_expr(self.persistent):
+            kv_empty = pipeline.MbarrierArray(st.kv_empty.data_ptr(), num_stages=1, agent=release)
+            one = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1))
+            readers = (pipeline.PipelineOp.AsyncThread,
+                       pipeline.CooperativeGroup(pipeline.Agent.Thread, 8 + int(self.dq_bulk)))
+            hand = dict(full=pipeline.MbarrierArray(st.tile_full.data_ptr(), num_stages=2, agent=one),
+                        empty=pipeline.MbarrierArray(st.tile_empty.data_ptr(), num_stages=2, agent=readers),
+                        tile=st.sTile.get_tensor(cute.make_layout(2)),
+                        counter=mFlags[TILE_COUNTER_ROW, None].iterator)
 
         sKV, sQdO, sdS, sLSE, sDelta = self._shared_tensors(st, sKV_layout, sQdO_layout, sdS_layout)
         v = BLOCK * BLOCK // WG  # accumulator registers of an m64n64 tile per thread
         # thread t's register i at i * 128 + t: a warp's 32 threads store / load 32 consecutive words
         sP = st.sP.get_tensor(cute.make_layout((v, WG, 2), stride=(WG, 1, v * WG)))
         sdQ = st.sdQ.get_tensor(_staging_layout(self.head_dim)) if cutlass.const_expr(self.dq_bulk) else sP
-
-        n = cutlass.min(cutlass.max(mInvNum[b, h, kvb], 0), cap)
-        count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
-        sel = mInvIdx[b, h, kvb, None]
-        if cutlass.const_expr(self.q_group_blocks > 0):  # the group's part of the list, as a list
-            lo = cutlass.Int32(0)
-            if groups > 1:
-                lo, n = self._group_range(sel, n, n_q, first, end)
-            sel = cute.domain_offset((lo,), sel)
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
-        window = self._list_window(st, sel, n, tidx, 3 * WG)
-        grp = dict(first=first, end=end, g=g, groups=groups, partial=mPartial, flags=mFlags, chunk=chunk,
-                   heads=mInvNum.shape[1], n_kv=n_kv)
+        window = mInvIdx[0, 0, 0, None]  # (a placeholder without list_in_smem, never read)
+        if cutlass.const_expr(self.list_in_smem):  # one tile per CTA, no groups: its list's window
+            kvb0, _, h0, b0, _, _, _, n0 = self._work(w["block_tile"], w)
+            window = self._list_window(st, mInvIdx[b0, h0, kvb0, None], n0, tidx, 3 * WG)
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
-                if n > 0:
-                    self._produce(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE,
-                                  sDelta, kv_full, qdo_full, qdo_empty, sel, window, n, n_q, kvb, h, b)
+                self._produce(tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE,
+                              sDelta, kv_full, kv_empty, qdo_full, qdo_empty, window, dict(w), self._own(hand))
             if cutlass.const_expr(self.dq_bulk):
                 if warp == 1:
-                    if n > 0:
-                        self._send_dq(sdQ, mDQacc, sel, window, n, n_q, h, b)
+                    self._send_dq(sdQ, mDQacc, window, dict(w), self._own(hand))
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             if wg == 1:
-                self._s_and_dv(t, n, count, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
-                               mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c, grp)
+                self._s_and_dv(t, window, kv_full, kv_empty, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP, mma_s, mma_kv,
+                               gdV4, mKVCounts, mdVPool, c, dict(w), self._own(hand))
             else:
-                self._dp_dq_dk(t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
-                               sdQ, mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale,
-                               grp)
+                self._dp_dq_dk(t, window, kv_full, kv_empty, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP, sdQ,
+                               mma_s2, mma_kv2, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, scale, dict(w),
+                               self._own(hand))
+
+    # ---- the tiles ------------------------------------------------------------------------------------
+    @staticmethod
+    def _own(hand):
+        """A role's own copy of the handoff's table: the tracer rebinds the values of a table a staged
+        loop reads in place, so roles sharing one would see each other's loop values."""
+        return None if hand is None else dict(hand)
+
+    @cute.jit
+    def _next_tile(self, k, w, hand, producer: cutlass.Constexpr):
+        """This CTA's k-th tile (>= w["n_tiles"]: none left). Not persistent: the block's own tile, then
+        none. Persistent: the producer's warp 0 takes the next tile index from the counter and hands it
+        to the CTA's other roles through a 2-slot buffer in shared memory (`producer`), which read it
+        there (each warp arrives on the slot's "empty" barrier once it has). Tiles are taken in tile
+        order, and only by running CTAs, so every tile a CTA waits for (`_join_groups`) is held by a
+        running CTA, whatever the grid size."""
+        tile = w["n_tiles"]
+        if cutlass.const_expr(not self.persistent):
+            if k == 0:
+                tile = w["block_tile"]
+        else:
+            slot = k % 2
+            if cutlass.const_expr(producer):
+                if k >= 2:  # the slot's tile of two handoffs ago has been read by every warp
+                    hand["empty"].wait(slot, (k // 2 + 1) % 2)
+                got = cutlass.Int32(0)
+                if cute.arch.lane_idx() == 0:
+                    got = cute.arch.atomic_add(hand["counter"], cutlass.Int32(1), sem="relaxed", scope="gpu")
+                    hand["tile"][slot] = got
+                    cute.arch.mbarrier_arrive(hand["full"].get_barrier(slot))
+                tile = cute.arch.shuffle_sync(got, 0)
+            else:
+                hand["full"].wait(slot, (k // 2) % 2)
+                tile = hand["tile"][slot]
+                self._release(hand["empty"], slot)
+        return tile
+
+    @cute.jit
+    def _work(self, tile, w):
+        """(KV block, group, head, batch, the group's query blocks [first, end), and where in the KV
+        block's list the group's entries start and how many they are) of tile `tile`."""
+        per_head = w["n_kv"] * w["groups"]
+        bh = tile // per_head
+        x = tile - bh * per_head
+        h = bh % w["heads"]
+        b = bh // w["heads"]
+        n_q = w["n_q"]
+        kvb, g, first, end = x, cutlass.Int32(0), cutlass.Int32(0), n_q
+        if cutlass.const_expr(self.q_group_blocks > 0):
+            size = (n_q + w["groups"] - 1) // w["groups"]
+            kvb, g = self._tile(x, w["n_kv"], w["groups"], w["chunk"])
+            first = g * size
+            end = cutlass.min(first + size, n_q)
+        n = cutlass.min(cutlass.max(w["inv_num"][b, h, kvb], 0), w["inv_idx"].shape[3])
+        lo = cutlass.Int32(0)
+        if cutlass.const_expr(self.q_group_blocks > 0):
+            if w["groups"] > 1:
+                lo, n = self._group_range(w["inv_idx"][b, h, kvb, None], n, n_q, first, end)
+        return kvb, g, h, b, first, end, lo, n
+
+    @cute.jit
+    def _list(self, w, kvb, h, b, lo):
+        """The tile's part of its KV block's list, as a list (entry 0 at `lo`)."""
+        return cute.domain_offset((lo,), w["inv_idx"][b, h, kvb, None])
 
     # ---- query groups -------------------------------------------------------------------------------
     @cute.jit
@@ -240,7 +315,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         return lo, hi - lo
 
     @cute.jit
-    def _join_groups(self, acc, grp, which: cutlass.Constexpr, kvb, h, b, t):
+    def _join_groups(self, acc, w, g, which: cutlass.Constexpr, kvb, h, b, t):
         """The KV block's other groups' fp32 partial dV (which 0) or dK (1) added to this warpgroup's
         `acc`, in group order (the same sum every run). True for the CTA that writes the gradient
         (the last group's).
@@ -254,8 +329,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         is for CTAs of lower block index (`_tile`; the previous generation's block is two chunks'
         width back, so in an earlier chunk)."""
         D = self.head_dim
-        g, groups, partial, flags, chunk = grp["g"], grp["groups"], grp["partial"], grp["flags"], grp["chunk"]
-        u = (b * grp["heads"] + h) * grp["n_kv"] + kvb
+        groups, partial, flags, chunk = w["groups"], w["partial"], w["flags"], w["chunk"]
+        u = (b * w["heads"] + h) * w["n_kv"] + kvb
         ring_slot = u % (RING_CHUNKS * chunk)
         base = (u // (RING_CHUNKS * chunk)) * groups
         counter = flags[ring_slot, None].iterator + which
@@ -292,50 +367,88 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     # ---- warpgroup 0, warp 0: the loads -----------------------------------------------------------
     @cute.jit
     def _produce(self, tQ, tdO, tK, tV, tma_q, tma_do, tma_k, tma_v, mLSE, mDelta, sKV, sQdO, sLSE, sDelta,
-                 kv_full, qdo_full, qdo_empty, sel, window, n, n_q, kvb, h, b):
+                 kv_full, kv_empty, qdo_full, qdo_empty, window, w, hand):
+        """Per tile: K and V, then per list entry Q, dO, lse, delta into the ring (entry `filled` of the
+        CTA into slot filled % stages). Persistent: the tile's first stages - 1 entries go in before its
+        K / V, whose buffer the tile before may still be reading (their slots free up at that tile's
+        last steps)."""
         S = self.stages
         D = self.head_dim
         one = cute.make_layout(1)
-        gK = cute.local_tile(tK[None, None, h, b], (BLOCK, D), (kvb, 0))
-        gV = cute.local_tile(tV[None, None, h, b], (BLOCK, D), (kvb, 0))
-        gQ = cute.local_tile(tQ[None, None, h, b], (BLOCK, D), (None, 0))
-        gdO = cute.local_tile(tdO[None, None, h, b], (BLOCK, D), (None, 0))
-        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sKV, 0, 2),
-                                                    cute.group_modes(gK, 0, 2))
-        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sKV, 0, 2),
-                                                    cute.group_modes(gV, 0, 2))
-        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQdO, 0, 2),
-                                                    cute.group_modes(gQ, 0, 2))
-        tdOs, tdOg = cute.nvgpu.cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sQdO, 0, 2),
-                                                      cute.group_modes(gdO, 0, 2))
-        loads = dict(tma_q=tma_q, tma_do=tma_do, tQs=tQs, tQg=tQg, tdOs=tdOs, tdOg=tdOg, sLSE=sLSE, sDelta=sDelta,
-                     mLSE=mLSE, mDelta=mDelta, bar=qdo_full, b=b, h=h)
-        kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
-        cute.copy(tma_k, tKg, tKs[None, 0], tma_bar_ptr=kv_full.get_barrier(0))
-        cute.copy(tma_v, tVg, tVs[None, 1], tma_bar_ptr=kv_full.get_barrier(0))
-        qb = self._clamp(self._entry(sel, window, 0), n_q)
-        for j in cutlass.range(n, unroll=1):
-            qb_after = self._clamp(self._entry(sel, window, cutlass.min(j + 1, n - 1)), n_q)  # before the wait
-            if j >= S:
-                qdo_empty.wait(j % S, (j // S + 1) % 2)
-            self._load_q_tile(loads, qb, j % S)
-            qb = qb_after
+        n_q = w["n_q"]
+        filled = cutlass.Int32(0)  # ring entries filled by this CTA
+        kv_loads = cutlass.Int32(0)  # tiles whose K / V this CTA loaded
+        k = cutlass.Int32(0)
+        tile = self._next_tile(k, w, hand, True)
+        while tile < w["n_tiles"]:
+            kvb, _, h, b, _, _, lo, n = self._work(tile, w)
+            if n > 0:
+                sel = self._list(w, kvb, h, b, lo)
+                gK = cute.local_tile(tK[None, None, h, b], (BLOCK, D), (kvb, 0))
+                gV = cute.local_tile(tV[None, None, h, b], (BLOCK, D), (kvb, 0))
+                gQ = cute.local_tile(tQ[None, None, h, b], (BLOCK, D), (None, 0))
+                gdO = cute.local_tile(tdO[None, None, h, b], (BLOCK, D), (None, 0))
+                tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sKV, 0, 2),
+                                                            cute.group_modes(gK, 0, 2))
+                tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sKV, 0, 2),
+                                                            cute.group_modes(gV, 0, 2))
+                tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQdO, 0, 2),
+                                                            cute.group_modes(gQ, 0, 2))
+                tdOs, tdOg = cute.nvgpu.cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sQdO, 0, 2),
+                                                              cute.group_modes(gdO, 0, 2))
+                loads = dict(tma_q=tma_q, tma_do=tma_do, tQs=tQs, tQg=tQg, tdOs=tdOs, tdOg=tdOg, sLSE=sLSE,
+                             sDelta=sDelta, mLSE=mLSE, mDelta=mDelta, bar=qdo_full, b=b, h=h)
+                ahead = 0
+                if cutlass.const_expr(self.persistent):
+                    ahead = cutlass.min(n, S - 1)
+                    for j in cutlass.range(ahead, unroll=1):
+                        filled = self._fill(loads, sel, window, j, filled, qdo_empty, n_q)
+                    if kv_loads > 0:  # both compute warpgroups are done with the tile before's K / V
+                        kv_empty.wait(0, (kv_loads - 1) % 2)
+                kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
+                cute.copy(tma_k, tKg, tKs[None, 0], tma_bar_ptr=kv_full.get_barrier(0))
+                cute.copy(tma_v, tVg, tVs[None, 1], tma_bar_ptr=kv_full.get_barrier(0))
+                kv_loads += 1
+                for j in cutlass.range(ahead, n, unroll=1):
+                    filled = self._fill(loads, sel, window, j, filled, qdo_empty, n_q)
+            k += 1
+            tile = self._next_tile(k, w, hand, True)
+
+    @cute.jit
+    def _fill(self, loads, sel, window, j, filled, qdo_empty, n_q):
+        """List entry j's query block into the ring's next slot (once both compute warpgroups released
+        the entry `stages` before it); returns the count of entries filled."""
+        S = self.stages
+        qb = self._clamp(self._entry(sel, window, j), n_q)  # read before the wait: its latency under it
+        if filled >= S:
+            qdo_empty.wait(filled % S, (filled // S + 1) % 2)
+        self._load_q_tile(loads, qb, filled % S)
+        return filled + 1
 
     # ---- warpgroup 0, warp 1 (dq_bulk): dQ out ------------------------------------------------------
     @cute.jit
-    def _send_dq(self, sdQ, mDQacc, sel, window, n, n_q, h, b):
+    def _send_dq(self, sdQ, mDQacc, window, w, hand):
         """Per list entry: wait for warpgroup 2's staged dQ, add it into the workspace by one bulk
-        reduction, and free the staging once the reduction has read it."""
-        for j in cutlass.range(n, unroll=1):
-            qb = self._clamp(self._entry(sel, window, j), n_q)
-            cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=WG + 32)
-            with cute.arch.elect_one():
-                _bulk_reduce_add_f32(sdQ[None, None, 0].iterator, mDQacc[b, h, qb, None].iterator,
-                                     BLOCK * self.head_dim * 4)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if j + 1 < n:
+        reduction, and free the staging once the reduction has read it (warpgroup 2 waits for that
+        before its next staging store; after the CTA's last one it waits once more, so every arrival
+        has its wait)."""
+        n_q = w["n_q"]
+        k = cutlass.Int32(0)
+        tile = self._next_tile(k, w, hand, False)
+        while tile < w["n_tiles"]:
+            kvb, _, h, b, _, _, lo, n = self._work(tile, w)
+            sel = self._list(w, kvb, h, b, lo)
+            for j in cutlass.range(n, unroll=1):
+                qb = self._clamp(self._entry(sel, window, j), n_q)
+                cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=WG + 32)
+                with cute.arch.elect_one():
+                    _bulk_reduce_add_f32(sdQ[None, None, 0].iterator, mDQacc[b, h, qb, None].iterator,
+                                         BLOCK * self.head_dim * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=WG + 32)
+            k += 1
+            tile = self._next_tile(k, w, hand, False)
 
     @cute.jit
     def _release(self, bar, slot):
@@ -345,8 +458,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     # ---- warpgroup 1: S^T, P^T, dV ----------------------------------------------------------------
     @cute.jit
-    def _s_and_dv(self, t, n, count, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP,
-                  mma_s, mma_kv, gdV4, mKVCounts, mdVPool, kvb, h, b, c, grp):
+    def _s_and_dv(self, t, window, kv_full, kv_empty, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP, mma_s, mma_kv,
+                  gdV4, mKVCounts, mdVPool, c, w, hand):
         S = self.stages
         D = self.head_dim
         dt = self.dtype
@@ -365,69 +478,108 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         n_rows = cute.size(P, mode=[0])
         n_cols = cute.size(P, mode=[1])
         stat = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)
-        accdV.fill(0.0)
         mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        if n > 0:
-            kv_full.wait(0, 0)
-            last = grp["first"] - 1  # the list rule inside the group's query blocks [first, end)
-            for j in cutlass.range(n, unroll=1):
-                s = j % S
-                entry = self._entry(sel, window, j)
-                valid = cutlass.Int32(0)
-                if (entry > last) & (entry < grp["end"]):
-                    last = entry
-                    valid = count
-                qdo_full.wait(s, (j // S) % 2)
-                cute.nvgpu.warpgroup.fence()
-                self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
-                cute.nvgpu.warpgroup.commit_group()
-                for ci in cutlass.range_constexpr(n_cols):
-                    lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
-                    if lse2 == -cutlass.Float32.inf:  # a row that saw nothing: P = 0
-                        lse2 = cutlass.Float32.inf
-                    stat[ci] = lse2
-                cute.nvgpu.warpgroup.wait_group(1)  # dV_{j-1} retired: this warpgroup is done with slot j - 1
-                if j >= 1:
-                    self._release(qdo_empty, (j - 1) % S)
-                cute.nvgpu.warpgroup.wait_group(0)
-                for ri in cutlass.range_constexpr(n_rows):
-                    row_ok = cS_rc[ri, 0][0] < valid
+        used = cutlass.Int32(0)      # ring entries this CTA has used
+        kv_loads = cutlass.Int32(0)  # tiles whose K / V this CTA used
+        k = cutlass.Int32(0)
+        tile = self._next_tile(k, w, hand, False)
+        while tile < w["n_tiles"]:
+            kvb, g, h, b, first, end, lo, n = self._work(tile, w)
+            count = cutlass.min(cutlass.max(mKVCounts[kvb], 0), BLOCK)
+            accdV.fill(0.0)
+            if n > 0:
+                sel = self._list(w, kvb, h, b, lo)
+                kv_full.wait(0, kv_loads % 2)
+                last = first - 1  # the list rule inside the group's query blocks [first, end)
+                for j in cutlass.range(n, unroll=1):
+                    e = used + j
+                    s = e % S
+                    entry = self._entry(sel, window, j)
+                    valid = cutlass.Int32(0)
+                    if (entry > last) & (entry < end):
+                        last = entry
+                        valid = count
+                    qdo_full.wait(s, (e // S) % 2)
+                    cute.nvgpu.warpgroup.fence()
+                    self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
+                    cute.nvgpu.warpgroup.commit_group()
                     for ci in cutlass.range_constexpr(n_cols):
-                        p = cute.math.exp2(cute.math.fma(P[ri, ci], c, -stat[ci]), fastmath=True)
-                        P[ri, ci] = p if row_ok else cutlass.Float32(0.0)
-                pb = j % 2
-                if j >= 2:  # P_{j-2} was read from buffer pb
-                    cute.arch.barrier(barrier_id=P_FREE[0] + pb * (P_FREE[1] - P_FREE[0]), number_of_threads=2 * WG)
-                for i in cutlass.range_constexpr(cute.size(flatS)):
-                    sP[i, t, pb] = flatS[i]
-                cute.arch.barrier_arrive(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
-                                         number_of_threads=2 * WG)
-                rP_as_S.store(accS.load().to(dt))
-                cute.nvgpu.warpgroup.fence()
-                cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
-                cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+                        lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
+                        if lse2 == -cutlass.Float32.inf:  # a row that saw nothing: P = 0
+                            lse2 = cutlass.Float32.inf
+                        stat[ci] = lse2
+                    cute.nvgpu.warpgroup.wait_group(1)  # dV_{j-1} retired: this warpgroup is done with slot j - 1
+                    if j >= 1:
+                        self._release(qdo_empty, (e - 1) % S)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for ri in cutlass.range_constexpr(n_rows):
+                        row_ok = cS_rc[ri, 0][0] < valid
+                        for ci in cutlass.range_constexpr(n_cols):
+                            p = cute.math.exp2(cute.math.fma(P[ri, ci], c, -stat[ci]), fastmath=True)
+                            P[ri, ci] = p if row_ok else cutlass.Float32(0.0)
+                    pb = j % 2
+                    if j >= 2:  # P_{j-2} was read from buffer pb
+                        cute.arch.barrier(barrier_id=P_FREE[0] + pb * (P_FREE[1] - P_FREE[0]),
+                                          number_of_threads=2 * WG)
+                    for i in cutlass.range_constexpr(cute.size(flatS)):
+                        sP[i, t, pb] = flatS[i]
+                    cute.arch.barrier_arrive(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
+                                             number_of_threads=2 * WG)
+                    rP_as_S.store(accS.load().to(dt))
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
+                    cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                used, kv_loads = self._tile_done(qdo_empty, kv_empty, used, n, kv_loads)
+            if cutlass.const_expr(self.persistent):  # warpgroup 2 has read this tile's P (buffers free)
+                cute.arch.barrier(barrier_id=TILE_DONE, number_of_threads=2 * WG)
+            self._write_kv_grad(accdV, 0, thr_kv, gdV4, mdVPool, mKVCounts, kvb, g, h, b, t, w, cutlass.Float32(1.0))
+            k += 1
+            tile = self._next_tile(k, w, hand, False)
+
+    @cute.jit
+    def _tile_done(self, qdo_empty, kv_empty, used, n, kv_loads):
+        """A compute warpgroup's wgmmas of a tile of n entries all retired: persistent, its release of the
+        tile's last ring slot and of K / V (not persistent the CTA ends: nothing waits for them).
+        Returns the updated (ring entries used, K / V tiles used)."""
+        if cutlass.const_expr(self.persistent):
+            self._release(qdo_empty, (used + n - 1) % self.stages)
+            self._release(kv_empty, 0)
+        return used + n, kv_loads + 1
+
+    @cute.jit
+    def _write_kv_grad(self, acc, which: cutlass.Constexpr, thr_kv, gOut4, mPool, mKVCounts, kvb, g, h, b, t, w,
+                       scale):
+        """The epilogue of dV (which 0, scale 1) or dK (which 1, the softmax scale) from this warpgroup's
+        fp32 accumulator: the other query groups' partial sums joined (`_join_groups`; only the last
+        group's CTA goes on), the pooling gradient added (VSA; one rounding), stored in the input dtype."""
+        D = self.head_dim
         writes = cutlass.Boolean(True)
         if cutlass.const_expr(self.q_group_blocks > 0):
-            if grp["groups"] > 1:
-                writes = self._join_groups(accdV, grp, 0, kvb, h, b, t)
+            if w["groups"] > 1:
+                writes = self._join_groups(acc, w, g, which, kvb, h, b, t)
         if writes:
-            gdV = cute.local_tile(gdV4[None, None, h, b], (BLOCK, D), (kvb, 0))
-            rOut = cute.make_rmem_tensor_like(accdV, dt)
-            if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
+            gOut = cute.local_tile(gOut4[None, None, h, b], (BLOCK, D), (kvb, 0))
+            rOut = cute.make_rmem_tensor_like(acc, self.dtype)
+            if cutlass.const_expr(self.pool_grads):
                 cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
-                _pooling_grad(mdVPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdV),
-                              cKV_rc, cutlass.Float32(1.0))
-            rOut.store(accdV.load().to(dt))
-            cute.autovec_copy(rOut, thr_kv.partition_C(gdV))
+                _pooling_grad(mPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(acc), cKV_rc,
+                              scale)
+                rOut.store(acc.load().to(self.dtype))
+            elif cutlass.const_expr(which == 1):
+                rOut.store((acc.load() * scale).to(self.dtype))
+            else:
+                rOut.store(acc.load().to(self.dtype))
+            cute.autovec_copy(rOut, thr_kv.partition_C(gOut))
 
     # ---- warpgroup 2: dP^T, dS^T, dQ, dK ----------------------------------------------------------
     @cute.jit
-    def _dp_dq_dk(self, t, n, sel, window, n_q, kv_full, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP,
-                  sdQ, mma_s, mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, kvb, h, b, scale, grp):
+    def _dp_dq_dk(self, t, window, kv_full, kv_empty, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP, sdQ, mma_s,
+                  mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, scale, w, hand):
         S = self.stages
         D = self.head_dim
         dt = self.dtype
+        n_q = w["n_q"]
         thr_s = mma_s.get_slice(t)
         thr_kv = mma_kv.get_slice(t)
         thr_dq = mma_dq.get_slice(t)
@@ -448,69 +600,71 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         cS_rc = rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK, BLOCK))))
         n_cols = cute.size(rows_cols(accdP), mode=[1])
         stat = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)
-        accdK.fill(0.0)
         mma_kv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         dS = rows_cols(accdP)
-        if n > 0:
-            kv_full.wait(0, 0)
-            for j in cutlass.range(n, unroll=1):
-                s = j % S
-                qb = self._clamp(self._entry(sel, window, j), n_q)
-                qdo_full.wait(s, (j // S) % 2)
-                cute.nvgpu.warpgroup.fence()
-                self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
-                cute.nvgpu.warpgroup.commit_group()
-                for ci in cutlass.range_constexpr(n_cols):
-                    stat[ci] = sDelta[cS_rc[0, ci][1], s]
-                cute.nvgpu.warpgroup.wait_group(1)  # dK_{j-1} retired: this warpgroup is done with slot j - 1
-                if j >= 1:
-                    self._release(qdo_empty, (j - 1) % S)
-                cute.nvgpu.warpgroup.wait_group(0)
-                pb = j % 2
-                cute.arch.barrier(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
-                                  number_of_threads=2 * WG)  # P_j is in buffer pb
-                for i in cutlass.range_constexpr(cute.size(flatP)):
-                    flatP[i] = sP[i, t, pb]
-                for ri in cutlass.range_constexpr(cute.size(dS, mode=[0])):
+        used = cutlass.Int32(0)      # ring entries this CTA has used (and dQ tiles it has sent)
+        kv_loads = cutlass.Int32(0)  # tiles whose K / V this CTA used
+        k = cutlass.Int32(0)
+        tile = self._next_tile(k, w, hand, False)
+        while tile < w["n_tiles"]:
+            kvb, g, h, b, _, _, lo, n = self._work(tile, w)
+            accdK.fill(0.0)
+            if n > 0:
+                sel = self._list(w, kvb, h, b, lo)
+                kv_full.wait(0, kv_loads % 2)
+                for j in cutlass.range(n, unroll=1):
+                    e = used + j
+                    s = e % S
+                    qb = self._clamp(self._entry(sel, window, j), n_q)
+                    qdo_full.wait(s, (e // S) % 2)
+                    cute.nvgpu.warpgroup.fence()
+                    self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
+                    cute.nvgpu.warpgroup.commit_group()
                     for ci in cutlass.range_constexpr(n_cols):
-                        dS[ri, ci] = Pf[ri, ci] * (dS[ri, ci] - stat[ci])
-                if j + 2 < n:
-                    cute.arch.barrier_arrive(barrier_id=P_FREE[0] + pb * (P_FREE[1] - P_FREE[0]),
-                                             number_of_threads=2 * WG)
-                rdS_as_S.store(accdP.load().to(dt))
-                cute.autovec_copy(rdS_as_S, tSsdS)  # dQ_{j-1}, its last reader, retired at step j - 1
-                cute.arch.fence_view_async_shared()  # dS in shared memory, visible to the wgmma
-                cute.arch.barrier(barrier_id=DS_STORED, number_of_threads=WG)
-                cute.nvgpu.warpgroup.fence()
-                self._gemm_k(mma_dq, accdQ, tDQrdS, None, tDQrK_t, 0)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(1)  # dQ_j; dK_j runs on under the next dP
-                rq = _regs_4(accdQ)
-                if cutlass.const_expr(self.dq_bulk):
-                    if j >= 1:  # the reduction of step j - 1 has read the staging
-                        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=WG + 32)
-                    cute.autovec_copy(rq, sdQ[None, None, t])
-                    cute.arch.fence_view_async_shared()  # visible to the bulk reduction (async proxy)
-                    cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=WG + 32)
-                else:
-                    gAcc = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
-                    for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
-                        _red_add_v4_f32(gAcc[None, k4, t].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
-            cute.nvgpu.warpgroup.wait_group(0)  # the last dK
-        writes = cutlass.Boolean(True)
-        if cutlass.const_expr(self.q_group_blocks > 0):
-            if grp["groups"] > 1:
-                writes = self._join_groups(accdK, grp, 1, kvb, h, b, t)
-        if writes:
-            gdK = cute.local_tile(gdK4[None, None, h, b], (BLOCK, D), (kvb, 0))
-            rOut = cute.make_rmem_tensor_like(accdK, dt)
-            if cutlass.const_expr(self.pool_grads):  # VSA: + the pooling gradient, one rounding
-                cKV_rc = rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK, D))))
-                _pooling_grad(mdKPool[b, h, kvb, None], mKVCounts[kvb], self.ignore_padding, rows_cols(accdK),
-                              cKV_rc, scale)
-                rOut.store(accdK.load().to(dt))
-            else:
-                rOut.store((accdK.load() * scale).to(dt))
-            cute.autovec_copy(rOut, thr_kv.partition_C(gdK))
+                        stat[ci] = sDelta[cS_rc[0, ci][1], s]
+                    cute.nvgpu.warpgroup.wait_group(1)  # dK_{j-1} retired: this warpgroup is done with slot j - 1
+                    if j >= 1:
+                        self._release(qdo_empty, (e - 1) % S)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    pb = j % 2
+                    cute.arch.barrier(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
+                                      number_of_threads=2 * WG)  # P_j is in buffer pb
+                    for i in cutlass.range_constexpr(cute.size(flatP)):
+                        flatP[i] = sP[i, t, pb]
+                    for ri in cutlass.range_constexpr(cute.size(dS, mode=[0])):
+                        for ci in cutlass.range_constexpr(n_cols):
+                            dS[ri, ci] = Pf[ri, ci] * (dS[ri, ci] - stat[ci])
+                    if j + 2 < n:
+                        cute.arch.barrier_arrive(barrier_id=P_FREE[0] + pb * (P_FREE[1] - P_FREE[0]),
+                                                 number_of_threads=2 * WG)
+                    rdS_as_S.store(accdP.load().to(dt))
+                    cute.autovec_copy(rdS_as_S, tSsdS)  # dQ_{j-1}, its last reader, retired at step j - 1
+                    cute.arch.fence_view_async_shared()  # dS in shared memory, visible to the wgmma
+                    cute.arch.barrier(barrier_id=DS_STORED, number_of_threads=WG)
+                    cute.nvgpu.warpgroup.fence()
+                    self._gemm_k(mma_dq, accdQ, tDQrdS, None, tDQrK_t, 0)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.gemm(mma_kv, accdK, rdS, tKVrQdO_t[None, None, None, 2 * s], accdK)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)  # dQ_j; dK_j runs on under the next dP
+                    rq = _regs_4(accdQ)
+                    if cutlass.const_expr(self.dq_bulk):
+                        if e >= 1:  # the reduction of the entry before has read the staging
+                            cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=WG + 32)
+                        cute.autovec_copy(rq, sdQ[None, None, t])
+                        cute.arch.fence_view_async_shared()  # visible to the bulk reduction (async proxy)
+                        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=WG + 32)
+                    else:
+                        gAcc = cute.make_tensor(mDQacc[b, h, qb, None].iterator, _staging_layout(D))
+                        for k4 in cutlass.range_constexpr(cute.size(rq, mode=[1])):
+                            _red_add_v4_f32(gAcc[None, k4, t].iterator, rq[0, k4], rq[1, k4], rq[2, k4], rq[3, k4])
+                cute.nvgpu.warpgroup.wait_group(0)  # the last dK
+                used, kv_loads = self._tile_done(qdo_empty, kv_empty, used, n, kv_loads)
+            if cutlass.const_expr(self.persistent):  # this tile's P all read: warpgroup 1 may reuse the buffers
+                cute.arch.barrier(barrier_id=TILE_DONE, number_of_threads=2 * WG)
+            self._write_kv_grad(accdK, 1, thr_kv, gdK4, mdKPool, mKVCounts, kvb, g, h, b, t, w, scale)
+            k += 1
+            tile = self._next_tile(k, w, hand, False)
+        if cutlass.const_expr(self.dq_bulk):
+            if used > 0:  # the last reduction has read the staging (the arrival every send makes)
+                cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=WG + 32)
