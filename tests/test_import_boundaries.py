@@ -63,20 +63,40 @@ JIT_GRAD = textwrap.dedent("""
     """)
 
 
-def _run(code: str, platform: str, interpret: bool = False) -> str:
+def run_without_torch(code: str, platform: str, extra_env=None, interpret: bool = False) -> str:
+    """`code` in a fresh python where torch cannot be imported (JAX_PLATFORMS=platform, `extra_env`
+    added, Triton's interpreter with `interpret`); asserts it exits cleanly and never loaded torch; its stdout."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")])
     env["JAX_PLATFORMS"] = platform
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    env.update(extra_env or {})
     proc = subprocess.run([sys.executable, "-c", NO_TORCH + code + TORCH_NEVER_LOADED], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0 and "NO TORCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
 
+def native_vjp_script(backend: str, seed: int) -> str:
+    """A JAX-only process's check of a backend's native launches: jit(vjp) forward and backward, both
+    layouts, close to the float64 reference; prints "NATIVE <BACKEND> OK"."""
+    return textwrap.dedent(f"""
+        import jax
+        from common import Case, assert_close, make_inputs, reference
+        from frontends import run_jax_vjp
+        import vsa_jax
+        assert jax.default_backend() == "gpu"
+        vsa_jax.set_launch("native")
+        for case in (Case(head_dim=128), Case(head_dim=128, layout="bshd", gate=False)):
+            inputs = make_inputs(case, seed={seed})
+            assert_close(case, run_jax_vjp(case, inputs, backend={backend!r}), reference(case, inputs))
+        print("NATIVE {backend.upper()} OK")
+        """)
+
+
 def test_core_imports_without_torch():
-    _run(textwrap.dedent("""
+    run_without_torch(textwrap.dedent("""
         import vsa_core, vsa_core.ops, vsa_core.plan, vsa_core.reference, vsa_core.interpreter, vsa_core.api
         from vsa_core.backends import BACKENDS, REGISTRY
         assert set(BACKENDS) == set(REGISTRY) and "triton" in REGISTRY
@@ -84,13 +104,13 @@ def test_core_imports_without_torch():
 
 
 def test_jax_frontend_imports_without_torch():
-    _run("import vsa_jax, vsa_jax.parallel, vsa_jax.native, vsa_jax.spmd\n", "cpu")
+    run_without_torch("import vsa_jax, vsa_jax.parallel, vsa_jax.native, vsa_jax.spmd\n", "cpu")
 
 
 def test_blocked_torch_is_really_blocked():
     """The guard itself: importing torch in the guarded process fails."""
     with pytest.raises(AssertionError, match="torch is blocked"):
-        _run("import torch\n", "cpu")
+        run_without_torch("import torch\n", "cpu")
 
 
 NO_JAX = NO_TORCH.replace('name == "torch" or name.startswith("torch.")',
@@ -103,7 +123,7 @@ def test_core_alone_runs_on_numpy_buffers():
     real kernels (Triton's interpreter) on numpy float16 arrays handed over as DeviceBuffers,
     equal to the float64 reference."""
     skip_if_interpreter_broken()
-    _run(NO_JAX + textwrap.dedent("""
+    run_without_torch(NO_JAX + textwrap.dedent("""
         import dataclasses
         import numpy as np
         from common import Case, assert_close, make_inputs, reference
@@ -141,7 +161,7 @@ def test_demo_runs_without_torch():
     frontend, its default there, against the numpy float64 reference; `--frontend torch` is a
     usage error that says why."""
     skip_if_interpreter_broken()
-    out = _run(textwrap.dedent(f"""
+    out = run_without_torch(textwrap.dedent(f"""
         import contextlib, io, runpy
 
         def demo(*args):
@@ -165,7 +185,7 @@ def test_demo_runs_without_torch():
 def test_native_plan_records_and_compiles_without_torch():
     """The JAX native path's trace-time work, torch blocked: the forward's launch plan recorded
     on placeholder buffers and each launch compiled to an sm_90 cubin (no GPU needed)."""
-    _run(textwrap.dedent("""
+    run_without_torch(textwrap.dedent("""
         from vsa_core import plan as P
         from vsa_core.problem import AttnProblem
         p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=64, block_elems=64, dtype="bfloat16",
@@ -181,7 +201,7 @@ def test_jax_jit_grad_on_cpu_without_torch(interpret):
     """jit + grad through the Triton kernels under the interpreter, torch blocked: both ways the
     CPU runs them (a process that imported triton normally, and TRITON_INTERPRET=1)."""
     skip_if_interpreter_broken()
-    out = _run("BACKEND = 'triton'\n" + JIT_GRAD, "cpu", interpret)
+    out = run_without_torch("BACKEND = 'triton'\n" + JIT_GRAD, "cpu", interpret=interpret)
     assert "JIT GRAD OK on cpu" in out
 
 
@@ -192,5 +212,5 @@ def test_jax_jit_grad_on_gpu_without_torch(launch):
     """The Triton backend on the GPU from a process where torch is blocked: through the buffer
     callback (compiled kernels launched on XLA's stream by vsa_core.runtime.raw_cuda_launches)
     and natively (the launch plan as XLA custom calls)."""
-    out = _run(f"BACKEND = 'triton'\nimport vsa_jax\nvsa_jax.set_launch({launch!r})\n" + JIT_GRAD, "cuda")
+    out = run_without_torch(f"BACKEND = 'triton'\nimport vsa_jax\nvsa_jax.set_launch({launch!r})\n" + JIT_GRAD, "cuda")
     assert "JIT GRAD OK on gpu" in out

@@ -23,7 +23,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from test_import_boundaries import NO_TORCH, TORCH_NEVER_LOADED
+from test_import_boundaries import native_vjp_script, run_without_torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,20 +43,8 @@ SHAPES = textwrap.dedent("""
     """)
 
 
-def _run(code: str, platform: str, extra_env=None) -> str:
-    """`code` in a fresh python where torch cannot be imported; asserts torch never loaded."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS",)}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")])
-    env["JAX_PLATFORMS"] = platform
-    env.update(extra_env or {})
-    proc = subprocess.run([sys.executable, "-c", NO_TORCH + code + TORCH_NEVER_LOADED], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "NO TORCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
-
-
 def test_imports_without_torch():
-    _run(textwrap.dedent("""
+    run_without_torch(textwrap.dedent("""
         from vsa_jax import cudnn_call
         assert cudnn_call.library_error() is None, cudnn_call.library_error()
         cudnn_call._Adapter  # noqa: B018
@@ -78,7 +66,7 @@ def test_imports_without_torch():
 def test_traces_to_the_cutlass_call_primitive():
     """Under jit the call is one cutlass_call_inner equation (the FFI target named in its params),
     after the small clamp/broadcast of the block sizes; the CPU backend has no lowering for it."""
-    _run(SHAPES + textwrap.dedent("""
+    run_without_torch(SHAPES + textwrap.dedent("""
         for layout in ("bhsd", "bshd"):
             f = lambda *a: cudnn_call.cudnn_sm90_forward(*a, layout=layout)
             jaxpr = jax.jit(f).trace(*shapes(layout)).jaxpr
@@ -118,7 +106,7 @@ def test_lowers_for_cuda_to_one_custom_call_with_an_sm90a_kernel(tmp_path):
     """Lowered for CUDA on this host (jax.export, torch blocked, no driver): the kernel compiles
     for sm_90a and the program is one typed-FFI custom call to the CuTe DSL runtime whose
     attributes carry the compiled host object (ELF x86-64 relocatable) with the sm_90 cubin."""
-    out = _run(SHAPES + textwrap.dedent(f"""
+    out = run_without_torch(SHAPES + textwrap.dedent(f"""
         import re
         for layout in ("bhsd", "bshd"):
             f = lambda *a: cudnn_call.cudnn_sm90_forward(*a, layout=layout)
@@ -163,10 +151,10 @@ def test_the_cudnn_stages_lower_to_triton_calls_and_one_cute_call():
     CuTe DSL call of cuDNN's kernels compiled for sm_90a (the backward's: its K-to-Q lists, then
     its backward kernel, in one call), both layouts and paddings (padding "ignore" reads the
     valid-rows copies, XLA buffers of the plan); no callback."""
-    from test_jax_sm90_native import LOWER, _run_no_torch
+    from test_jax_sm90_native import LOWER
     cases = [(stage, padding, layout, {}) for stage in ("forward", "backward")
              for padding, layout in (("zeros", "bhsd"), ("ignore", "bshd"))]
-    out = _run_no_torch(f"BACKEND = 'cudnn'\nCASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
+    out = run_without_torch(f"BACKEND = 'cudnn'\nCASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
     assert out.count("LOWERED") == 4, out
 
 
@@ -261,7 +249,7 @@ GPU_VALUES = SHAPES + textwrap.dedent("""
 
 @pytest.mark.gpu
 def test_gpu_values_equal_the_reference_with_torch_blocked():
-    _run(GPU_VALUES + textwrap.dedent("""
+    run_without_torch(GPU_VALUES + textwrap.dedent("""
         assert jax.devices()[0].platform == "gpu"
         for layout in ("bhsd", "bshd"):
             out, lse, ref_out, ref_lse = run(layout)
@@ -306,8 +294,8 @@ def test_gpu_runs_inside_an_xla_command_buffer_and_replays_equal():
         cmd = os.path.join(d, "cmd.npy")
         plain = os.path.join(d, "plain.npy")
         flags = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-        out = _run(code.replace("__OUT_PATH__", repr(cmd)), "cuda", {"XLA_FLAGS": flags})
-        _run(code.replace("__OUT_PATH__", repr(plain)), "cuda", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})
+        out = run_without_torch(code.replace("__OUT_PATH__", repr(cmd)), "cuda", {"XLA_FLAGS": flags})
+        run_without_torch(code.replace("__OUT_PATH__", repr(plain)), "cuda", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})
         assert "IN COMMAND BUFFER" in out, out
         assert np.array_equal(np.load(cmd), np.load(plain))
 
@@ -383,18 +371,8 @@ def test_gpu_native_cudnn_runs_with_torch_blocked():
     (jit(vjp), both layouts), close to the float64 reference."""
     from common import require_jax_gpu
     require_jax_gpu()
-    _run(textwrap.dedent("""
-        import jax
-        from common import Case, assert_close, make_inputs, reference
-        from frontends import run_jax_vjp
-        import vsa_jax
-        assert jax.default_backend() == "gpu"
-        vsa_jax.set_launch("native")
-        for case in (Case(head_dim=128), Case(head_dim=128, layout="bshd", gate=False)):
-            inputs = make_inputs(case, seed=6)
-            assert_close(case, run_jax_vjp(case, inputs, backend="cudnn"), reference(case, inputs))
-        print("NATIVE CUDNN OK")
-        """), "cuda")
+    out = run_without_torch(native_vjp_script("cudnn", seed=6), "cuda")
+    assert "NATIVE CUDNN OK" in out
 
 
 @pytest.mark.gpu

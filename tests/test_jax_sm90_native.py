@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from common import Case, assert_close, compile_in_subprocess, make_inputs, reference, require_jax_gpu
-from test_import_boundaries import NO_TORCH, TORCH_NEVER_LOADED
+from test_import_boundaries import native_vjp_script, run_without_torch
 from vsa_core import plan as core_plan, stages
 from vsa_core.backends import sm90_backend, sm90_bwd64_groups
 from vsa_core.launch import Launcher
@@ -366,22 +366,11 @@ LOWER = textwrap.dedent("""
     """)
 
 
-def _run_no_torch(code: str, platform: str, extra_env=None) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TRITON_INTERPRET")}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")])
-    env["JAX_PLATFORMS"] = platform
-    env.update(extra_env or {})
-    proc = subprocess.run([sys.executable, "-c", NO_TORCH + code + TORCH_NEVER_LOADED], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0 and "NO TORCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
-
-
 @pytest.mark.skipif(not HAS_CUTE_JAX, reason="needs jax and nvidia-cutlass-dsl 4.8.1")
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 def test_native_stage_lowers_to_triton_calls_and_one_cute_call(stage):
     cases = [(stage, "zeros", "bhsd", {}), (stage, "ignore", "bshd", {})]
-    out = _run_no_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
+    out = run_without_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
     assert out.count("LOWERED") == 2 and out.count("REFUSED under vmap") == 1, out
 
 
@@ -400,7 +389,7 @@ def test_native_variants_lower(variant):
     extra = VARIANTS[variant]
     stages = ("forward",) if extra.get("training") is False else ("forward", "backward")
     cases = [(stage, "ignore" if variant == "indices" else "zeros", "bshd", extra) for stage in stages]
-    out = _run_no_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
+    out = run_without_torch(f"CASES = {cases!r}\n" + LOWER, "cpu", {"CUTE_DSL_ARCH": "sm_90a"})
     assert out.count("LOWERED") == len(stages), out
 
 
@@ -450,7 +439,7 @@ SHARD_MAP = textwrap.dedent("""
 def test_native_forward_lowers_inside_shard_map():
     """Inside jax.shard_map (check_vma on, heads split over 2 devices) the native sm90 forward
     type-checks and lowers for CUDA: each device's plan, one CuTe DSL call."""
-    out = _run_no_torch(SHARD_MAP, "cpu", {"CUTE_DSL_ARCH": "sm_90a",
+    out = run_without_torch(SHARD_MAP, "cpu", {"CUTE_DSL_ARCH": "sm_90a",
                                            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert "LOWERED under shard_map" in out
 
@@ -496,7 +485,7 @@ def test_the_default_launch_lowers_sm90_to_custom_calls_only():
     """With no launch set (the default) on a CUDA device, the sm90 forward and backward lower for
     CUDA to their Triton custom calls and one CuTe DSL custom call each, no Python callback."""
     env = {"CUTE_DSL_ARCH": "sm_90a", "VSA_JAX_LAUNCH": ""}
-    out = _run_no_torch(DEFAULT_LOWER, "cpu", env)
+    out = run_without_torch(DEFAULT_LOWER, "cpu", env)
     assert out.count("DEFAULT LOWERED") == 2, out
 
 
@@ -567,10 +556,32 @@ def test_gpu_native_matches_callback_and_torch(case, padding, launch_config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+def test_gpu_native_query_groups_match_torch(persistent, monkeypatch, launch_config):
+    """The backward with several query groups (one query block each: 7 groups), as the grid or
+    persistent, under JAX's native call and torch: dk, dv and dgate bit for bit (the partial sums
+    are added in group order in both), dq within the reduction order, close to float64. A shape no
+    other test runs, so no plan recorded with the default configuration is reused."""
+    from frontends import run_jax_vjp, run_torch
+    case = Case(head_dim=128, n_q_blocks=7, n_kv_blocks=6, topk=3, batch=1, heads=2)
+    _require_sm90_jax(case)
+    monkeypatch.setitem(sm90_backend.BACKWARD, "q_group_bytes", 64 * 128 * 8)
+    monkeypatch.setitem(sm90_backend.BACKWARD, "persistent", persistent)
+    assert sm90_bwd64_groups.groups_of(case.n_q_blocks, 128, sm90_backend.BACKWARD["q_group_bytes"]) == 7
+    launch_config(autotune=False)
+    inputs = make_inputs(case, seed=31 + persistent)
+    launch_config(jax_launch="native")
+    native_got = run_jax_vjp(case, inputs, backend="sm90")
+    torch_got = run_torch(case, inputs, backend="sm90")
+    assert_close(case, native_got, reference(case, inputs))
+    _bitwise(native_got, torch_got, ["out", "dk", "dv", "dgate"], "native - torch")
+    assert_dq_within_reduction_order(case, native_got, torch_got, "native - torch")
+
+
+@pytest.mark.gpu
 def test_gpu_native_program_has_no_callback(launch_config):
     """The jitted native program holds the CuTe DSL custom calls (forward, backward) and no callback."""
     import jax
-    import jax.numpy as jnp
     from frontends import jax_args, vsa_fn
     case = Case(head_dim=128)
     _require_sm90_jax(case)
@@ -654,18 +665,7 @@ def test_gpu_native_sm90_runs_with_torch_blocked():
     in a process where torch cannot be imported, close to the float64 reference."""
     if not HAS_CUTE_JAX:
         pytest.skip("needs jax and nvidia-cutlass-dsl")
-    out = _run_no_torch(textwrap.dedent("""
-        import jax
-        from common import Case, assert_close, make_inputs, reference
-        from frontends import run_jax_vjp
-        import vsa_jax
-        assert jax.default_backend() == "gpu"
-        vsa_jax.set_launch("native")
-        for case in (Case(head_dim=128), Case(head_dim=128, layout="bshd", gate=False)):
-            inputs = make_inputs(case, seed=5)
-            assert_close(case, run_jax_vjp(case, inputs, backend="sm90"), reference(case, inputs))
-        print("NATIVE SM90 OK")
-        """), "cuda")
+    out = run_without_torch(native_vjp_script("sm90", seed=5), "cuda")
     assert "NATIVE SM90 OK" in out
 
 

@@ -24,7 +24,7 @@ from vsa_core import reference as R
 E = 64
 # The two kernels behind `prepare_backward64`, each as the sm90 backend would configure it (the
 # backend's BACKWARD is one of them: test_backend_backward_is_tested)
-# query groups of 2 query blocks at D128 (`sm90_bwd64.group_blocks`): several groups per list at
+# query groups of 2 query blocks at D128 (`sm90_bwd64_groups.group_blocks`): several groups per list at
 # these sizes; a grid chunk of 2 KV blocks runs the ring of partial sums (4 slots) over many
 # generations and makes chunks that end a head short
 TWO_BLOCK_GROUPS = 2 * E * 128 * 8

@@ -43,6 +43,8 @@ from typing import Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from vsa_core.backends.cudnn_backend import BACKWARD_DTYPE, BACKWARD_HEAD_DIM, BLK64_BACKWARD_ZEROED
+
 from .cutlass_common import arrange, versions
 
 BLOCK = 64                      # the sm_90 blk64 kernel: 64-token query and KV blocks
@@ -52,7 +54,6 @@ GPU_ARCH = "sm_90a"             # compiled for this arch whatever the host has (
 TOKEN_ALIGN = 128               # bytes: what cuDNN's torch path assumes for q/k/v/out (TMA)
 TESTED = {"nvidia-cudnn-frontend": "1.32.0", "nvidia-cutlass-dsl": "4.8.1"}
 STEPS = ("cudnn_fwd", "cudnn_bwd")
-BACKWARD_HEAD_DIM, BACKWARD_DTYPE = 128, "bfloat16"   # cuDNN's sm_90 blk64 backward
 BACKWARD_TOKENS = frozenset({"q", "k", "v", "o", "dout", "dq", "dk", "dv"})
 
 # Logical mode order the kernel wants, as a permutation of the JAX array's dimensions (TensorSpec
@@ -232,18 +233,17 @@ def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tu
     """The results of plan step `step` (a `vsa_core.plan.Step`) of the "cudnn_fwd" or "cudnn_bwd"
     launch `launch`, on the arrays `current` (buffer name -> array); result_types: a
     ShapeDtypeStruct per step result."""
-    from vsa_core.backends.cudnn_backend import BLK64_BACKWARD_ZEROED
     check(launch)
     p = launch.statics_dict()["problem"]
     forward = launch.step == "cudnn_fwd"
     args = arrange(launch, step, current, result_types, frozenset() if forward else BLK64_BACKWARD_ZEROED)
     where = args.in_args.index("kv_counts")  # the kernels read the clamped, broadcast sizes instead
     args.in_args[where] = "block_sizes"
-    clamped = jnp.clip(args.in_arrays[where], 0, BLOCK)
     if forward:
-        args.in_arrays[where] = jnp.broadcast_to(clamped[None, None, :], (p.batch, p.heads, clamped.shape[0]))
+        args.in_arrays[where] = _block_sizes(args.in_arrays[where], p.batch, p.heads)
         cfg = Sm90Blk64Forward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale))
-    else:
+    else:  # the backward reads them per batch, [B, nKV]
+        clamped = jnp.clip(args.in_arrays[where], 0, BLOCK)
         args.in_arrays[where] = jnp.broadcast_to(clamped[None, :], (p.batch, clamped.shape[0]))
         cfg = Sm90Blk64Backward(p.head_dim, p.dtype, p.layout, float(p.softmax_scale), p.select_capacity)
     fn = _callable(cfg, tuple(args.in_args), tuple(args.out_args), args.result_args,

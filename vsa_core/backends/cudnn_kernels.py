@@ -21,6 +21,7 @@ from cudnn.block_sparse_attention.csrc.bwd.bucketed_k2q_csr import BucketedK2QCs
 from cudnn.block_sparse_attention.csrc.bwd.sm90_blk64.bsa_bwd_sm90 import (BlockSparseAttnBackwardSm90Blk64,
                                                                            sm90_bwd_auto_bucketed_k2q_size_blocks)
 
+
 def bucket_blocks(n_q_blocks: int) -> int:
     """Query blocks per K-to-Q bucket: cuDNN's own rule for sm_90."""
     return int(sm90_bwd_auto_bucketed_k2q_size_blocks(n_q_blocks))

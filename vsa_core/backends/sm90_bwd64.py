@@ -107,8 +107,7 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_bwd64_groups import (BLOCK, CHUNK_MAX, RING_CHUNKS, flags_in_use, group_blocks,  # noqa: F401
-                                 group_count, group_workspace_shapes)
+from .sm90_bwd64_groups import BLOCK, CHUNK_MAX, flags_in_use, group_blocks, group_workspace_shapes
 from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
                           resident_ctas, rows_cols)
 
