@@ -33,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a plumbing check under TRITON_INTERPRET=1 (GPU-only peers skipped)")
     p.add_argument("--shapes", default=None,
-                   help="comma-separated names: small, 480p-64, 480p-256, 720p-256 (default: all on cuda, "
+                   help="comma-separated names: small, 480p-64, 480p-256, 720p-256, 720p-64 (default: all on cuda, "
                         "none when --custom is given or on cpu)")
     p.add_argument("--custom", action="append", default=[], metavar="B,H,S,D,E,topk",
                    help="an extra shape (repeatable); E is the tokens per block")
@@ -132,6 +132,8 @@ STANDARD_SHAPES = {
     "480p-64-prefix8": Shape("480p-64-prefix8", 1, 12, 39936 + 512, 128, 64, 62, prefix=8),
     # 720p latent, 40 heads
     "720p-256": Shape("720p-256", 1, 40, 92160, 128, 256, 45),
+    # the same at VSA's default 64-token blocks, top-144 of 1440 (90% sparse, as 480p-64)
+    "720p-64": Shape("720p-64", 1, 40, 92160, 128, 64, 144),
 }
 
 

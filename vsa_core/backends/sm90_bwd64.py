@@ -83,6 +83,13 @@ are still the same every run (but not bitwise the one-group result: another orde
 Counters order the ring (`sm90_bwd64_split._join_groups`); every wait is for a CTA launched before
 the waiting one. A problem with one group runs the kernel without any of it.
 
+Persistent (`persistent`, split kernel only; a variant, not the default: it measured no faster,
+benchmarks/README.md). A grid of at most `chunk` CTAs, each taking the next (KV block, group) tile
+from a counter in `group_flags` (zeroed per launch) until none is left, in the grid's tile order: a
+tile is taken only by a running CTA, so the waits of the groups stay deadlock-free whatever the SM
+count. The next tile's first Q / dO tiles load under the current tile's last steps and its K / V
+under the epilogue (`sm90_bwd64_split`, `_next_tile`, `_produce`).
+
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
 of 8 elements and base addresses 16-byte aligned (TMA); lse, delta [B, H, Sq] fp32 with a

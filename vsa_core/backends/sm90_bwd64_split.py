@@ -13,7 +13,7 @@ five GEMMs of a (query block, KV block) pair go to two warpgroups that run a pai
     elements), dQ = dS K (dS through shared memory, as in the one-warpgroup kernel), dK += dS^T Q,
     dQ added into the workspace by red.global.add.v4.f32 from its registers (dq_bulk: staged in shared
     memory for the producer's warp 1, which sends it as one bulk reduction).
-  warpgroup 0, warp 0: every TMA load (K and V once; per list entry Q, dO, lse, delta into a ring of
+  warpgroup 0, warp 0: every TMA load (K and V once a tile; per list entry Q, dO, lse, delta into a ring of
     `stages` slots behind "empty" mbarriers that both compute warpgroups' warps arrive on, 8 per fill).
 P^T travels in fp32, so dS (and with it dK, dQ) is the one-warpgroup kernel's arithmetic exactly:
 dk and dv stay bitwise equal to the Triton backward's.
