@@ -209,10 +209,10 @@ class BlockSparseFwd64Sm90:
         # sits at the same position in both and is loaded once, half by each CTA, multicast to both
         self.cluster_pairs = cluster_pairs
         # a step's order: the row maxima, the O rescale (its vote and branch), then the exponentials,
-        # with P converted at the top of the next step (the sm90 backend's FORWARD). Softmax first, then
-        # the rescale branch (this class's default) keeps the fp32 P live across the branch, and ptxas, short of registers at 3
-        # consumers, computed one row's exponentials twice (for the row sum before the branch and for
-        # P after it: 16 extra MUFU.EX2 and FFMA per thread and tile)
+        # with P converted at the top of the next step (the sm90 backend's FORWARD). Softmax first,
+        # then the rescale branch (this class's default) keeps the fp32 P live across the branch, and
+        # ptxas, short of registers at 3 consumers, computed one row's exponentials twice (for the row
+        # sum before the branch and for P after it: 16 extra MUFU.EX2 and FFMA per thread and tile)
         self.rescale_first = rescale_first
         assert not cluster_pairs or (warp_specialized and not (pingpong or shared_kv or list_in_smem or
                                                                self.persistent)), \
