@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist (each under 10 minutes)
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -247,6 +247,16 @@ case $step in
       tests/test_sm90_bwd64.py -k "persist and (nq4 or long or list_rule)"
     t 330 python3 benchmarks/sm90_bwd64_ab.py --rounds=${AB_ROUNDS:-3} --shapes=${AB_SHAPES:-12x39936,6x75264} \
       --calls=${AB_CALLS:-backend,persist,persist20,persist10,cudnn}
+    ;;
+  wholevsa)  # issue 21: the whole VSA per kernel at 480p-64 (ncu table: the coarse stage's share on this
+             # card), then 480p-64 and 720p-64 with the sm90 and cudnn backends against cuDNN called directly
+    t 150 ncu --clock-control none --profile-from-start off -f -o "$out/vsa_sm90" \
+      --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+      python3 benchmarks/vsa_profile.py --backend sm90
+    t 30 python3 benchmarks/vsa_profile.py --table "$out/vsa_sm90.ncu-rep"
+    rm -f "$out/vsa_sm90.ncu-rep"
+    t 330 python3 benchmarks/bench.py --quick --shapes 480p-64,720p-64 --frontends eager --backends sm90,cudnn \
+      --peers cudnn --out "$out/bench"
     ;;
   pairsprof)  # issue 21: where the time of the forward goes, with and without the pairs' multicast (ncu)
     for lists in random smooth; do

@@ -43,6 +43,13 @@ def main(argv=None):
         pass
 
     @cute.jit
+    def host_only_16(a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor, a3: cute.Tensor, a4: cute.Tensor,
+                     a5: cute.Tensor, a6: cute.Tensor, a7: cute.Tensor, a8: cute.Tensor, a9: cute.Tensor,
+                     a10: cute.Tensor, a11: cute.Tensor, a12: cute.Tensor, a13: cute.Tensor, a14: cute.Tensor,
+                     a15: cute.Tensor, scale: cutlass.Float32, chunk: cutlass.Int32, stream):
+        pass
+
+    @cute.jit
     def host_only_4(a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor, a3: cute.Tensor, scale: cutlass.Float32,
                     stream):
         pass
@@ -52,10 +59,14 @@ def main(argv=None):
     def compile_host_only(kernel, *args, **options):
         """The kernel's stand-in, compiled from the kernel's own arguments and options."""
         n = sum(1 for x in args if hasattr(x, "mark_layout_dynamic"))
-        return real_compile({14: host_only_14, 4: host_only_4}[n], *args, **options)
+        return real_compile({14: host_only_14, 16: host_only_16, 4: host_only_4}[n], *args, **options)
     cute.compile = compile_host_only
 
     from vsa_core.backends import sm90_backend, sm90_common
+    sm90_common._SM_COUNTS.setdefault(0, 132)  # an H100 / H200's SMs (no CUDA driver here)
+    from vsa_core.problem import AttnProblem
+    problem = AttnProblem(batch=B, heads=H, q_len=S, kv_len=S, head_dim=D, block_elems=E, dtype="bfloat16", topk=K,
+                          has_gate=True, padding="ignore")
     nb = S // E
     tok = lambda: torch.zeros(B, H, S, D, dtype=torch.bfloat16)  # noqa: E731
     f32 = lambda *s: torch.zeros(*s, dtype=torch.float32)  # noqa: E731
@@ -67,6 +78,9 @@ def main(argv=None):
                dq=tok(), dk=tok(), dv=tok(),
                inv_idx=i32(B, H, nb, nb), inv_num=i32(B, H, nb), kv_counts=i32(nb), dq_accum=f32(B, H, nb, E * D),
                dq_pool=f32(B, H, nb, D), dk_pool=f32(B, H, nb, D), dv_pool=f32(B, H, nb, D), q_counts=i32(nb))
+    for name, (shape, dtype) in sm90_backend.workspaces("backward", problem).items():
+        if name not in bwd and not name.endswith("_valid"):  # the query groups' workspaces
+            bwd[name] = torch.zeros(*shape, dtype=getattr(torch, "float32" if dtype == "float32" else dtype))
     # the dQ accumulator's zeroing is an asynchronous fill on the GPU, a 4 MiB memset here: left out
     bwd["dq_accum"].zero_ = lambda: bwd["dq_accum"]
     statics = dict(dtype="bfloat16", head_dim=D, layout="bhsd", softmax_scale=D ** -0.5)
