@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa (each under 10 minutes)
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -257,6 +257,16 @@ case $step in
     rm -f "$out/vsa_sm90.ncu-rep"
     t 330 python3 benchmarks/bench.py --quick --shapes 480p-64,720p-64 --frontends eager --backends sm90,cudnn \
       --peers cudnn --out "$out/bench"
+    ;;
+  bwdl2)  # issue 21: the backward's L2 and DRAM traffic, ours (BACKWARD) against cuDNN's, at 480p and 720p
+          # lengths (ncu, one launch each): where ours loses 1.2x at H40 S92160 but not at H12 S39936
+    for shape in 12x39936 40x92160; do
+      t 150 ncu --clock-control none --profile-from-start off -f -o "$out/bwdl2_$shape" --metrics \
+        gpu__time_duration.sum,lts__t_sectors.sum,lts__t_sectors_srcunit_ltcfabric.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+        python3 benchmarks/sm90_bwd64_profile.py backend cudnn --shape=$shape
+      t 60 sh -c "ncu -i '$out/bwdl2_$shape.ncu-rep' --page raw --csv --print-units base > '$out/bwdl2_$shape.csv'"
+      rm -f "$out/bwdl2_$shape.ncu-rep"
+    done
     ;;
   pairsprof)  # issue 21: where the time of the forward goes, with and without the pairs' multicast (ncu)
     for lists in random smooth; do

@@ -2,12 +2,12 @@
 profiler range, for Nsight Compute:
 
     ncu --clock-control none --profile-from-start off --set full --import-source yes \
-        -o $OUT/bwd64 python3 benchmarks/sm90_bwd64_profile.py [ours] [split] [backend] [cudnn]
+        -o $OUT/bwd64 python3 benchmarks/sm90_bwd64_profile.py [ours] [split] [backend] [cudnn] [--shape=HxS]
 
 Everything is compiled and run twice before the range opens, so the range holds exactly one call of
 each: ours (the default configuration) and split (`sm90_bwd64_split`) are the dq_accum fill, the
 main kernel and the dQ postprocess; cuDNN's is its backward's kernels. Inputs as sm90_fwd64_check.timing_problem
-(B1 H12 S39936 D128 top-62, random ascending lists, bf16), dO random; out and lse from our forward,
+(B1, H12 S39936 unless --shape=HxS, D128, top-62 random ascending lists, bf16), dO random; out and lse from our forward,
 delta from the Triton preprocess, the KV-owned lists from the same selection.
 """
 
@@ -29,8 +29,8 @@ import sm90_fwd64_profile as fprof  # noqa: E402
 E = 64
 
 
-def main(names) -> None:
-    fprof.profile_calls(list(backward_calls(names).items()))
+def main(names, H=12, S=39936) -> None:
+    fprof.profile_calls(list(backward_calls(names, H=H, S=S).items()))
 
 
 GROUP_BYTES = 20 << 20  # "groups": query groups of a 20 MiB working set (Q, dO, fp32 dQ) each
@@ -82,4 +82,7 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["ours", "cudnn"])
+    args = sys.argv[1:]
+    shape = [a.split("=", 1)[1] for a in args if a.startswith("--shape=")]  # --shape=HxS (B1)
+    H, S = (int(x) for x in shape[-1].split("x")) if shape else (12, 39936)
+    main([a for a in args if not a.startswith("--")] or ["ours", "cudnn"], H=H, S=S)
