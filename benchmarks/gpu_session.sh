@@ -270,7 +270,7 @@ case $step in
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)
-    t 400 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,8x58368,6x75264,4x92160,40x92160 \
+    t 400 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,10x49920,8x58368,7x66816,6x75264,4x92160,40x92160 \
       --calls=backend,cudnn
     ;;
   pairsprof)  # issue 21: where the time of the forward goes, with and without the pairs' multicast (ncu)
