@@ -262,7 +262,7 @@ case $step in
           # lengths (ncu, one launch each): where ours loses 1.2x at H40 S92160 but not at H12 S39936
     for shape in 12x39936 40x92160; do
       t 150 ncu --clock-control none --profile-from-start off -f -o "$out/bwdl2_$shape" --metrics \
-        gpu__time_duration.sum,lts__t_sectors.sum,lts__t_sectors_srcunit_ltcfabric.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+        gpu__time_duration.sum,lts__t_sectors.sum,lts__t_sectors_srcunit_ltcfabric.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed \
         python3 benchmarks/sm90_bwd64_profile.py backend cudnn --shape=$shape
       t 60 sh -c "ncu -i '$out/bwdl2_$shape.ncu-rep' --page raw --csv --print-units base > '$out/bwdl2_$shape.csv'"
       rm -f "$out/bwdl2_$shape.ncu-rep"
