@@ -40,7 +40,12 @@ CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
            "split-persist": dict(stages=3, split=True, dq_bulk=True, persistent=True, grid_chunk_blocks=3),
            "split-persist-red": dict(stages=3, split=True, persistent=True, grid_chunk_blocks=2),
            "split-groups-persist": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
-                                        persistent=True, grid_chunk_blocks=2)}
+                                        persistent=True, grid_chunk_blocks=2),
+           # K in warpgroup 1's registers: reloaded per tile (several groups; persistent: across tiles)
+           "split-groups-kregs": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                      k_in_regs=True),
+           "split-persist-kregs": dict(stages=3, split=True, dq_bulk=True, persistent=True, grid_chunk_blocks=3,
+                                       k_in_regs=True)}
 # the query groups' configurations with several groups (the list rule, determinism)
 GROUP_CONFIGS = ("split-groups-chunk2", "split-groups-persist")
 

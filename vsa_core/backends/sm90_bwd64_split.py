@@ -40,8 +40,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper_helpers
 
-from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, BlockSparseBwd64Sm90, SmemAllocator, _bulk_reduce_add_f32,
+from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, MAJOR_K, BlockSparseBwd64Sm90, SmemAllocator, _bulk_reduce_add_f32,
                          _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
 from .sm90_bwd64_groups import RING_CHUNKS, TILE_COUNTER_ROW, group_count
 from .sm90_common import rows_cols
@@ -68,7 +69,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
                  ignore_padding: bool = False, list_in_smem: bool = False, dq_bulk: bool = False,
-                 q_group_blocks: int = 0, persistent: bool = False):
+                 q_group_blocks: int = 0, persistent: bool = False, k_in_regs: bool = False):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
@@ -87,6 +88,9 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         # tiles and its K / V load run under the current tile's last steps and epilogue
         assert not (persistent and list_in_smem), "the list window is filled once per CTA"
         self.persistent = persistent
+        # warpgroup 1's S^T = K Q^T with K from registers (ldmatrix once a tile, register-A wgmmas): the
+        # shared-memory reads of K leave the steps, which read Q / dO, P and dS there as well
+        self.k_in_regs = k_in_regs
         # setmaxnreg budgets: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers
         self.producer_regs, self.mma_regs = 24, 240
 
@@ -132,9 +136,14 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         if cutlass.const_expr(self.persistent):
             grid = (cutlass.min(chunk, mInvIdx.shape[2] * groups * mQ.shape[1] * mQ.shape[0]), 1, 1)
         mma_s2, mma_kv2, _ = self._mmas()  # warpgroup 2's own
+        mma_s1 = o["mma_s"]
+        if cutlass.const_expr(self.k_in_regs):  # warpgroup 1's S^T with K as a register operand
+            mma_s1 = hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
+                                                           tiler_mn=(BLOCK, BLOCK),
+                                                           a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
         self.kernel(o["tQ"], o["tdO"], o["tK"], o["tV"], o["tma_q"], o["tma_do"], o["tma_k"], o["tma_v"], mLSE,
                     mDelta, mDQacc, o["gdK4"], o["gdV4"], mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool, mPartial,
-                    mFlags, o["mma_s"], o["mma_kv"], mma_s2, mma_kv2, o["mma_dq"], sKV_layout, sQdO_layout,
+                    mFlags, mma_s1, o["mma_kv"], mma_s2, mma_kv2, o["mma_dq"], sKV_layout, sQdO_layout,
                     sdS_layout, softmax_scale * LOG2_E, softmax_scale, chunk).launch(
             grid=grid, block=(3 * WG, 1, 1), smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
@@ -466,7 +475,17 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         thr_s = mma_s.get_slice(t)
         thr_kv = mma_kv.get_slice(t)
         tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s] Q
-        tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))          # [.., 0] K
+        tSrKV = None
+        k_copy, sK_part, rK, rK_copy = None, None, None, None
+        if cutlass.const_expr(self.k_in_regs):  # K in registers, loaded by ldmatrix once a tile
+            k_copy = cute.make_tiled_copy_A(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt),
+                mma_s).get_slice(t)
+            sK_part = k_copy.partition_S(sKV[None, None, 0])
+            rK = cute.make_rmem_tensor(thr_s.partition_shape_A((BLOCK, D)), dt)
+            rK_copy = k_copy.retile(rK)
+        else:
+            tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))      # [.., 0] K
         tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # [.., 2s + 1] dO^T
         accS = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
         accdV = cute.make_rmem_tensor(thr_kv.partition_shape_C((BLOCK, D)), cutlass.Float32)
@@ -490,6 +509,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             if n > 0:
                 sel = self._list(w, kvb, h, b, lo)
                 kv_full.wait(0, kv_loads % 2)
+                if cutlass.const_expr(self.k_in_regs):
+                    cute.copy(k_copy, sK_part, rK_copy)
                 last = first - 1  # the list rule inside the group's query blocks [first, end)
                 for j in cutlass.range(n, unroll=1):
                     e = used + j
@@ -501,7 +522,10 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                         valid = count
                     qdo_full.wait(s, (e // S) % 2)
                     cute.nvgpu.warpgroup.fence()
-                    self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
+                    if cutlass.const_expr(self.k_in_regs):
+                        self._gemm_k(mma_s, accS, rK, None, tSrQdO, 2 * s)
+                    else:
+                        self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
                     cute.nvgpu.warpgroup.commit_group()
                     for ci in cutlass.range_constexpr(n_cols):
                         lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
