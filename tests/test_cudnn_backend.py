@@ -8,6 +8,7 @@ tiles, Sq != Skv, gate, BHSD/BSHD, large logits), block_sparse_attn with empty r
 the forward-only cases in inference, streams, and torch <-> JAX parity.
 """
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -130,6 +131,22 @@ def test_auto_order_per_key_and_default():
     for p, dev in ((_problem(), DeviceInfo("cuda", 0, (10, 0))), (_problem(dtype="float16"), H200),
                    (_problem(head_dim=64), H200), (_problem(), DeviceInfo("cpu"))):
         assert auto_table.auto_order(p, dev) == auto_table.DEFAULT_ORDER
+
+
+def test_auto_order_of_long_training_calls():
+    """Past the measured length a training call takes the long order; at it, or in inference (no
+    backward follows), the table's."""
+    key = ("sm_90", 64, 128, "bfloat16")
+    most, order = auto_table.LONG_TRAINING[key]
+    assert order != auto_table.TABLE[key] and sorted(order) == sorted(auto_table.TABLE[key])
+    at, past = (_problem(q_len=n * 64, kv_len=n * 64) for n in (most, most + 1))
+    assert auto_table.auto_order(at, H200) == auto_table.TABLE[key]
+    assert auto_table.auto_order(past, H200) == order
+    inference = dataclasses.replace(past, training=False)
+    assert auto_table.auto_order(inference, H200) == auto_table.TABLE[key]
+    # packed: the stream's query blocks count
+    packed = _problem(q_len=(most + 1) * 64, kv_len=(most + 1) * 64, n_seqs=3)
+    assert auto_table.auto_order(packed, H200) == order
 
 
 def test_auto_takes_sm90_where_measured_fastest_and_falls_through(monkeypatch):
@@ -329,7 +346,13 @@ def test_auto_takes_sm90_at_64_token_blocks_on_h200():
     if sm90_backend.library_error() is not None:
         pytest.fail(f"sm90 is missing: {sm90_backend.library_error()}")
     p = _problem(block_elems=64, head_dim=128)
-    assert resolve_backend("auto", p, device_info(torch.empty(0, device="cuda"))) is sm90_backend
+    device = device_info(torch.empty(0, device="cuda"))
+    assert resolve_backend("auto", p, device) is sm90_backend
+    # training past the measured length: cuDNN's backward first; inference there: sm90 still
+    n = auto_table.LONG_TRAINING[("sm_90", 64, 128, "bfloat16")][0] + 1
+    long = _problem(block_elems=64, head_dim=128, q_len=n * 64, kv_len=n * 64)
+    assert resolve_backend("auto", long, device) is cudnn_backend
+    assert resolve_backend("auto", dataclasses.replace(long, training=False), device) is sm90_backend
 
 
 @pytest.mark.gpu

@@ -47,6 +47,21 @@ def arch_of(device: DeviceInfo) -> Optional[str]:
     return f"sm_{device.capability[0]}{device.capability[1]}"
 
 
+# Training calls longer than a measured number of query blocks (per head, the whole packed stream),
+# where another order is faster over forward + backward: key -> (most query blocks of TABLE's order,
+# the order past it). Inference (a forward with no backward to follow) keeps TABLE's order.
+LONG_TRAINING = {
+    # H100 (sm_90), bf16, D=128: our sm90 backward against cuDNN's as the sequence grows (benchmarks/
+    # sm90_bwd64_ab.py, `gpu_session.sh bwdlen`, benchmarks/results/2026-12-06-h100-session20): it takes
+    # query groups past 512 query blocks and falls behind cuDNN's; the sm90 forward stays ahead (720p-64
+    # fine stage 1.04x cuDNN's), but the backward is ~3x the forward's time.
+    ("sm_90", 64, 128, "bfloat16"): (800, ("cudnn", "sm90", "triton")),
+}
+
+
 def auto_order(problem: AttnProblem, device: DeviceInfo) -> Tuple[str, ...]:
     key = (arch_of(device), problem.block_elems, problem.head_dim, problem.dtype)
+    long = LONG_TRAINING.get(key)
+    if long is not None and problem.training and problem.n_q_blocks > long[0]:
+        return long[1]
     return TABLE.get(key, DEFAULT_ORDER)
