@@ -237,10 +237,13 @@ def test_the_default_launch_is_native_on_cuda_for_the_stages_that_have_a_native_
     monkeypatch.setattr(native, "_cuda_capability", lambda device: asked.append(device) or capability["now"])
     assert native.selected(T, on_cpu) and native.selected(sm90_backend)
     assert asked[0].kind == "cpu" and asked[1] == native.launch_device()  # asked about the call's device
-    cudnn = types.SimpleNamespace(name="cudnn")
-    assert not native.selected(types.SimpleNamespace(name="cute"))
+    cudnn, cute = types.SimpleNamespace(name="cudnn"), types.SimpleNamespace(name="cute")
     e64, e128 = (AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=128, block_elems=e, dtype="bfloat16",
                              topk=2) for e in (64, 128))
+    # cute's forward where FA4 and cutlass.jax import (its backward keeps the callback)
+    from vsa_jax import fa4_call
+    assert native.selected(cute, stage="forward", p=e128) is (fa4_call.library_error() is None)
+    assert not native.selected(cute, stage="backward", p=e128) and not native.selected(cute, stage="backward")
     # cudnn's stages at 64-token blocks where its kernel calls import (cuDNN frontend, cutlass.jax)
     from vsa_jax import cudnn_call
     for stage in ("forward", "backward"):
@@ -248,6 +251,7 @@ def test_the_default_launch_is_native_on_cuda_for_the_stages_that_have_a_native_
         assert not native.selected(cudnn, stage=stage, p=e128)
     capability["now"] = 100  # its kernels are compiled for sm_90a only
     assert not native.selected(cudnn, stage="forward", p=e64) and "sm_90a" in native.unavailable_reason("cudnn", 100)
+    assert not native.selected(cute, stage="forward", p=e128) and "sm_90a" in native.unavailable_reason("cute", 100)
     capability["now"] = 90
     launch_config(tma=True)
     for takes in (False, True):  # a jaxlib without and with host TMA descriptors

@@ -22,10 +22,10 @@ Variables (field of `LaunchConfig` in brackets):
 - `VSA_JAX_LAUNCH` [jax_launch]: how vsa_jax launches a stage, read when a call is traced.
   "auto" (the default): as XLA custom calls (`vsa_jax.native`, no Python per call) for the
   stages that have them (every stage of the Triton and sm90 backends, the cudnn stages at
-  64-token blocks: `vsa_jax.native.has_native`) on a CUDA device (the device of concrete arrays,
-  else JAX's default device: `vsa_jax.native.launch_device`); a `buffer_callback` (Python per
-  call) for the other stages (cute; cudnn's 128-token blocks and its forward with a static
-  prefix: no custom calls yet), on the CPU (the interpreter),
+  64-token blocks, the cute forward on sm_90: `vsa_jax.native.has_native`) on a CUDA device (the
+  device of concrete arrays, else JAX's default device: `vsa_jax.native.launch_device`); a
+  `buffer_callback` (Python per call) for the other stages (the cute backward; cudnn's 128-token
+  blocks and its forward with a static prefix: no custom calls yet), on the CPU (the interpreter),
   under jax.vmap (the native launches are not mapped), and for the Triton backend with TMA on
   (`tma`) where a custom call cannot pass its kernels the host TMA descriptors torch's launch
   passes (jaxlib < 0.11.2; a GPU below sm_90).

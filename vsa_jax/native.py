@@ -15,14 +15,17 @@ first launch that takes it, and passed on to later launches with an input/output
 The CuTe DSL launches of a plan (`CuteLaunch`es) become one `cutlass.jax.cutlass_call` each:
 the sm90 backend's kernels (`vsa_jax.sm90_call`), whose workspaces (the valid-rows copies of
 padding="ignore", the backward's dQ accumulator) are XLA buffers born in the plan like the
-stage's own, so the sm90 backend runs natively with no torch; and cuDNN's sm_90 forward and
-backward for 64-token blocks (`vsa_jax.cudnn_call`), so the cudnn backend runs natively too.
+stage's own, so the sm90 backend runs natively with no torch; cuDNN's sm_90 forward and
+backward for 64-token blocks (`vsa_jax.cudnn_call`), so the cudnn backend runs natively too; and
+FA4's sm_90 forward (`vsa_jax.fa4_call`: the object FA4's interface configures, taken at trace
+time with torch), so the cute backend's forward runs natively, its backward through the callback.
 
 The default (`jax_launch` "auto", `vsa_core.config`, read at trace time: a function already
 jitted keeps the path it was traced with): the stages that have a native path (`has_native`:
-every stage of the Triton and sm90 backends, the cudnn backend's at 64-token blocks) run
-natively on a CUDA device; the others (the cute (FA4) backend, cuDNN's 128-token blocks and its
-forward with a static prefix), calls on the CPU (the interpreter) and
+every stage of the Triton and sm90 backends, the cudnn backend's at 64-token blocks, the cute
+backend's forward on sm_90) run natively on a CUDA device; the others (the cute (FA4) backend's
+backward, cuDNN's 128-token blocks and its forward with a static prefix), calls on the CPU (the
+interpreter) and
 the cases `unavailable_reason` names take the callback (buffer_callback over vsa_core.ops), in
 every mode. The two stages of one call may so take different paths. "On a CUDA
 device" is the device the call runs on as far as tracing knows it (`launch_device`): a concrete
@@ -81,27 +84,44 @@ def launch_mode() -> str:
     return config().jax_launch
 
 
-# The stages each backend can run natively; the others keep the callback in every mode. cudnn's
-# stages run natively where its kernel calls can take the problem (`cudnn_call.native_reason`).
-NATIVE_STAGES = {"triton": ("forward", "backward"), "sm90": ("forward", "backward"), "cudnn": ("forward", "backward")}
+# The stages each backend can run natively; the others keep the callback in every mode. cudnn's and
+# cute's stages run natively where their kernel calls can take the problem (`native_reason` of
+# `cudnn_call` / `fa4_call`).
+NATIVE_STAGES = {"triton": ("forward", "backward"), "sm90": ("forward", "backward"), "cudnn": ("forward", "backward"),
+                 "cute": ("forward",)}
+# backend -> the module whose `native_reason(p, stage=)` says when a problem keeps the callback
+_REASONS = {"cudnn": "cudnn_call", "cute": "fa4_call"}
 # step of a CuTe DSL launch -> the module that replays it as a cutlass_call
-_CUTE_CALLS = {"sm90_fwd64": "sm90_call", "sm90_bwd64": "sm90_call", "cudnn_fwd": "cudnn_call", "cudnn_bwd": "cudnn_call"}
+_CUTE_CALLS = {"sm90_fwd64": "sm90_call", "sm90_bwd64": "sm90_call", "cudnn_fwd": "cudnn_call", "cudnn_bwd": "cudnn_call",
+               "fa4_fwd": "fa4_call"}
+# backends whose native kernels are compiled for sm_90a only
+_SM90A_ONLY = {"cudnn": "cuDNN's blk64 kernels are compiled for sm_90a",
+               "cute": "FA4's forward runs natively as its sm_90 kernel, compiled for sm_90a"}
 
 
 def has_native(backend: str, stage: str, p: Optional[AttnProblem] = None) -> bool:
     """Whether `stage` of `backend` has a native path (for problem `p`, when given)."""
     if stage not in NATIVE_STAGES.get(backend, ()):
         return False
-    if backend == "cudnn" and p is not None:
-        from . import cudnn_call
-        return cudnn_call.native_reason(p, stage=stage) is None
+    if backend in _REASONS and p is not None:
+        return native_reason(backend, stage, p) is None
     return True
+
+
+def native_reason(backend: str, stage: str, p: AttnProblem) -> Optional[str]:
+    """Why `stage` of `backend` on problem `p` has no native path (whatever the device), or None."""
+    if stage not in NATIVE_STAGES.get(backend, ()):
+        return f"the {backend} backend's {stage} has no native path"
+    if backend not in _REASONS:
+        return None
+    import importlib
+    return importlib.import_module(f"{__package__}.{_REASONS[backend]}").native_reason(p, stage=stage)
 
 
 def selected(impl, like=None, stage: str = "forward", p: Optional[AttnProblem] = None) -> bool:
     """True when `stage` of a call on the array `like` launches natively: the stage has a native
-    path (`has_native`: Triton's and sm90's stages, cudnn's at 64-token blocks; the others
-    keep the callback) and "native" is selected, or "auto" is (the default) and the call runs on a
+    path (`has_native`: Triton's and sm90's stages, cudnn's at 64-token blocks, cute's forward; the
+    others keep the callback) and "native" is selected, or "auto" is (the default) and the call runs on a
     CUDA device (`launch_device`) where nothing stands in the way (`unavailable_reason`)."""
     mode = launch_mode()
     name = getattr(impl, "name", None)
@@ -120,8 +140,8 @@ _NO_HOST_DESCRIPTORS = (
 
 def unavailable_reason(backend: str, capability: Optional[int] = None) -> Optional[str]:
     """Why `backend` cannot launch natively here (on a CUDA device of `capability`, when given), or None."""
-    if backend == "cudnn" and capability is not None and capability != 90:
-        return f"cuDNN's blk64 kernels are compiled for sm_90a (the device is sm_{capability})"
+    if backend in _SM90A_ONLY and capability is not None and capability != 90:
+        return f"{_SM90A_ONLY[backend]} (the device is sm_{capability})"
     if backend != "triton" or not config().tma:
         return None
     if not jaxlib_takes_host_descriptors():
@@ -280,7 +300,8 @@ def native_program(stage: str, p: AttnProblem, inputs: Tuple[Tuple[str, Tuple[in
 
 
 def _cute_call(launch):
-    """The module that replays CuTe DSL launch `launch` as a cutlass_call (`sm90_call`, `cudnn_call`)."""
+    """The module that replays CuTe DSL launch `launch` as a cutlass_call (`sm90_call`, `cudnn_call`,
+    `fa4_call`)."""
     import importlib
     module = _CUTE_CALLS.get(launch.step)
     if module is None:

@@ -235,17 +235,25 @@ def launch_fa4_forward(buffers: dict, *, layout: str, softmax_scale: float, bloc
     into out and lse with the lists idx / num ([2, ...]: full, mask) and the KV sub-block counts, on the
     caller's stream. FA4 allocates nothing here."""
     from ._torch_views import as_torch_buffers
-    fa_fwd, _, BlockSparse, mask_mod = _fa4()
     with caller_stream():
         b = as_torch_buffers(buffers, "lse")
-        idx, num = b["idx"], b["num"]
-        lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx[1], full_block_cnt=num[0],
-                            full_block_idx=idx[0], block_size=(block_elems, KV_TILE))
-        t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2) for n in ("q", "k", "v", "out")}
         with _FA4_LOCK:
-            fa_fwd(t["q"], t["k"], t["v"], softmax_scale=softmax_scale, mask_mod=mask_mod,
-                   block_sparse_tensors=lists, aux_tensors=[b["sub_counts"]], out=t["out"], lse=b["lse"],
-                   return_lse=True)
+            fa4_forward_call(b, layout=layout, softmax_scale=softmax_scale, block_elems=block_elems)
+
+
+def fa4_forward_call(b: dict, *, layout: str, softmax_scale: float, block_elems: int, **interface_args) -> None:
+    """FA4's interface called on the torch tensors `b` (the "fa4_fwd" buffers) as that step calls it:
+    the one place both frontends configure FA4's forward from, so they run one kernel. `interface_args`:
+    more arguments of `_flash_attn_fwd` (`vsa_jax.fa4_call` names the arch it compiles for)."""
+    fa_fwd, _, BlockSparse, mask_mod = _fa4()
+    # select(), not [], for the [0] / [1] views: it also takes fake CUDA tensors on a torch without CUDA
+    full_idx, mask_idx = b["idx"].select(0, 0), b["idx"].select(0, 1)
+    full_num, mask_num = b["num"].select(0, 0), b["num"].select(0, 1)
+    lists = BlockSparse(mask_block_cnt=mask_num, mask_block_idx=mask_idx, full_block_cnt=full_num,
+                        full_block_idx=full_idx, block_size=(block_elems, KV_TILE))
+    t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2) for n in ("q", "k", "v", "out")}
+    fa_fwd(t["q"], t["k"], t["v"], softmax_scale=softmax_scale, mask_mod=mask_mod, block_sparse_tensors=lists,
+           aux_tensors=[b["sub_counts"]], out=t["out"], lse=b["lse"], return_lse=True, **interface_args)
 
 
 def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
