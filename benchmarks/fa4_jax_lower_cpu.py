@@ -57,9 +57,9 @@ def main() -> int:
     B, S, H, D, E, C = 1, 1024, 2, 128, 256, 4
     for layout in ("bshd", "bhsd"):
         tokens = (B, S, H, D) if layout == "bshd" else (B, H, S, D)
-        args = (jax.ShapeDtypeStruct(tokens, jnp.bfloat16),) * 3 + (
-            jax.ShapeDtypeStruct((2, B, H, S // E, C), jnp.int32), jax.ShapeDtypeStruct((2, B, H, S // E), jnp.int32),
-            jax.ShapeDtypeStruct((S // 128,), jnp.int32))
+        lists = (jax.ShapeDtypeStruct((B, H, S // E, C), jnp.int32), jax.ShapeDtypeStruct((B, H, S // E), jnp.int32))
+        args = (jax.ShapeDtypeStruct(tokens, jnp.bfloat16),) * 3 + lists * 2 + (
+            jax.ShapeDtypeStruct((S // 128,), jnp.int32),)
         with compile_without_gpu():
             text = lower_for_cuda(functools.partial(fa4_call.fa4_forward, block_elems=E, layout=layout), *args)
         calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)

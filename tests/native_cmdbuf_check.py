@@ -8,10 +8,11 @@ per replay and "ALL EQUAL" at the end when every result matched bit for bit; exi
 unless every result matched and XLA's optimized HLO shows the native custom calls inside a
 command buffer (the point of the check: a run without command buffers proves nothing).
 
-VSA_CMDBUF_BACKEND=sm90 runs the sm90 backend, VSA_CMDBUF_BACKEND=cudnn the cudnn one (their CuTe
-DSL custom calls with the Triton ones; the gradients their kernels reduce with fp32 atomics, in a
-varying order (sm90: dq; cudnn: dq, dk, dv), compared within the reference tolerance, the rest bit
-for bit).
+VSA_CMDBUF_BACKEND=sm90 runs the sm90 backend, VSA_CMDBUF_BACKEND=cudnn the cudnn one,
+VSA_CMDBUF_BACKEND=cute the cute one at 128-token blocks (their CuTe DSL custom calls with the Triton
+ones; the cute backward runs through the callback in both modes; the gradients their kernels reduce
+with fp32 atomics, in a varying order (sm90: dq; cudnn and cute: dq, dk, dv), compared within the
+reference tolerance, the rest bit for bit).
 """
 
 import glob
@@ -35,9 +36,10 @@ from vsa_jax import native  # noqa: E402
 MODES = {"native": LaunchConfig().jax_launch, "callback": "callback"}  # the default launch first: it tunes
 
 BACKEND = os.environ.get("VSA_CMDBUF_BACKEND", "triton")
-case = Case(batch=1) if BACKEND == "triton" else Case(batch=1, head_dim=128)
-NATIVE_TARGETS = (native.FFI_TARGET,) + (("CuteDSLRT_NvJaxCutlassCall_v2",) if BACKEND in ("sm90", "cudnn") else ())
-REDUCED = {"sm90": ("dq",), "cudnn": ("dq", "dk", "dv")}.get(BACKEND, ())  # fp32 atomics, varying order
+case = {"triton": Case(batch=1), "cute": Case(batch=1, head_dim=128, block=128)}.get(BACKEND, Case(batch=1, head_dim=128))
+CUTE_BACKENDS = ("sm90", "cudnn", "cute")
+NATIVE_TARGETS = (native.FFI_TARGET,) + (("CuteDSLRT_NvJaxCutlassCall_v2",) if BACKEND in CUTE_BACKENDS else ())
+REDUCED = {"sm90": ("dq",), "cudnn": ("dq", "dk", "dv"), "cute": ("dq", "dk", "dv")}.get(BACKEND, ())  # fp32 atomics
 
 
 def loss(q, k, v, gate, dout, kv_counts, q_counts):

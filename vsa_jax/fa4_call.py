@@ -27,9 +27,8 @@ valid-rows copies of padding="ignore") and the coarse mix. Under JAX the stage's
 - The arguments: the adapter calls the object with the arguments FA4 compiled it with, by name
   (the kernel's signature), the tensors replaced by cutlass_call's: q, k, v, out as [B, S, H, D]
   (BHSD arrays through `TensorSpec.mode`: the torch launch's `.transpose(1, 2)` views, no copy) at
-  16-byte alignment, lse at 4; the full / mask lists and counts as FA4's `BlockSparseTensors`
-  (slices [0] / [1] of the plan's [2, ...] list buffers, as the torch launch indexes them); the
-  KV sub-block counts as the mask_mod's aux tensor; the scale as an fp32 run-time value (so scale
+  16-byte alignment, lse at 4; the full / mask lists and counts (four buffers of the plan) as
+  FA4's `BlockSparseTensors`; the KV sub-block counts as the mask_mod's aux tensor; the scale as an fp32 run-time value (so scale
   * log2(e) is the same fp32 product). An argument FA4 compiled with that the adapter has no
   tensor for is an error at trace time, not a silent difference. Torch and JAX so run one kernel
   and agree bit for bit.
@@ -131,9 +130,12 @@ class Fa4Forward:
         def tokens(s):
             return (B, H, s, D) if self.layout == "bhsd" else (B, s, H, D)
         n_q = self.q_len // self.block_elems
+        lists = {}
+        for kind in ("full", "mask"):
+            lists[f"{kind}_idx"] = ((B, H, n_q, self.width), "int32")
+            lists[f"{kind}_num"] = ((B, H, n_q), "int32")
         return {"q": (tokens(self.q_len), dt), "k": (tokens(self.kv_len), dt), "v": (tokens(self.kv_len), dt),
-                "out": (tokens(self.q_len), dt), "lse": ((B, H, self.q_len), "float32"),
-                "idx": ((2, B, H, n_q, self.width), "int32"), "num": ((2, B, H, n_q), "int32"),
+                "out": (tokens(self.q_len), dt), "lse": ((B, H, self.q_len), "float32"), **lists,
                 "sub_counts": ((self.kv_len // 128,), "int32")}
 
 
@@ -253,13 +255,11 @@ class _Adapter:
 
         configured = self.configured
         t = dict(zip(self.names, tensors))
-        idx, num = t["idx"], t["num"]
-        full_idx, mask_idx = (idx[i, None, None, None, None] for i in (0, 1))
-        full_num, mask_num = (num[i, None, None, None] for i in (0, 1))
         given = dict(configured.fixed)
         given.update({arg: t[name] for arg, name in _TENSOR_ARGS.items()})
         given.update(softmax_scale=_fp32_value(self.cfg.softmax_scale),
-                     blocksparse_tensors=BlockSparseTensors(mask_num, mask_idx, full_num, full_idx),
+                     blocksparse_tensors=BlockSparseTensors(t["mask_num"], t["mask_idx"], t["full_num"],
+                                                            t["full_idx"]),
                      aux_data=AuxData([t["sub_counts"]], configured.aux_scalars), stream=stream)
         configured.kernel(*(given[n] for n in configured.names if n in given))
 
@@ -303,7 +303,7 @@ def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tu
     the arrays `current` (buffer name -> array); result_types: a ShapeDtypeStruct per step result."""
     check(launch)
     s = launch.statics_dict()
-    q, k, idx = (current[launch.buffer(n)] for n in ("q", "k", "idx"))
+    q, k, idx = (current[launch.buffer(n)] for n in ("q", "k", "full_idx"))
     seq = 2 if s["layout"] == "bhsd" else 1
     cfg = Fa4Forward(q.shape[0], q.shape[3 - seq], q.shape[seq], k.shape[seq], q.shape[3], jnp.dtype(q.dtype).name,
                      s["layout"], s["block_elems"], idx.shape[-1], float(s["softmax_scale"]))
@@ -313,15 +313,16 @@ def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tu
     return tuple(fn(*args.in_arrays))
 
 
-def fa4_forward(q, k, v, idx, num, sub_counts, *, block_elems: int, softmax_scale: Optional[float] = None,
-                layout: str = "bhsd"):
+def fa4_forward(q, k, v, full_idx, full_num, mask_idx, mask_num, sub_counts, *, block_elems: int,
+                softmax_scale: Optional[float] = None, layout: str = "bhsd"):
     """FA4's block-sparse forward, configured as the cute backend configures it, as one XLA custom
     call; returns (out, lse). For tests and the probe.
 
     q, k, v: [B, H, S, D] ("bhsd") or [B, S, H, D] ("bshd"), Sq and Skv multiples of `block_elems`
-    (128 or 256). idx [2, B, H, Sq/E, C] int32: FA4's query-owned lists of 128-token KV tiles, full
-    ([0]) and mask ([1]) (`cute_backend.forward_lists`); num [2, B, H, Sq/E]: their lengths;
-    sub_counts [Skv/128] int32: valid tokens per KV tile (the mask_mod keeps those).
+    (128 or 256). full_idx, mask_idx [B, H, Sq/E, C] int32: FA4's query-owned lists of 128-token
+    KV tiles, those with every token valid and the partly filled ones (`cute_backend.forward_lists`);
+    full_num, mask_num [B, H, Sq/E] int32: their lengths; sub_counts [Skv/128] int32: valid tokens
+    per KV tile (the mask_mod keeps those).
     out: q's shape and dtype; lse [B, H, Sq] fp32, natural log, -inf on rows that see nothing.
     """
     if layout not in ("bhsd", "bshd"):
@@ -329,16 +330,17 @@ def fa4_forward(q, k, v, idx, num, sub_counts, *, block_elems: int, softmax_scal
     seq = 2 if layout == "bhsd" else 1
     b, h, s, d = q.shape[0], q.shape[3 - seq], q.shape[seq], q.shape[3]
     dtype = jnp.dtype(q.dtype).name
-    cfg = Fa4Forward(b, h, s, k.shape[seq], d, dtype, layout, block_elems, idx.shape[-1],
+    cfg = Fa4Forward(b, h, s, k.shape[seq], d, dtype, layout, block_elems, full_idx.shape[-1],
                      float(d ** -0.5 if softmax_scale is None else softmax_scale))
     want = cfg.buffers()
-    for name, x in zip(("q", "k", "v", "idx", "num", "sub_counts"), (q, k, v, idx, num, sub_counts)):
+    names = ("q", "k", "v", "full_idx", "full_num", "mask_idx", "mask_num", "sub_counts")
+    for name, x in zip(names, (q, k, v, full_idx, full_num, mask_idx, mask_num, sub_counts)):
         if tuple(x.shape) != want[name][0] or jnp.dtype(x.dtype).name != want[name][1]:
             raise ValueError(f"{name} must be {want[name][1]} {want[name][0]}, got {x.dtype} {tuple(x.shape)}")
     if block_elems not in BLOCK_ELEMS or d not in HEAD_DIMS or dtype not in DTYPES or s % block_elems:
         raise ValueError(f"blocks of {BLOCK_ELEMS} tokens, head dim {HEAD_DIMS} in {DTYPES}, Sq a multiple of the "
                          f"block: got E={block_elems}, D={d}, {dtype}, Sq={s}")
     results = ((want["out"][0], dtype), (want["lse"][0], "float32"))
-    fn = _callable(cfg, ("q", "k", "v", "idx", "num", "sub_counts"), ("out", "lse"), ("out", "lse"), results, ())
-    out, lse = fn(q, k, v, idx, num, sub_counts)
+    fn = _callable(cfg, names, ("out", "lse"), ("out", "lse"), results, ())
+    out, lse = fn(q, k, v, full_idx, full_num, mask_idx, mask_num, sub_counts)
     return out, lse

@@ -82,6 +82,7 @@ replayable = True  # its launches: Triton list builders and copies, two CuTe DSL
 INSTALL_HINT = ("pip install 'vsa[cute]' (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, "
                 "quack-kernels==0.6.5)")
 
+FA4_KINDS = ("full", "mask")  # FA4's two forward lists: KV tiles with every token valid, partly filled ones
 KV_TILE = 128  # FA4's KV tile (tile_n) on sm_90 for head dims <= 128: the sparse KV block size
 HEAD_DIMS = (64, 128)
 BLOCK_ELEMS = (128, 256)
@@ -190,16 +191,18 @@ def _forward_width(p: AttnProblem) -> int:
 
 def workspaces(stage: str, p: AttnProblem) -> dict:
     """What this backend's launches use beyond the stage's buffer table (name -> (shape, dtype)),
-    each from `launcher.workspace`: FA4's lists (forward: full and mask [2, B, H, nQ, C] and
-    their counts [2, B, H, nQ]; backward: the KV-owned index [B, H, nKV*E/128, nQ] (inv_idx
+    each from `launcher.workspace`: FA4's lists (forward: full and mask [B, H, nQ, C] and their
+    counts [B, H, nQ], four buffers of their own, which a recorded plan can hand a CuTe DSL launch
+    whole; backward: the KV-owned index [B, H, nKV*E/128, nQ] (inv_idx
     itself at E = 128) and the full and mask counts [2, B, H, nKV*E/128]), the valid tokens of
     each 128-token KV sub-block, and the copies of padding="ignore" (`stages.valid_rows_input`)."""
     B, H, nq, n_sub = p.batch, p.heads, p.n_q_blocks, p.n_kv_blocks * _sub(p)
     table = valid_rows_workspaces(stage, p)
     table["fa4_sub_counts"] = ((n_sub,), "int32")
     if stage == "forward":
-        table["fa4_idx"] = ((2, B, H, nq, _forward_width(p)), "int32")
-        table["fa4_num"] = ((2, B, H, nq), "int32")
+        for kind in FA4_KINDS:
+            table[f"fa4_{kind}_idx"] = ((B, H, nq, _forward_width(p)), "int32")
+            table[f"fa4_{kind}_num"] = ((B, H, nq), "int32")
     else:
         if _sub(p) != 1:
             table["fa4_idx"] = ((B, H, n_sub, nq), "int32")
@@ -217,14 +220,16 @@ def sparse_forward(launcher, p: AttnProblem, a: FineForward):
     """FA4's lists and the padding copies (Triton launches into workspaces), FA4's forward (step
     "fa4_fwd"), then the coarse mix."""
     q, kv_counts = a.q, a.kv_counts
-    idx, num = (_workspace(launcher, p, "forward", n, q) for n in ("fa4_idx", "fa4_num"))
+    lists = {f"{kind}_{n}": _workspace(launcher, p, "forward", f"fa4_{kind}_{n}", q)
+             for kind in FA4_KINDS for n in ("idx", "num")}
     sub_counts = _workspace(launcher, p, "forward", "fa4_sub_counts", q)
     sub_block_counts(launcher, p, kv_counts, sub_counts)
-    forward_lists(launcher, p, a.sel_idx, a.sel_num, kv_counts, idx[0], num[0], idx[1], num[1])
+    forward_lists(launcher, p, a.sel_idx, a.sel_num, kv_counts, lists["full_idx"], lists["full_num"],
+                  lists["mask_idx"], lists["mask_num"])
     # padding="ignore": FA4 multiplies the padded V rows by P = 0 (0 * inf = NaN); padded
     # query rows stay in their own rows, which mix_coarse overwrites
     k, v = (valid_rows_input(launcher, p, "forward", n, x, kv_counts) for n, x in (("k", a.k), ("v", a.v)))
-    launcher.cute("fa4_fwd", dict(q=q, k=k, v=v, out=a.out, lse=a.lse, idx=idx, num=num, sub_counts=sub_counts),
+    launcher.cute("fa4_fwd", dict(q=q, k=k, v=v, out=a.out, lse=a.lse, **lists, sub_counts=sub_counts),
                   layout=p.layout, softmax_scale=p.softmax_scale, block_elems=p.block_elems)
     if a.out_coarse is not None:
         mix_coarse(launcher, p, a.out, a.lse, a.out_coarse, a.q_counts, gate=a.gate, out_fine=a.out_fine)
@@ -232,8 +237,8 @@ def sparse_forward(launcher, p: AttnProblem, a: FineForward):
 
 def launch_fa4_forward(buffers: dict, *, layout: str, softmax_scale: float, block_elems: int):
     """The "fa4_fwd" launch on framework buffers (`CUTE_STEPS`): FA4's block-sparse forward of q, k, v
-    into out and lse with the lists idx / num ([2, ...]: full, mask) and the KV sub-block counts, on the
-    caller's stream. FA4 allocates nothing here."""
+    into out and lse with the full / mask lists and counts (full_idx, full_num, mask_idx, mask_num) and
+    the KV sub-block counts, on the caller's stream. FA4 allocates nothing here."""
     from ._torch_views import as_torch_buffers
     with caller_stream():
         b = as_torch_buffers(buffers, "lse")
@@ -246,11 +251,8 @@ def fa4_forward_call(b: dict, *, layout: str, softmax_scale: float, block_elems:
     the one place both frontends configure FA4's forward from, so they run one kernel. `interface_args`:
     more arguments of `_flash_attn_fwd` (`vsa_jax.fa4_call` names the arch it compiles for)."""
     fa_fwd, _, BlockSparse, mask_mod = _fa4()
-    # select(), not [], for the [0] / [1] views: it also takes fake CUDA tensors on a torch without CUDA
-    full_idx, mask_idx = b["idx"].select(0, 0), b["idx"].select(0, 1)
-    full_num, mask_num = b["num"].select(0, 0), b["num"].select(0, 1)
-    lists = BlockSparse(mask_block_cnt=mask_num, mask_block_idx=mask_idx, full_block_cnt=full_num,
-                        full_block_idx=full_idx, block_size=(block_elems, KV_TILE))
+    lists = BlockSparse(mask_block_cnt=b["mask_num"], mask_block_idx=b["mask_idx"], full_block_cnt=b["full_num"],
+                        full_block_idx=b["full_idx"], block_size=(block_elems, KV_TILE))
     t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2) for n in ("q", "k", "v", "out")}
     fa_fwd(t["q"], t["k"], t["v"], softmax_scale=softmax_scale, mask_mod=mask_mod, block_sparse_tensors=lists,
            aux_tensors=[b["sub_counts"]], out=t["out"], lse=b["lse"], return_lse=True, **interface_args)
