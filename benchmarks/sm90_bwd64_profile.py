@@ -41,8 +41,8 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
     inputs, dO random, out / lse from our forward, delta from it, the KV-owned lists of the same
     selection): "ours", "split", "backend" (our kernels, see main's doc), "groups" (the backend's
     configuration with query groups of GROUP_BYTES; "groups<N>": of N MiB), "persist" (the backend's
-    configuration, persistent; "persist<N>": with groups of N MiB; "persist0": without groups), "kregs" (the
-    backend's configuration with K in warpgroup 1's registers) or "cudnn". All write the
+    configuration, persistent; "persist<N>": with groups of N MiB; "persist0": without groups), "kregs" / "vregs" /
+    "kvregs" (the backend's configuration with K / V / both in the compute warpgroups' registers) or "cudnn". All write the
     same dq, dk, dv, which `outputs` (a dict) receives when given."""
     from vsa_core.backends import sm90_bwd64, sm90_fwd64
     n = S // E
@@ -77,7 +77,8 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
             else:
                 options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD,
                                groups=dict(BACKWARD, q_group_bytes=GROUP_BYTES),
-                               kregs=dict(BACKWARD, k_in_regs=True))[name]
+                               kregs=dict(BACKWARD, k_in_regs=True), vregs=dict(BACKWARD, v_in_regs=True),
+                               kvregs=dict(BACKWARD, k_in_regs=True, v_in_regs=True))[name]
             calls[name] = sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
                                                         counts, softmax_scale=scale, **options)
     return calls

@@ -41,11 +41,13 @@ CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
            "split-persist-red": dict(stages=3, split=True, persistent=True, grid_chunk_blocks=2),
            "split-groups-persist": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
                                         persistent=True, grid_chunk_blocks=2),
-           # K in warpgroup 1's registers: reloaded per tile (several groups; persistent: across tiles)
-           "split-groups-kregs": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
-                                      k_in_regs=True),
+           # K / V in the compute warpgroups' registers: reloaded per tile (several groups; persistent:
+           # across tiles)
+           "split-groups-kvregs": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                       k_in_regs=True, v_in_regs=True),
            "split-persist-kregs": dict(stages=3, split=True, dq_bulk=True, persistent=True, grid_chunk_blocks=3,
-                                       k_in_regs=True)}
+                                       k_in_regs=True),
+           "split-vregs": dict(stages=3, split=True, dq_bulk=True, v_in_regs=True)}
 # the query groups' configurations with several groups (the list rule, determinism)
 GROUP_CONFIGS = ("split-groups-chunk2", "split-groups-persist")
 

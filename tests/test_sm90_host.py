@@ -222,10 +222,11 @@ def test_backward_zeroes_the_flags_where_the_kernel_reads_them(stubbed, options)
     (dict(split=False, q_group_bytes=SEVERAL_GROUPS, dq_bulk=False), "split"),
     (dict(split=False, persistent=True, dq_bulk=False, q_group_bytes=0), "split"),
     (dict(split=False, k_in_regs=True, dq_bulk=False, q_group_bytes=0), "split"),
+    (dict(split=False, v_in_regs=True, dq_bulk=False, q_group_bytes=0), "split"),
     (dict(q_group_bytes=SEVERAL_GROUPS, list_in_smem=True), "list_in_smem"),
     (dict(persistent=True, q_group_bytes=0, list_in_smem=True), "list_in_smem"),
 ], ids=["flags-shape", "flags-dtype", "partial-shape", "partial-dtype", "chunk-0", "chunk-133", "groups-not-split",
-        "persistent-not-split", "kregs-not-split", "groups-list-window", "persistent-list-window"])
+        "persistent-not-split", "kregs-not-split", "vregs-not-split", "groups-list-window", "persistent-list-window"])
 def test_backward_bad_workspace_or_configuration_names_it(stubbed, change, message):
     args, kw = _backward_args()
     options = dict(sm90_backend.BACKWARD)

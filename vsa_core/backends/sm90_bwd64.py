@@ -684,8 +684,8 @@ MAIN_ARGS = ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", "inv
              "dk_pool", "dv_pool", "dkv_partial", "group_flags")  # the main kernel's tensor arguments, in order
 # the ones read with 16-byte alignment (TMA, bulk copies, vector stores); the rest 4
 ALIGN16_ARGS = frozenset({"q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", "dkv_partial"})
-SPLIT_ONLY = ("sm90_bwd64: dq_bulk, q_group_bytes, persistent and k_in_regs are options of the split kernel (give "
-              "split=True)")
+SPLIT_ONLY = ("sm90_bwd64: dq_bulk, q_group_bytes, persistent, k_in_regs and v_in_regs are options of the split "
+              "kernel (give split=True)")
 _COMPILED = {}  # compile key (configuration, dtype, broadcast dims) -> (main kernel, dQ postprocess), compiled
 _PLANS = {}     # problem key -> the compiled pair of a problem whose checks passed
 
@@ -725,8 +725,8 @@ def backward_delta(out, dout, delta=None):
 
 def backward_kernel(dtype, head_dim: int, *, stages: int = 2, dq_red: bool = True, dk_overlap: bool = True,
                     split: bool = False, list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
-                    persistent: bool = False, k_in_regs: bool = False, pool_grads: bool = False,
-                    ignore_padding: bool = False):
+                    persistent: bool = False, k_in_regs: bool = False, v_in_regs: bool = False,
+                    pool_grads: bool = False, ignore_padding: bool = False):
     """The main kernel of one configuration (`prepare_backward64`'s options; `split` picks
     `sm90_bwd64_split`, whose dq_red and dk_overlap are its own): the one place a configuration
     becomes a kernel object, for the eager launcher and the JAX native call alike."""
@@ -735,8 +735,8 @@ def backward_kernel(dtype, head_dim: int, *, stages: int = 2, dq_red: bool = Tru
         from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
         return BlockSparseBwd64Sm90Split(dtype, head_dim, stages, dq_bulk=dq_bulk,
                                          q_group_blocks=group_blocks(q_group_bytes, head_dim), persistent=persistent,
-                                         k_in_regs=k_in_regs, **flags)
-    if dq_bulk or q_group_bytes or persistent or k_in_regs:
+                                         k_in_regs=k_in_regs, v_in_regs=v_in_regs, **flags)
+    if dq_bulk or q_group_bytes or persistent or k_in_regs or v_in_regs:
         raise ValueError(SPLIT_ONLY)
     return BlockSparseBwd64Sm90(dtype, head_dim, stages, dq_red=dq_red, dk_overlap=dk_overlap, **flags)
 
@@ -755,7 +755,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
                        q_counts=None, ignore_padding: bool = False, split: bool = False,
                        list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
-                       persistent: bool = False, k_in_regs: bool = False, dkv_partial=None, group_flags=None,
+                       persistent: bool = False, k_in_regs: bool = False, v_in_regs: bool = False,
+                       dkv_partial=None, group_flags=None,
                        grid_chunk_blocks: Optional[int] = None):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
@@ -774,8 +775,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     their workspaces, `group_workspace_shapes`, allocated here when not given; group_flags is zeroed
     by the launch where the kernel reads it, `flags_in_use`; grid_chunk_blocks: the grid's chunk,
     `grid_chunk` of the device unless given (tests: a small one runs the ring of partial sums over many
-    generations); persistent: at most that many CTAs, each taking tiles from a counter; k_in_regs: warpgroup
-    1 reads K from registers, loaded once a tile, for S^T = K Q^T)."""
+    generations); persistent: at most that many CTAs, each taking tiles from a counter; k_in_regs / v_in_regs:
+    warpgroup 1's S^T = K Q^T reads K, warpgroup 2's dP^T = V dO^T reads V from registers, loaded once a tile)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -788,7 +789,8 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     if group_flags is None:
         group_flags = torch.empty(shapes["group_flags"][0], dtype=torch.int32, device=q.device)
     config = dict(stages=stages, dq_red=dq_red, dk_overlap=dk_overlap, split=split, list_in_smem=list_in_smem,
-                  dq_bulk=dq_bulk, q_group_bytes=q_group_bytes, persistent=persistent, k_in_regs=k_in_regs)
+                  dq_bulk=dq_bulk, q_group_bytes=q_group_bytes, persistent=persistent, k_in_regs=k_in_regs,
+                  v_in_regs=v_in_regs)
     zero_flags = flags_in_use(Sq // BLOCK, D, q_group_bytes, persistent)
     pool_grads = dq_pool is not None
     ignore_padding = bool(ignore_padding and pool_grads)
@@ -843,7 +845,7 @@ def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, k
     if Sq % BLOCK or Skv % BLOCK:
         raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
     nq, nkv = Sq // BLOCK, Skv // BLOCK
-    split_only = ("dq_bulk", "q_group_bytes", "persistent", "k_in_regs")
+    split_only = ("dq_bulk", "q_group_bytes", "persistent", "k_in_regs", "v_in_regs")
     if any(config[name] for name in split_only) and not config["split"]:
         raise ValueError(SPLIT_ONLY)
     if config["q_group_bytes"] and config["list_in_smem"]:

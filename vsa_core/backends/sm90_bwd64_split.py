@@ -69,7 +69,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
                  ignore_padding: bool = False, list_in_smem: bool = False, dq_bulk: bool = False,
-                 q_group_blocks: int = 0, persistent: bool = False, k_in_regs: bool = False):
+                 q_group_blocks: int = 0, persistent: bool = False, k_in_regs: bool = False,
+                 v_in_regs: bool = False):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
@@ -88,9 +89,10 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         # tiles and its K / V load run under the current tile's last steps and epilogue
         assert not (persistent and list_in_smem), "the list window is filled once per CTA"
         self.persistent = persistent
-        # warpgroup 1's S^T = K Q^T with K from registers (ldmatrix once a tile, register-A wgmmas): the
-        # shared-memory reads of K leave the steps, which read Q / dO, P and dS there as well
-        self.k_in_regs = k_in_regs
+        # warpgroup 1's S^T = K Q^T with K from registers, warpgroup 2's dP^T = V dO^T with V (ldmatrix
+        # once a tile, register-A wgmmas): their shared-memory reads leave the steps, which read Q / dO,
+        # P and dS there as well
+        self.k_in_regs, self.v_in_regs = k_in_regs, v_in_regs
         # setmaxnreg budgets: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers
         self.producer_regs, self.mma_regs = 24, 240
 
@@ -137,16 +139,23 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             grid = (cutlass.min(chunk, mInvIdx.shape[2] * groups * mQ.shape[1] * mQ.shape[0]), 1, 1)
         mma_s2, mma_kv2, _ = self._mmas()  # warpgroup 2's own
         mma_s1 = o["mma_s"]
-        if cutlass.const_expr(self.k_in_regs):  # warpgroup 1's S^T with K as a register operand
-            mma_s1 = hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
-                                                           tiler_mn=(BLOCK, BLOCK),
-                                                           a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+        if cutlass.const_expr(self.k_in_regs):
+            mma_s1 = self._mma_s_registers()
+        if cutlass.const_expr(self.v_in_regs):
+            mma_s2 = self._mma_s_registers()
         self.kernel(o["tQ"], o["tdO"], o["tK"], o["tV"], o["tma_q"], o["tma_do"], o["tma_k"], o["tma_v"], mLSE,
                     mDelta, mDQacc, o["gdK4"], o["gdV4"], mInvIdx, mInvNum, mKVCounts, mdKPool, mdVPool, mPartial,
                     mFlags, mma_s1, o["mma_kv"], mma_s2, mma_kv2, o["mma_dq"], sKV_layout, sQdO_layout,
                     sdS_layout, softmax_scale * LOG2_E, softmax_scale, chunk).launch(
             grid=grid, block=(3 * WG, 1, 1), smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
+
+    def _mma_s_registers(self):
+        """S^T / dP^T's m64n64 wgmma with its A operand (K / V) from registers."""
+        dt = self.dtype
+        return hopper_helpers.make_trivial_tiled_mma(dt, dt, MAJOR_K, MAJOR_K, cutlass.Float32, (1, 1, 1),
+                                                     tiler_mn=(BLOCK, BLOCK),
+                                                     a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
 
     @cute.kernel
     def kernel(self, tQ: cute.Tensor, tdO: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor,
@@ -465,6 +474,25 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive(bar.get_barrier(slot))
 
+    def _kv_operand(self, mma, thr, sKV, slot: int, in_regs: bool, t):
+        """K (slot 0) or V (slot 1) as the A operand of S^T = K Q^T / dP^T = V dO^T: (fragment, slot) for
+        `_gemm_k`, the shared-memory descriptors' fragment, or in_regs a register fragment (slot None)
+        that `_load_kv_operand` fills once a tile, then the copy that fills it."""
+        if not in_regs:
+            return mma.make_fragment_A(thr.partition_A(sKV)), slot, None, None, None
+        dt = self.dtype
+        ldmatrix = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt)
+        copy = cute.make_tiled_copy_A(ldmatrix, mma).get_slice(t)
+        regs = cute.make_rmem_tensor(thr.partition_shape_A((BLOCK, self.head_dim)), dt)
+        return regs, None, copy, copy.partition_S(sKV[None, None, slot]), copy.retile(regs)
+
+    @cute.jit
+    def _load_kv_operand(self, a):
+        """A register operand of `_kv_operand`: this tile's K or V from shared memory (K / V full; the
+        wgmmas reading the registers of the tile before all retired). Nothing for a shared-memory one."""
+        if cutlass.const_expr(a[2] is not None):
+            cute.copy(a[2], a[3], a[4])
+
     # ---- warpgroup 1: S^T, P^T, dV ----------------------------------------------------------------
     @cute.jit
     def _s_and_dv(self, t, window, kv_full, kv_empty, qdo_full, qdo_empty, sKV, sQdO, sLSE, sP, mma_s, mma_kv,
@@ -475,17 +503,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         thr_s = mma_s.get_slice(t)
         thr_kv = mma_kv.get_slice(t)
         tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s] Q
-        tSrKV = None
-        k_copy, sK_part, rK, rK_copy = None, None, None, None
-        if cutlass.const_expr(self.k_in_regs):  # K in registers, loaded by ldmatrix once a tile
-            k_copy = cute.make_tiled_copy_A(
-                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt),
-                mma_s).get_slice(t)
-            sK_part = k_copy.partition_S(sKV[None, None, 0])
-            rK = cute.make_rmem_tensor(thr_s.partition_shape_A((BLOCK, D)), dt)
-            rK_copy = k_copy.retile(rK)
-        else:
-            tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))      # [.., 0] K
+        a_K = self._kv_operand(mma_s, thr_s, sKV, 0, self.k_in_regs, t)  # K for S^T
         tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # [.., 2s + 1] dO^T
         accS = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
         accdV = cute.make_rmem_tensor(thr_kv.partition_shape_C((BLOCK, D)), cutlass.Float32)
@@ -509,8 +527,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             if n > 0:
                 sel = self._list(w, kvb, h, b, lo)
                 kv_full.wait(0, kv_loads % 2)
-                if cutlass.const_expr(self.k_in_regs):
-                    cute.copy(k_copy, sK_part, rK_copy)
+                self._load_kv_operand(a_K)
                 last = first - 1  # the list rule inside the group's query blocks [first, end)
                 for j in cutlass.range(n, unroll=1):
                     e = used + j
@@ -522,10 +539,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                         valid = count
                     qdo_full.wait(s, (e // S) % 2)
                     cute.nvgpu.warpgroup.fence()
-                    if cutlass.const_expr(self.k_in_regs):
-                        self._gemm_k(mma_s, accS, rK, None, tSrQdO, 2 * s)
-                    else:
-                        self._gemm_k(mma_s, accS, tSrKV, 0, tSrQdO, 2 * s)
+                    self._gemm_k(mma_s, accS, a_K[0], a_K[1], tSrQdO, 2 * s)
                     cute.nvgpu.warpgroup.commit_group()
                     for ci in cutlass.range_constexpr(n_cols):
                         lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
@@ -608,7 +622,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         thr_kv = mma_kv.get_slice(t)
         thr_dq = mma_dq.get_slice(t)
         tSrQdO = mma_s.make_fragment_B(thr_s.partition_B(sQdO))        # [.., 2s + 1] dO
-        tSrKV = mma_s.make_fragment_A(thr_s.partition_A(sKV))          # [.., 1] V
+        a_V = self._kv_operand(mma_s, thr_s, sKV, 1, self.v_in_regs, t)  # V for dP^T
         tKVrQdO_t = mma_kv.make_fragment_B(thr_kv.partition_B(_transposed(sQdO)))  # [.., 2s] Q^T
         tDQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
         tDQrK_t = mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sKV)))   # [.., 0] K^T
@@ -636,13 +650,14 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             if n > 0:
                 sel = self._list(w, kvb, h, b, lo)
                 kv_full.wait(0, kv_loads % 2)
+                self._load_kv_operand(a_V)
                 for j in cutlass.range(n, unroll=1):
                     e = used + j
                     s = e % S
                     qb = self._clamp(self._entry(sel, window, j), n_q)
                     qdo_full.wait(s, (e // S) % 2)
                     cute.nvgpu.warpgroup.fence()
-                    self._gemm_k(mma_s, accdP, tSrKV, 1, tSrQdO, 2 * s + 1)
+                    self._gemm_k(mma_s, accdP, a_V[0], a_V[1], tSrQdO, 2 * s + 1)
                     cute.nvgpu.warpgroup.commit_group()
                     for ci in cutlass.range_constexpr(n_cols):
                         stat[ci] = sDelta[cS_rc[0, ci][1], s]
