@@ -19,19 +19,20 @@ valid-rows copies of padding="ignore") and the coarse mix. Under JAX the stage's
   both use), on torch fake tensors of the stage's buffers (`FakeTensorMode`: FA4's own way to
   prepare compiles without allocating; it skips the launch), and takes the object and its
   arguments where the interface calls `cute.compile`: for that call only, the interface module's
-  `cute` is a view of cutlass.cute whose `compile` records instead of compiling, and the
-  forward's compile cache is an empty one (FA4 configures only on a cache miss). Both are put
-  back after, under the backend's FA4 lock (no other FA4 call runs meanwhile); cutlass.cute itself
-  and FA4's cache are not changed. FA4 is asked for its sm_90 kernel (`_arch=90`), the kernel
+  `cute` is a view of cutlass.cute whose `compile` records instead of compiling, and its compile
+  caches are empty ones (FA4 configures only on a cache miss). Both are put back after, under the
+  backend's FA4 lock (no FA4 call of ours runs meanwhile); cutlass.cute itself and FA4's caches
+  are not changed. FA4 is asked for its sm_90 kernel (`_arch=90`), the kernel
   the eager launch gets on an H100 / H200 and the arch this call compiles for.
 - The arguments: the adapter calls the object with the arguments FA4 compiled it with, by name
   (the kernel's signature), the tensors replaced by cutlass_call's: q, k, v, out as [B, S, H, D]
   (BHSD arrays through `TensorSpec.mode`: the torch launch's `.transpose(1, 2)` views, no copy) at
   16-byte alignment, lse at 4; the full / mask lists and counts (four buffers of the plan) as
-  FA4's `BlockSparseTensors`; the KV sub-block counts as the mask_mod's aux tensor; the scale as an fp32 run-time value (so scale
-  * log2(e) is the same fp32 product). An argument FA4 compiled with that the adapter has no
-  tensor for is an error at trace time, not a silent difference. Torch and JAX so run one kernel
-  and agree bit for bit.
+  FA4's `BlockSparseTensors`; the KV sub-block counts as the mask_mod's aux tensor; the scale as
+  an fp32 run-time value (so scale * log2(e) is the same fp32 product). An argument FA4 compiled
+  with that the adapter has no tensor for is an error at trace time, not a silent difference.
+  Torch and JAX so run one kernel, configured alike, and are to agree bit for bit (the `gpu`
+  tests of tests/test_jax_fa4_call.py check it).
 - Compiled at lowering, once per configuration and shapes (`compile_key`); `allow_cuda_graph=True`
   (XLA may capture it in a command buffer). Torch is imported at trace time only (FA4's interface
   needs it; the cute extra brings it), never per call.

@@ -60,7 +60,10 @@ buffers; the lists, the sub-block counts and the copies are Triton launches into
 from `launcher.workspace` (declared in `workspaces(stage, problem)`), so a captured stage replays
 (`vsa_core.replay`) like the Triton backend's. FA4's backward allocates its own scratch (fp32 dq
 accumulator, lse_log2, dpsum) inside its step, from torch's caching allocator on the current
-stream; under JAX everything here comes from torch's caching allocator inside the callback.
+stream; under JAX's callback everything here comes from torch's caching allocator. Under JAX on
+an sm_90 device the forward's plan runs natively instead (`vsa_jax.fa4_call`: the step "fa4_fwd" as
+a cutlass_call of the kernel object FA4's interface configures in `fa4_forward_call`, the workspaces
+XLA buffers); the backward stays on the callback.
 """
 
 from __future__ import annotations
