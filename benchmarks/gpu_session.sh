@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen (each under 10 minutes)
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -267,6 +267,12 @@ case $step in
       t 60 sh -c "ncu -i '$out/bwdl2_$shape.ncu-rep' --page raw --csv --print-units base > '$out/bwdl2_$shape.csv'"
       rm -f "$out/bwdl2_$shape.ncu-rep"
     done
+    ;;
+  regs)  # issue 21: K / V in the compute warpgroups' registers (GPU tests, A/B at 480p and 720p lengths), and
+         # the backward against cuDNN's between them (the auto table's length)
+    t 150 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_bwd64.py -k "regs"
+    t 330 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,8x58368,6x75264,40x92160 \
+      --calls=backend,kvregs,cudnn
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)
