@@ -489,12 +489,13 @@ def test_the_default_launch_lowers_sm90_to_custom_calls_only():
     assert out.count("DEFAULT LOWERED") == 2, out
 
 
-def test_native_selects_sm90_only_in_native_mode(launch_config):
+def test_native_selects_the_native_stages_in_native_mode(launch_config):
     from vsa_jax import native
     launch_config(jax_launch="native")
     assert native.selected(sm90_backend) and native.selected(types.SimpleNamespace(name="triton"))
     assert native.selected(types.SimpleNamespace(name="cudnn"), stage="backward")
-    assert not native.selected(types.SimpleNamespace(name="cute"))
+    cute = types.SimpleNamespace(name="cute")  # FA4's forward is native, its backward the callback
+    assert native.selected(cute) and not native.selected(cute, stage="backward")
     launch_config(jax_launch="callback")
     assert not native.selected(sm90_backend)
 
