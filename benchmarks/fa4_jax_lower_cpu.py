@@ -5,10 +5,9 @@
    `FlashAttentionForwardSm90`, which is taken where the interface hands it to `cute.compile` and
    called by a cutlass_call adapter; the jitted function is lowered for CUDA (jax.export): the kernel
    compiles for sm_90a and the program is one custom call to the CuTe DSL runtime, both layouts.
-2. FA4's backward, still on the callback under JAX: the kernel objects its interface compiles for our
-   backward (preprocess, main, postprocess) and their argument kinds, taken the same way: what a JAX
-   version has to hand them (FA4 allocates the fp32 dQ accumulator, log2 lse and dPsum itself: they
-   would be workspaces of the plan).
+2. FA4's backward: the kernel objects its interface compiles for our backward (preprocess, main,
+   postprocess) and their argument kinds, taken the same way (`fa4_call.configured_backward` runs them
+   in one cutlass_call; FA4's fp32 dQ accumulator, log2 lse and dPsum are outputs of that call).
 
     FLASH_ATTENTION_NUM_SMS=132 CUTE_DSL_ARCH=sm_90a JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/fa4_jax_lower_cpu.py
 

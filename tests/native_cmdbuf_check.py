@@ -10,9 +10,9 @@ command buffer (the point of the check: a run without command buffers proves not
 
 VSA_CMDBUF_BACKEND=sm90 runs the sm90 backend, VSA_CMDBUF_BACKEND=cudnn the cudnn one,
 VSA_CMDBUF_BACKEND=cute the cute one at 128-token blocks (their CuTe DSL custom calls with the Triton
-ones; the cute backward runs through the callback in both modes; the gradients their kernels reduce
-with fp32 atomics, in a varying order (sm90: dq; cudnn and cute: dq, dk, dv), compared within the
-reference tolerance, the rest bit for bit).
+ones: the cute forward's and backward's FA4 kernels; the gradients their kernels reduce with fp32
+atomics, in a varying order (sm90: dq; cudnn and cute: dq, dk, dv), compared within the reference
+tolerance, the rest bit for bit).
 """
 
 import glob

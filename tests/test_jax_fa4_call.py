@@ -1,16 +1,19 @@
-"""vsa_jax.fa4_call: the cute backend's forward (FA4's sm_90 block-sparse kernel) as one XLA custom call.
+"""vsa_jax.fa4_call: the cute backend's forward and backward (FA4's sm_90 block-sparse kernels) as XLA
+custom calls.
 
-On the CPU (no GPU, no NVIDIA driver; FA4's cross-compilation settings FLASH_ATTENTION_NUM_SMS=132 and
-CUTE_DSL_ARCH=sm_90a): FA4's interface configures the kernel object from fake tensors and is left as it
-was; lowered for CUDA through jax.export (cross-platform lowering, on the CPU) the forward compiles for
-sm_90a and is one stablehlo.custom_call to the CuTe DSL runtime's FFI handler, alone or inside the cute
-backend's forward stage (with the stage's Triton launches as Triton custom calls), with no callback; the
-default launch takes it on an sm_90 device, and keeps the callback for the backward.
+On the CPU (no GPU, no NVIDIA driver; FA4's cross-compilation settings FLASH_ATTENTION_NUM_SMS=132,
+FLASH_ATTENTION_ARCH=sm_90 and CUTE_DSL_ARCH=sm_90a): FA4's interface configures the forward's kernel
+object and the backward's three (preprocess, main kernel, dQ postprocess) from fake tensors and is left
+as it was; lowered for CUDA through jax.export (cross-platform lowering, on the CPU) the forward compiles
+for sm_90a and is one stablehlo.custom_call to the CuTe DSL runtime's FFI handler, alone or inside the
+cute backend's forward stage; the backward stage is the same, one CuTe DSL call running FA4's three
+kernels, with the stage's Triton launches as Triton custom calls; the whole VSA vjp holds the two CuTe
+calls and no callback; the default launch takes both stages on an sm_90 device.
 On an H100/H200 (`gpu` tests): the native forward equals the torch eager forward bit for bit (out and
-lse of block_sparse_attn; out and dgate of VSA under jit(vjp), whose backward runs through the
-callback), close to the float64 reference; the jitted forward holds the CuTe custom call and no
-callback; under XLA command buffers the custom call is inside a command buffer and replays equal the
-callback.
+lse of block_sparse_attn; out and dgate of VSA under jit(vjp), whose backward runs natively too: dq, dk,
+dv within the reference tolerance of torch's, FA4 reducing dQ with fp32 atomics), close to the float64
+reference; the jitted vjp holds the two CuTe custom calls and no callback; under XLA command buffers
+the custom calls are inside a command buffer and replays equal the callback.
 
     pytest tests/test_jax_fa4_call.py -v     # CPU: the gpu ones skip
     (GPU machine: the same command; needs flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1, jax[cuda], torch)
@@ -35,7 +38,8 @@ from vsa_jax import fa4_call  # noqa: E402
 if fa4_call.library_error() is not None:
     pytest.skip(f"FA4's forward cannot be taken here: {fa4_call.library_error()}", allow_module_level=True)
 
-CROSS_COMPILE = {"FLASH_ATTENTION_NUM_SMS": "132", "CUTE_DSL_ARCH": "sm_90a"}  # FA4's and the CuTe DSL's
+# FA4's (its SM count, and the kernel family its backward interface reads from the device) and the CuTe DSL's
+CROSS_COMPILE = {"FLASH_ATTENTION_NUM_SMS": "132", "FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a"}
 CUTE_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
 
 
@@ -74,18 +78,39 @@ KERNEL = textwrap.dedent("""
         assert all(v is None for _, v in got.fixed), got.fixed   # no varlen, paging, window or sink
         assert got.options == "" and got.aux_scalars is None
         print("KERNEL", E, D, layout, k.tile_m, k.q_subtile_factor)
+        for has_dlse in (True, False):
+            cfg = fa4_call.Fa4Backward(1, 2, 4 * E, 3 * E, D, "bfloat16", layout, E, D ** -0.5, has_dlse)
+            got = fa4_call.configured_backward(cfg)
+            pre, main, post = (x.kernel for x in got.kernels)
+            assert [type(x).__name__ for x in (pre, main, post)] == ["FlashAttentionBackwardPreprocess",
+                "FlashAttentionBackwardSm90", "FlashAttentionBackwardPostprocess"]
+            assert main.mask_mod is vsa_kv_tail_mask and main.tile_n == 128 and not main.deterministic
+            assert main.q_subtile_factor * main.tile_m == E, (main.q_subtile_factor, main.tile_m)
+            assert main.qhead_per_kvhead == 1  # dK / dV written directly, no fp32 accumulators for them
+            assert ("mdLSE", "dlse") in got.kernels[0].tensors if has_dlse else "mdLSE" not in dict(got.kernels[0].tensors)
+            assert dict(got.kernels[2].tensors) == {"mdQaccum": "dq_accum", "mdQ": "dq"}
+            assert [x.scalar for x in got.kernels] == [("softmax_scale", 1.0), ("softmax_scale", D ** -0.5),
+                                                       ("scale", D ** -0.5)]
+            assert all(v is None for x in got.kernels for _, v in x.fixed), [x.fixed for x in got.kernels]
+            assert all(x.options == "" for x in got.kernels) and got.aux_scalars is None
+            S = 4 * E
+            assert dict(got.scratch) == {"lse_log2": ((1, 2, S), "float32"), "dpsum": ((1, 2, S), "float32"),
+                                         "dq_accum": ((1, 2, S * D), "float32")}, got.scratch
+            print("BACKWARD", E, D, layout, has_dlse, main.tile_m, main.q_subtile_factor)
     assert interface.cute is cutlass.cute
     assert all(f.compile_cache is cache and size(cache) == n for f, (cache, n) in caches.items())
     """)
 
 
-def test_the_kernel_is_fa4_s_own_and_fa4_is_left_as_it_was():
+def test_the_kernels_are_fa4_s_own_and_fa4_is_left_as_it_was():
     """configured_forward takes the FlashAttentionForwardSm90 that FA4's interface builds for the
     torch launch's call (our mask_mod, its q subtiling of our E-token query blocks, its 128-token KV
-    tile), with the arguments it compiles it with; the interface's `cute` and compile caches are FA4's
-    own again after, and nothing was compiled into them."""
+    tile), with the arguments it compiles it with; configured_backward takes the three objects its
+    backward interface compiles (preprocess, FlashAttentionBackwardSm90, dQ postprocess) and FA4's
+    scratch shapes (log2 lse, dPsum, fp32 dQ accumulator), with and without dlse; the interface's
+    `cute` and compile caches are FA4's own again after, and nothing was compiled into them."""
     out = run_lowering(KERNEL)
-    assert out.count("KERNEL") == 2, out
+    assert out.count("KERNEL") == 2 and out.count("BACKWARD") == 4, out
 
 
 def test_the_native_stages_of_the_cute_backend():
@@ -96,12 +121,13 @@ def test_the_native_stages_of_the_cute_backend():
         base = dict(batch=1, heads=2, q_len=512, kv_len=512, head_dim=128, block_elems=128, dtype="bfloat16", topk=2)
         return AttnProblem(**{**base, **kw})
 
-    assert native.has_native("cute", "forward", p()) and native.has_native("cute", "forward", p(block_elems=256))
-    assert fa4_call.native_reason(p(head_dim=64, dtype="float16")) is None
-    assert not native.has_native("cute", "backward", p()) and not native.has_native("cute", "backward")
-    assert "callback" in fa4_call.native_reason(p(), stage="backward")
-    assert "backward has no native path" in native.native_reason("cute", "backward", p())
-    assert "sm_90a" in fa4_call.native_reason(p(), capability=100) and "sm_90a" in native.unavailable_reason("cute", 100)
+    for stage in ("forward", "backward"):
+        assert native.has_native("cute", stage, p()) and native.has_native("cute", stage, p(block_elems=256))
+        assert native.has_native("cute", stage) and native.native_reason("cute", stage, p()) is None
+        assert fa4_call.native_reason(p(head_dim=64, dtype="float16"), stage=stage) is None
+        assert "blocks" in fa4_call.native_reason(p(block_elems=64), stage=stage)
+        assert "sm_90a" in fa4_call.native_reason(p(), capability=100, stage=stage)
+    assert "sm_90a" in native.unavailable_reason("cute", 100)
     assert native.unavailable_reason("cute", 90) is None
 
 
@@ -182,37 +208,61 @@ STAGE_LOWER = textwrap.dedent("""
     for padding, layout, E, D, gate in CASES:
         p = AttnProblem(batch=1, heads=2, q_len=3 * E, kv_len=4 * E, head_dim=D, block_elems=E, dtype="bfloat16",
                         topk=2, has_gate=gate, padding=padding, layout=layout, fine_residual=fine_residual("cute"))
-        inputs = P.forward_inputs(p)
-        names = list(inputs)
-        args = [jax.ShapeDtypeStruct(s, jnp.dtype(p.dtype if d == "input" else d)) for s, d in inputs.values()]
-        n_triton = sum(l.kind == "triton" for l in P.record_plan("forward", p, inputs, cute_backend).launches)
-        want = sorted([native.FFI_TARGET] * n_triton + ["CuteDSLRT_NvJaxCutlassCall_v2"])
-        # the stage natively, and the stage as the default launch picks it (ops._run)
-        for how, fn in (("native.run", lambda *xs: native.run("forward", p, dict(zip(names, xs)), "cute")),
-                        ("default", lambda *xs: ops._run("forward", p, cute_backend, **dict(zip(names, xs))))):
-            text = lowered(fn, args)
-            calls = re.findall(r"stablehlo\\.custom_call @(\\w+)", text)
-            assert sorted(calls) == want, (how, calls)
-            assert "callback" not in text, how
-            line = next(ln for ln in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall_v2" in ln)
-            assert "-arch sm_90a" in line
-            tok = f"1x{3 * E}x2x{D}xbf16" if layout == "bshd" else f"1x2x{3 * E}x{D}xbf16"
-            assert f"tensor<{tok}>" in line, line[-2000:]
-            print("LOWERED", how, padding, layout, E, n_triton)
-        # its backward keeps the callback, in every launch mode
-        assert not native.selected(cute_backend, stage="backward", p=p)
-        assert native.selected(cute_backend, stage="forward", p=p)
+        for stage in ("forward", "backward"):
+            inputs = (P.forward_inputs if stage == "forward" else P.backward_inputs)(p)
+            names = list(inputs)
+            args = [jax.ShapeDtypeStruct(s, jnp.dtype(p.dtype if d == "input" else d)) for s, d in inputs.values()]
+            n_triton = sum(l.kind == "triton" for l in P.record_plan(stage, p, inputs, cute_backend).launches)
+            want = sorted([native.FFI_TARGET] * n_triton + ["CuteDSLRT_NvJaxCutlassCall_v2"])
+            # the stage natively, and the stage as the default launch picks it (ops._run)
+            for how, fn in (("native.run", lambda *xs: native.run(stage, p, dict(zip(names, xs)), "cute")),
+                            ("default", lambda *xs: ops._run(stage, p, cute_backend, **dict(zip(names, xs))))):
+                text = lowered(fn, args)
+                calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)
+                assert sorted(calls) == want, (how, calls)
+                assert "callback" not in text, how
+                line = next(ln for ln in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall_v2" in ln)
+                assert "-arch sm_90a" in line
+                tok = f"1x{3 * E}x2x{D}xbf16" if layout == "bshd" else f"1x2x{3 * E}x{D}xbf16"
+                assert f"tensor<{tok}>" in line, line[-2000:]
+                if stage == "backward":  # FA4's scratch: outputs of the call (log2 lse, dPsum, dQ accumulator)
+                    assert line.count(f"tensor<1x2x{3 * E}xf32>") >= 3 and f"tensor<1x2x{3 * E * D}xf32>" in line
+                print("LOWERED", stage, how, padding, layout, E, n_triton)
+            assert native.selected(cute_backend, stage=stage, p=p)
+
+    # the whole VSA vjp (the frontends' custom_vjp): both stages natively, two CuTe calls, no callback
+    from vsa_core.spec import OpStatics, forward_inputs
+    E, D = 128, 128
+    s = OpStatics(selection="topk", layout="bhsd", block_elems=E, backend="cute", softmax_scale=D ** -0.5,
+                  padding="zeros", topk=2, has_gate=True)
+    p = AttnProblem(batch=1, heads=2, q_len=3 * E, kv_len=4 * E, head_dim=D, block_elems=E, dtype="bfloat16",
+                    topk=2, has_gate=True, fine_residual=fine_residual("cute"))
+    shapes = P.forward_inputs(p)
+    args = [jax.ShapeDtypeStruct(shapes[n][0], jnp.dtype(p.dtype if shapes[n][1] == "input" else shapes[n][1]))
+            for n in forward_inputs(s)]
+
+    def vjp(*xs):
+        out, back = jax.vjp(lambda *a: ops._attend(s, a)[0], *xs)
+        return out, back(out)
+    text = lowered(vjp, args)
+    calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)
+    assert calls.count("CuteDSLRT_NvJaxCutlassCall_v2") == 2 and set(calls) == {native.FFI_TARGET,
+                                                                                "CuteDSLRT_NvJaxCutlassCall_v2"}, calls
+    assert "callback" not in text
+    print("LOWERED vjp")
     """)
 
 
-def test_the_cute_forward_stage_lowers_to_triton_calls_and_one_cute_call():
-    """The cute backend's VSA forward as a native stage (its plan recorded, the Triton launches
-    stubbed), through native.run and through the default launch on an sm_90 device: one
-    triton_kernel_call_ffi per Triton launch (lists, sub-block counts, padding="ignore"'s copies,
-    the coarse mix) and one CuTe DSL call of FA4's kernel compiled for sm_90a; no callback. The
-    backward is not selected natively."""
+def test_the_cute_stages_lower_to_triton_calls_and_one_cute_call_each():
+    """The cute backend's VSA forward and backward as native stages (their plans recorded, the Triton
+    launches stubbed), through native.run and through the default launch on an sm_90 device: one
+    triton_kernel_call_ffi per Triton launch (lists, sub-block counts, padding="ignore"'s copies, the
+    coarse mix; the backward's lists, dlse, pooling gradients) and one CuTe DSL call compiled for
+    sm_90a (the forward: FA4's forward kernel; the backward: its preprocess, main kernel and dQ
+    postprocess, FA4's scratch born in the call); no callback. The whole VSA vjp: both stages, two
+    CuTe calls, no callback."""
     out = run_lowering(STAGE_LOWER)
-    assert out.count("LOWERED") == 4, out
+    assert out.count("LOWERED") == 9, out
 
 
 # ---- GPU (H100/H200) ---------------------------------------------------------------------------
@@ -237,8 +287,8 @@ def _native_case(name):
 @pytest.mark.parametrize("padding", ["zeros", "ignore"])
 @pytest.mark.parametrize("name", NATIVE_CASES)
 def test_gpu_native_cute_equals_torch(name, padding, launch_config):
-    """VSA on the cute backend under jit(vjp), default launch: the forward natively (FA4's kernel
-    as a cutlass_call), the backward through the callback. out and dgate equal torch's bit for bit
+    """VSA on the cute backend under jit(vjp), default launch: both stages natively (FA4's forward
+    kernel, then its three backward kernels, as cutlass_calls). out and dgate equal torch's bit for bit
     (one kernel object, the same Triton stages); dq, dk, dv (FA4's backward reduces dQ with fp32
     atomics, in a varying order) within the reference tolerance of torch's, and everything close
     to float64. "ignore" with NaN / inf in every padded row."""
@@ -315,7 +365,9 @@ def test_gpu_native_cute_block_sparse_attn_equals_torch_bitwise(layout, E, launc
 
 
 @pytest.mark.gpu
-def test_gpu_native_cute_program_has_the_cute_call_and_no_callback_in_the_forward(launch_config):
+def test_gpu_native_cute_program_has_the_cute_calls_and_no_callback(launch_config):
+    """The jitted forward holds FA4's forward call, the jitted vjp that and the backward's, and
+    neither a callback."""
     import jax
     import jax.numpy as jnp
 
@@ -330,7 +382,7 @@ def test_gpu_native_cute_program_has_the_cute_call_and_no_callback_in_the_forwar
     forward = jax.jit(f).lower(q, k, v, gate).as_text()
     assert forward.count(CUTE_TARGET) == 1 and "callback" not in forward
     both = jax.jit(lambda *a: jax.vjp(f, *a)[1](dout)).lower(q, k, v, gate).as_text()
-    assert both.count(CUTE_TARGET) == 1 and "callback" in both  # the backward: FA4's through the callback
+    assert both.count(CUTE_TARGET) == 2 and "callback" not in both  # FA4's forward call and its backward's
 
 
 @pytest.mark.gpu

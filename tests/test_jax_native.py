@@ -240,10 +240,11 @@ def test_the_default_launch_is_native_on_cuda_for_the_stages_that_have_a_native_
     cudnn, cute = types.SimpleNamespace(name="cudnn"), types.SimpleNamespace(name="cute")
     e64, e128 = (AttnProblem(batch=1, heads=2, q_len=256, kv_len=256, head_dim=128, block_elems=e, dtype="bfloat16",
                              topk=2) for e in (64, 128))
-    # cute's forward where FA4 and cutlass.jax import (its backward keeps the callback)
+    # cute's forward and backward where FA4 and cutlass.jax import
     from vsa_jax import fa4_call
-    assert native.selected(cute, stage="forward", p=e128) is (fa4_call.library_error() is None)
-    assert not native.selected(cute, stage="backward", p=e128) and not native.selected(cute, stage="backward")
+    for stage in ("forward", "backward"):
+        assert native.selected(cute, stage=stage, p=e128) is (fa4_call.library_error() is None)
+        assert not native.selected(cute, stage=stage, p=e64)
     # cudnn's stages at 64-token blocks where its kernel calls import (cuDNN frontend, cutlass.jax)
     from vsa_jax import cudnn_call
     for stage in ("forward", "backward"):
@@ -252,6 +253,7 @@ def test_the_default_launch_is_native_on_cuda_for_the_stages_that_have_a_native_
     capability["now"] = 100  # its kernels are compiled for sm_90a only
     assert not native.selected(cudnn, stage="forward", p=e64) and "sm_90a" in native.unavailable_reason("cudnn", 100)
     assert not native.selected(cute, stage="forward", p=e128) and "sm_90a" in native.unavailable_reason("cute", 100)
+    assert not native.selected(cute, stage="backward", p=e128)
     capability["now"] = 90
     launch_config(tma=True)
     for takes in (False, True):  # a jaxlib without and with host TMA descriptors

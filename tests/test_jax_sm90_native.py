@@ -494,8 +494,8 @@ def test_native_selects_the_native_stages_in_native_mode(launch_config):
     launch_config(jax_launch="native")
     assert native.selected(sm90_backend) and native.selected(types.SimpleNamespace(name="triton"))
     assert native.selected(types.SimpleNamespace(name="cudnn"), stage="backward")
-    cute = types.SimpleNamespace(name="cute")  # FA4's forward is native, its backward the callback
-    assert native.selected(cute) and not native.selected(cute, stage="backward")
+    cute = types.SimpleNamespace(name="cute")  # FA4's forward and backward (fa4_call)
+    assert native.selected(cute) and native.selected(cute, stage="backward")
     launch_config(jax_launch="callback")
     assert not native.selected(sm90_backend)
 

@@ -17,14 +17,14 @@ the sm90 backend's kernels (`vsa_jax.sm90_call`), whose workspaces (the valid-ro
 padding="ignore", the backward's dQ accumulator) are XLA buffers born in the plan like the
 stage's own, so the sm90 backend runs natively with no torch; cuDNN's sm_90 forward and
 backward for 64-token blocks (`vsa_jax.cudnn_call`), so the cudnn backend runs natively too; and
-FA4's sm_90 forward (`vsa_jax.fa4_call`: the object FA4's interface configures, taken at trace
-time with torch), so the cute backend's forward runs natively, its backward through the callback.
+FA4's sm_90 forward and backward (`vsa_jax.fa4_call`: the objects FA4's interface configures, taken
+at trace time with torch), so the cute backend runs natively too.
 
 The default (`jax_launch` "auto", `vsa_core.config`, read at trace time: a function already
 jitted keeps the path it was traced with): the stages that have a native path (`has_native`:
 every stage of the Triton and sm90 backends, the cudnn backend's at 64-token blocks, the cute
-backend's forward on sm_90) run natively on a CUDA device; the others (the cute (FA4) backend's
-backward, cuDNN's 128-token blocks and its forward with a static prefix), calls on the CPU (the
+backend's on sm_90) run natively on a CUDA device; the others (cuDNN's 128-token blocks and its
+forward with a static prefix), calls on the CPU (the
 interpreter) and
 the cases `unavailable_reason` names take the callback (buffer_callback over vsa_core.ops), in
 every mode. The two stages of one call may so take different paths. "On a CUDA
@@ -88,15 +88,15 @@ def launch_mode() -> str:
 # cute's stages run natively where their kernel calls can take the problem (`native_reason` of
 # `cudnn_call` / `fa4_call`).
 NATIVE_STAGES = {"triton": ("forward", "backward"), "sm90": ("forward", "backward"), "cudnn": ("forward", "backward"),
-                 "cute": ("forward",)}
+                 "cute": ("forward", "backward")}
 # backend -> the module whose `native_reason(p, stage=)` says when a problem keeps the callback
 _REASONS = {"cudnn": "cudnn_call", "cute": "fa4_call"}
 # step of a CuTe DSL launch -> the module that replays it as a cutlass_call
 _CUTE_CALLS = {"sm90_fwd64": "sm90_call", "sm90_bwd64": "sm90_call", "cudnn_fwd": "cudnn_call", "cudnn_bwd": "cudnn_call",
-               "fa4_fwd": "fa4_call"}
+               "fa4_fwd": "fa4_call", "fa4_bwd": "fa4_call"}
 # backends whose native kernels are compiled for sm_90a only
 _SM90A_ONLY = {"cudnn": "cuDNN's blk64 kernels are compiled for sm_90a",
-               "cute": "FA4's forward runs natively as its sm_90 kernel, compiled for sm_90a"}
+               "cute": "FA4's kernels run natively as its sm_90 ones, compiled for sm_90a"}
 
 
 def has_native(backend: str, stage: str, p: Optional[AttnProblem] = None) -> bool:
@@ -120,7 +120,7 @@ def native_reason(backend: str, stage: str, p: AttnProblem) -> Optional[str]:
 
 def selected(impl, like=None, stage: str = "forward", p: Optional[AttnProblem] = None) -> bool:
     """True when `stage` of a call on the array `like` launches natively: the stage has a native
-    path (`has_native`: Triton's and sm90's stages, cudnn's at 64-token blocks, cute's forward; the
+    path (`has_native`: Triton's and sm90's stages, cudnn's at 64-token blocks, cute's; the
     others keep the callback) and "native" is selected, or "auto" is (the default) and the call runs on a
     CUDA device (`launch_device`) where nothing stands in the way (`unavailable_reason`)."""
     mode = launch_mode()

@@ -61,9 +61,9 @@ from `launcher.workspace` (declared in `workspaces(stage, problem)`), so a captu
 (`vsa_core.replay`) like the Triton backend's. FA4's backward allocates its own scratch (fp32 dq
 accumulator, lse_log2, dpsum) inside its step, from torch's caching allocator on the current
 stream; under JAX's callback everything here comes from torch's caching allocator. Under JAX on
-an sm_90 device the forward's plan runs natively instead (`vsa_jax.fa4_call`: the step "fa4_fwd" as
-a cutlass_call of the kernel object FA4's interface configures in `fa4_forward_call`, the workspaces
-XLA buffers); the backward stays on the callback.
+an sm_90 device both plans run natively instead (`vsa_jax.fa4_call`: the steps "fa4_fwd" / "fa4_bwd"
+as cutlass_calls of the kernel objects FA4's interface configures in `fa4_forward_call` /
+`fa4_backward_call`, the workspaces XLA buffers, FA4's backward scratch outputs of its call).
 """
 
 from __future__ import annotations
@@ -164,12 +164,12 @@ def forward_lists(launcher, p: AttnProblem, sel_idx, sel_num, kv_counts, full_id
 def backward_lists(launcher, p: AttnProblem, inv_idx, inv_num, kv_counts, idx, full_num, mask_num) -> None:
     """FA4's KV-owned lists per 128-token sub-block: idx [B, H, nKV*E/128, nQ] (shared by the
     full and mask lists; pass inv_idx itself when E == 128: nothing is copied) and the
-    full/mask counts [B, H, nKV*E/128]."""
+    full/mask counts [B, H, nKV*E/128] (buffers of their own: a recorded plan names whole buffers)."""
     sub = _sub(p)
     launcher.triton(K.fa4_bwd_lists_kernel, (p.n_kv_blocks * sub, p.batch * p.heads),
         inv_idx, inv_num, kv_counts, idx, full_num, mask_num, p.n_kv_blocks, inv_idx.shape[-1],
         SUB=sub, TILE=KV_TILE, Q_PAD=max(16, triton.next_power_of_2(inv_idx.shape[-1])),
-        COPY_IDX=idx.data_ptr() != inv_idx.data_ptr(), num_warps=4)
+        COPY_IDX=idx is not inv_idx, num_warps=4)
 
 
 def delta_to_dlse(launcher, p: AttnProblem, out, dout, delta) -> None:
@@ -209,7 +209,8 @@ def workspaces(stage: str, p: AttnProblem) -> dict:
     else:
         if _sub(p) != 1:
             table["fa4_idx"] = ((B, H, n_sub, nq), "int32")
-        table["fa4_num"] = ((2, B, H, n_sub), "int32")
+        for kind in FA4_KINDS:
+            table[f"fa4_{kind}_num"] = ((B, H, n_sub), "int32")
     return table
 
 
@@ -268,21 +269,20 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
         raise ValueError("the cute backend's backward needs the forward output `out`")
     q, kv_counts = a.q, a.kv_counts
     idx = a.inv_idx if _sub(p) == 1 else _workspace(launcher, p, "backward", "fa4_idx", q)
-    num = _workspace(launcher, p, "backward", "fa4_num", q)
+    nums = {f"{kind}_num": _workspace(launcher, p, "backward", f"fa4_{kind}_num", q) for kind in FA4_KINDS}
     sub_counts = _workspace(launcher, p, "backward", "fa4_sub_counts", q)
     sub_block_counts(launcher, p, kv_counts, sub_counts)
-    backward_lists(launcher, p, a.inv_idx, a.inv_num, kv_counts, idx, num[0], num[1])
+    backward_lists(launcher, p, a.inv_idx, a.inv_num, kv_counts, idx, nums["full_num"], nums["mask_num"])
     # padding="ignore": what FA4 multiplies by zero weights is read as 0
     q, dout = (valid_rows_input(launcher, p, "backward", n, x, a.q_counts) for n, x in (("q", q), ("dout", a.dout)))
     k, v = (valid_rows_input(launcher, p, "backward", n, x, kv_counts) for n, x in (("k", a.k), ("v", a.v)))
-    dlse = None
+    buffers = dict(q=q, k=k, v=v, out=a.out, dout=dout, lse=a.lse, dq=a.dq, dk=a.dk, dv=a.dv, idx=idx, **nums,
+                   sub_counts=sub_counts)
     if a.out_coarse is not None:
         # `out` holds out_fine + gate * out_c: make FA4's rowsum(out * dO) - dlse equal our delta
         delta_to_dlse(launcher, p, a.out, dout, a.delta)
-        dlse = a.delta
-    launcher.cute("fa4_bwd", dict(q=q, k=k, v=v, out=a.out, dout=dout, lse=a.lse, dlse=dlse, dq=a.dq, dk=a.dk,
-                                  dv=a.dv, idx=idx, num=num, sub_counts=sub_counts),
-                  layout=p.layout, softmax_scale=p.softmax_scale, block_elems=p.block_elems)
+        buffers["dlse"] = a.delta
+    launcher.cute("fa4_bwd", buffers, layout=p.layout, softmax_scale=p.softmax_scale, block_elems=p.block_elems)
     if a.dq_pool is not None:
         add_block_grad(launcher, p, a.dq, a.dq_pool, a.q_counts, p.q_len)
         add_block_grad(launcher, p, a.dk, a.dk_pool, kv_counts, p.kv_len)
@@ -291,22 +291,27 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
 
 def launch_fa4_backward(buffers: dict, *, layout: str, softmax_scale: float, block_elems: int):
     """The "fa4_bwd" launch on framework buffers (`CUTE_STEPS`): FA4's block-sparse backward into dq,
-    dk, dv with the KV-owned lists (idx shared by the full and mask lists; num [2, ...]: full,
-    mask), on the caller's stream. FA4 allocates its own scratch (fp32 dq accumulator, lse_log2,
-    dpsum) from torch's caching allocator on that stream."""
+    dk, dv with the KV-owned lists (idx shared by the full and mask lists; full_num, mask_num) and,
+    with the coarse branch, dlse, on the caller's stream. FA4 allocates its own scratch (fp32 dq
+    accumulator, lse_log2, dpsum) from torch's caching allocator on that stream."""
     from ._torch_views import as_torch_buffers
-    _, fa_bwd, BlockSparse, mask_mod = _fa4()
     with caller_stream():
         b = as_torch_buffers(buffers, "lse")
-        idx, num = b["idx"], b["num"]
-        lists = BlockSparse(mask_block_cnt=num[1], mask_block_idx=idx, full_block_cnt=num[0], full_block_idx=idx,
-                            block_size=(block_elems, KV_TILE))
-        t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2)
-             for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
         with _FA4_LOCK:
-            fa_bwd(t["q"], t["k"], t["v"], t["out"], t["dout"], b["lse"], softmax_scale=softmax_scale,
-                   mask_mod=mask_mod, aux_tensors=[b["sub_counts"]], block_sparse_tensors=lists, dlse=b.get("dlse"),
-                   dq=t["dq"], dk=t["dk"], dv=t["dv"])
+            fa4_backward_call(b, layout=layout, softmax_scale=softmax_scale, block_elems=block_elems)
+
+
+def fa4_backward_call(b: dict, *, layout: str, softmax_scale: float, block_elems: int) -> None:
+    """FA4's backward interface called on the torch tensors `b` (the "fa4_bwd" buffers) as that step
+    calls it: the one place both frontends configure FA4's backward from (`vsa_jax.fa4_call` takes the
+    kernels it compiles here), so they run the same kernels."""
+    _, fa_bwd, BlockSparse, mask_mod = _fa4()
+    lists = BlockSparse(mask_block_cnt=b["mask_num"], mask_block_idx=b["idx"], full_block_cnt=b["full_num"],
+                        full_block_idx=b["idx"], block_size=(block_elems, KV_TILE))
+    t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2) for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
+    fa_bwd(t["q"], t["k"], t["v"], t["out"], t["dout"], b["lse"], softmax_scale=softmax_scale, mask_mod=mask_mod,
+           aux_tensors=[b["sub_counts"]], block_sparse_tensors=lists, dlse=b.get("dlse"), dq=t["dq"], dk=t["dk"],
+           dv=t["dv"])
 
 
 # The CuTe DSL launches of this backend (`launcher.cute(step, buffers, **statics)`, found through the
