@@ -39,10 +39,10 @@ TOKEN_ARGS = frozenset({"q", "k", "v", "out", "gate", "out_fine", "dout", "dq", 
 _ALIGN16 = {"sm90_fwd64": TOKEN_ARGS, "sm90_bwd64": TOKEN_ARGS | {"lse", "delta", "dq_accum", "dkv_partial"}}
 
 
-def zeroed(step: str, statics: dict, current: Dict[str, jax.Array], launch) -> frozenset:
-    """The buffers step needs zeroed on entry (its eager launch zeroes them itself): the backward's dQ
-    accumulator, and its query groups' flags where the kernel reads them (`flags_in_use`)."""
-    if step != "sm90_bwd64":
+def zeroed(launch, statics: dict, current: Dict[str, jax.Array]) -> frozenset:
+    """The buffers `launch` needs zeroed on entry (its eager launch zeroes them itself): the backward's
+    dQ accumulator, and its query groups' flags where the kernel reads them (`flags_in_use`)."""
+    if launch.step != "sm90_bwd64":
         return frozenset()
     from vsa_core.backends.sm90_bwd64_groups import flags_in_use
     config = statics["config"]
@@ -134,7 +134,7 @@ def call(launch, step, current: Dict[str, jax.Array], result_types: tuple) -> tu
     arrays `current` (buffer name -> array); result_types: a ShapeDtypeStruct per step result."""
     check(launch)
     statics = launch.statics_dict()
-    args = arrange(launch, step, current, result_types, zeroed(launch.step, statics, current, launch))
+    args = arrange(launch, step, current, result_types, zeroed(launch, statics, current))
     if launch.step == "sm90_fwd64" and statics["has_coarse"] and not statics["ignore_padding"]:
         n_q = current[launch.buffer("sel_num")].shape[2]
         args.add_input("q_counts", jnp.full((n_q,), BLOCK, jnp.int32))  # padding="zeros": every query row valid

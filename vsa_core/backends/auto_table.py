@@ -51,10 +51,11 @@ def arch_of(device: DeviceInfo) -> Optional[str]:
 # where another order is faster over forward + backward: key -> (most query blocks of TABLE's order,
 # the order past it). Inference (a forward with no backward to follow) keeps TABLE's order.
 LONG_TRAINING = {
-    # H100 (sm_90), bf16, D=128: our sm90 backward against cuDNN's as the sequence grows (benchmarks/
-    # sm90_bwd64_ab.py, `gpu_session.sh bwdlen`, benchmarks/results/2026-12-06-h100-session20): it takes
-    # query groups past 512 query blocks and falls behind cuDNN's; the sm90 forward stays ahead (720p-64
-    # fine stage 1.04x cuDNN's), but the backward is ~3x the forward's time.
+    # H100 (sm_90), bf16, D=128, our sm90 backward's time / cuDNN's by query blocks (benchmarks/
+    # sm90_bwd64_ab.py, benchmarks/results/2026-12-06-h100-session20): 624: 1.015, 912: 1.026,
+    # 1176: 1.069, 1440 (H40): 1.178. The sm90 forward stays ahead (720p-64 fine stage 37.4 vs 38.9
+    # ms), but the backward takes ~3x the forward's time: a training step breaks even near 900.
+    # 720p-64 whole VSA fwd + bwd (bench.py): sm90 168.9 ms, cudnn 150.9.
     ("sm_90", 64, 128, "bfloat16"): (800, ("cudnn", "sm90", "triton")),
 }
 

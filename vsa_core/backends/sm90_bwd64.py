@@ -90,6 +90,11 @@ tile is taken only by a running CTA, so the waits of the groups stay deadlock-fr
 count. The next tile's first Q / dO tiles load under the current tile's last steps and its K / V
 under the epilogue (`sm90_bwd64_split`, `_next_tile`, `_produce`).
 
+K / V in registers (`k_in_regs`, `v_in_regs`, split kernel only; variants, not the default: 1-3% at
+most, benchmarks/README.md). Warpgroup 1's S^T = K Q^T takes K, warpgroup 2's dP^T = V dO^T takes V as
+a register operand, loaded by ldmatrix once a tile, so the steps no longer read them from shared
+memory (`sm90_bwd64_split._kv_operand`). dk and dv stay bitwise the default's.
+
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
 of 8 elements and base addresses 16-byte aligned (TMA); lse, delta [B, H, Sq] fp32 with a
