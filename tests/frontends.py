@@ -64,6 +64,21 @@ def run_jax_vjp(case: Case, inputs: dict, backend: str = "auto", **kw) -> dict:
     return to_numpy(case, got)
 
 
+def check_jax_vjp_against_torch(case: Case, inputs: dict, backend: str, padding: str) -> None:
+    """jit(vjp) on `backend` (the default launch) against torch eager on it: both frontends close to the
+    float64 reference; out and dgate (one forward kernel, the same Triton stages) bit for bit; dq, dk, dv
+    within the reference tolerance of torch's (libraries' backwards reduce dQ with fp32 atomics, in a
+    varying order)."""
+    from common import assert_close, reference
+    got = run_jax_vjp(case, inputs, backend=backend, padding=padding)
+    want = run_torch(case, inputs, backend=backend, padding=padding)
+    assert_close(case, got, reference(case, inputs, padding))
+    for n in ("out", "dgate"):
+        assert np.array_equal(got[n], want[n]), f"{n}: max |jax - torch| = {np.abs(got[n] - want[n]).max():.3e}"
+    assert_close(case, {n: got[n] for n in ("dq", "dk", "dv")},
+                 {n: np.asarray(want[n], np.float64) for n in ("dq", "dk", "dv")})
+
+
 def run_jax_grad(case: Case, inputs: dict, backend: str = "auto") -> dict:
     """jit(grad) of sum(out * dout) (whose cotangent of out is exactly dout), with out
     from the same (training) forward as an aux output; the counts are numpy constants

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 from test_import_boundaries import native_vjp_script, run_without_torch
@@ -328,8 +327,8 @@ def test_gpu_native_cudnn_equals_torch(name, padding, launch_config):
     with NaN / inf in every padded row."""
     import zlib
 
-    from common import assert_close, make_inputs, reference
-    from frontends import run_jax_vjp, run_torch
+    from common import make_inputs
+    from frontends import check_jax_vjp_against_torch
     from test_padding import with_non_finite_padding
     case = _native_case(name)
     _cudnn_jax_case(case)
@@ -337,13 +336,7 @@ def test_gpu_native_cudnn_equals_torch(name, padding, launch_config):
     inputs = make_inputs(case, seed=zlib.crc32(name.encode()) + 5)
     if padding == "ignore":
         inputs = with_non_finite_padding(inputs, case.E)
-    got = run_jax_vjp(case, inputs, backend="cudnn", padding=padding)
-    want = run_torch(case, inputs, backend="cudnn", padding=padding)
-    assert_close(case, got, reference(case, inputs, padding))
-    for n in ("out", "dgate"):
-        assert np.array_equal(got[n], want[n]), f"{n}: max |jax - torch| = {np.abs(got[n] - want[n]).max():.3e}"
-    assert_close(case, {n: got[n] for n in ("dq", "dk", "dv")},
-                 {n: np.asarray(want[n], np.float64) for n in ("dq", "dk", "dv")})
+    check_jax_vjp_against_torch(case, inputs, "cudnn", padding)
 
 
 @pytest.mark.gpu

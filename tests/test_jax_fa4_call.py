@@ -294,8 +294,8 @@ def test_gpu_native_cute_equals_torch(name, padding, launch_config):
     to float64. "ignore" with NaN / inf in every padded row."""
     import zlib
 
-    from common import assert_close, make_inputs, reference
-    from frontends import run_jax_vjp, run_torch
+    from common import make_inputs
+    from frontends import check_jax_vjp_against_torch
     from test_padding import with_non_finite_padding
     case = _native_case(name)
     _cute_jax_case(case)
@@ -303,13 +303,7 @@ def test_gpu_native_cute_equals_torch(name, padding, launch_config):
     inputs = make_inputs(case, seed=zlib.crc32(name.encode()) + 7)
     if padding == "ignore":
         inputs = with_non_finite_padding(inputs, case.E)
-    got = run_jax_vjp(case, inputs, backend="cute", padding=padding)
-    want = run_torch(case, inputs, backend="cute", padding=padding)
-    assert_close(case, got, reference(case, inputs, padding))
-    for n in ("out", "dgate"):
-        assert np.array_equal(got[n], want[n]), f"{n}: max |jax - torch| = {np.abs(got[n] - want[n]).max():.3e}"
-    assert_close(case, {n: got[n] for n in ("dq", "dk", "dv")},
-                 {n: np.asarray(want[n], np.float64) for n in ("dq", "dk", "dv")})
+    check_jax_vjp_against_torch(case, inputs, "cute", padding)
 
 
 @pytest.mark.gpu
