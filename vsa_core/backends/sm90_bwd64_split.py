@@ -37,6 +37,8 @@ is met without a cycle (warpgroup 1 runs at most two entries ahead of warpgroup 
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple, Optional
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -52,6 +54,16 @@ P_READY, P_FREE, DS_STORED = (1, 2), (4, 5), 3  # named barriers (0 is sync_thre
 DQ_FULL, DQ_EMPTY = 6, 7  # dq_bulk: warpgroup 2 <-> the producer's warp 1, 128 + 32 threads
 GROUP_SYNC = (8, 9)       # query groups: warpgroup 1 (dV), warpgroup 2 (dK) around their partial sums
 TILE_DONE = 10            # persistent: warpgroups 1 and 2 at the end of each tile's steps
+
+
+class KVOperand(NamedTuple):
+    """K or V as the A operand of S^T / dP^T (`_kv_operand`): `fragment` and `slot` for `_gemm_k`;
+    in registers, `copy` fills the fragment from `source` through `dest` (its retiled view)."""
+    fragment: Any
+    slot: Optional[int]
+    copy: Any = None
+    source: Any = None
+    dest: Any = None
 
 
 @cute.jit
@@ -474,24 +486,23 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive(bar.get_barrier(slot))
 
-    def _kv_operand(self, mma, thr, sKV, slot: int, in_regs: bool, t):
-        """K (slot 0) or V (slot 1) as the A operand of S^T = K Q^T / dP^T = V dO^T: (fragment, slot) for
-        `_gemm_k`, the shared-memory descriptors' fragment, or in_regs a register fragment (slot None)
-        that `_load_kv_operand` fills once a tile, then the copy that fills it."""
+    def _kv_operand(self, mma, thr, sKV, slot: int, in_regs: bool, t) -> KVOperand:
+        """K (slot 0) or V (slot 1) as the A operand of S^T = K Q^T / dP^T = V dO^T: the shared-memory
+        descriptors' fragment, or in_regs a register fragment that `_load_kv_operand` fills once a tile."""
         if not in_regs:
-            return mma.make_fragment_A(thr.partition_A(sKV)), slot, None, None, None
+            return KVOperand(mma.make_fragment_A(thr.partition_A(sKV)), slot)
         dt = self.dtype
         ldmatrix = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt)
         copy = cute.make_tiled_copy_A(ldmatrix, mma).get_slice(t)
         regs = cute.make_rmem_tensor(thr.partition_shape_A((BLOCK, self.head_dim)), dt)
-        return regs, None, copy, copy.partition_S(sKV[None, None, slot]), copy.retile(regs)
+        return KVOperand(regs, None, copy, copy.partition_S(sKV[None, None, slot]), copy.retile(regs))
 
     @cute.jit
-    def _load_kv_operand(self, a):
-        """A register operand of `_kv_operand`: this tile's K or V from shared memory (K / V full; the
-        wgmmas reading the registers of the tile before all retired). Nothing for a shared-memory one."""
-        if cutlass.const_expr(a[2] is not None):
-            cute.copy(a[2], a[3], a[4])
+    def _load_kv_operand(self, a: KVOperand):
+        """A register operand: this tile's K or V from shared memory (K / V full; the wgmmas reading the
+        registers of the tile before all retired). Nothing for a shared-memory one."""
+        if cutlass.const_expr(a.copy is not None):
+            cute.copy(a.copy, a.source, a.dest)
 
     # ---- warpgroup 1: S^T, P^T, dV ----------------------------------------------------------------
     @cute.jit
@@ -539,7 +550,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                         valid = count
                     qdo_full.wait(s, (e // S) % 2)
                     cute.nvgpu.warpgroup.fence()
-                    self._gemm_k(mma_s, accS, a_K[0], a_K[1], tSrQdO, 2 * s)
+                    self._gemm_k(mma_s, accS, a_K.fragment, a_K.slot, tSrQdO, 2 * s)
                     cute.nvgpu.warpgroup.commit_group()
                     for ci in cutlass.range_constexpr(n_cols):
                         lse2 = sLSE[cS_rc[0, ci][1], s] * LOG2_E
@@ -657,7 +668,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                     qb = self._clamp(self._entry(sel, window, j), n_q)
                     qdo_full.wait(s, (e // S) % 2)
                     cute.nvgpu.warpgroup.fence()
-                    self._gemm_k(mma_s, accdP, a_V[0], a_V[1], tSrQdO, 2 * s + 1)
+                    self._gemm_k(mma_s, accdP, a_V.fragment, a_V.slot, tSrQdO, 2 * s + 1)
                     cute.nvgpu.warpgroup.commit_group()
                     for ci in cutlass.range_constexpr(n_cols):
                         stat[ci] = sDelta[cS_rc[0, ci][1], s]
