@@ -210,8 +210,6 @@ def configured_forward(cfg: Fa4Forward) -> Configured:
     """FA4's forward object for `cfg`, configured by FA4's interface from the call the torch launch
     makes (`cute_backend.fa4_forward_call`) on fake tensors of the buffers (see the module doc)."""
     import torch
-    from flash_attn.cute.block_sparsity import BlockSparseTensors
-    from flash_attn.cute.utils import AuxData
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from vsa_core.backends import cute_backend
@@ -234,20 +232,40 @@ def configured_forward(cfg: Fa4Forward) -> Configured:
                                   "this module replays")
     if float(given["softmax_scale"]) != cfg.softmax_scale:
         raise RuntimeError(f"FA4 compiled with scale {given['softmax_scale']}, asked {cfg.softmax_scale}")
+    aux = _lists_and_aux(given, "forward")
+    fixed = _fixed_args(given, _HANDLED, "FA4's forward")
+    return Configured(kernel, names, fixed, aux.scalars, _options(kwargs))
+
+
+def _lists_and_aux(given: dict, stage: str):
+    """The aux data a kernel was compiled with, after checking that its block-sparse tensors are the
+    full / mask lists and counts and its aux data the sub-block counts (what the adapters hand it)."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensors
+    from flash_attn.cute.utils import AuxData
     lists, aux = given["blocksparse_tensors"], given["aux_data"]
     if (not isinstance(lists, BlockSparseTensors) or any(t is None for t in lists[:4])
             or any(t is not None for t in lists[4:])):
-        raise NotImplementedError("FA4's forward compiled with block-sparse tensors other than the full / mask "
+        raise NotImplementedError(f"FA4's {stage} compiled with block-sparse tensors other than the full / mask "
                                   f"lists and counts: {[t is not None for t in lists or ()]}")
     if not isinstance(aux, AuxData) or len(aux.tensors or ()) != 1:
-        raise NotImplementedError(f"FA4's forward compiled with aux data other than the sub-block counts: {aux}")
-    fixed = {n: v for n, v in given.items() if n not in _HANDLED}
+        raise NotImplementedError(f"FA4's {stage} compiled with aux data other than the sub-block counts: {aux}")
+    return aux
+
+
+def _fixed_args(given: dict, handled, what: str) -> tuple:
+    """The compile arguments the adapter passes as recorded (those not in `handled`): None or Python
+    values only, anything else is an argument the adapter would have to build."""
+    fixed = {n: v for n, v in given.items() if n not in handled}
     for n, v in fixed.items():
         if v is not None and not isinstance(v, (bool, int, float)):
-            raise NotImplementedError(f"FA4's forward compiled with {n} = {type(v).__name__}, which this "
-                                      "module does not hand it")
-    options = " ".join(o for o in kwargs.get("options", "").split() if o != "--enable-tvm-ffi")
-    return Configured(kernel, names, tuple(fixed.items()), aux.scalars, options)
+            raise NotImplementedError(f"{what} compiled with {n} = {type(v).__name__}, which this module does not "
+                                      "hand it")
+    return tuple(fixed.items())
+
+
+def _options(kwargs: dict) -> str:
+    """cute.compile's options beyond the TVM-FFI calling convention (a cutlass_call has its own)."""
+    return " ".join(o for o in kwargs.get("options", "").split() if o != "--enable-tvm-ffi")
 
 
 def _fp32_value(x: float):
@@ -437,16 +455,11 @@ def _backward_kernel(kernel, args, kwargs, cfg: Fa4Backward) -> BackwardKernel:
         raise NotImplementedError(f"{cls} was compiled without {missing}: not the backward this module replays")
     scalar, value = _BACKWARD_SCALARS[cls]
     handled = set(tensors) | {scalar, "stream"} | _BACKWARD_HANDLED.get(cls, set())
-    fixed = {n: v for n, v in given.items() if n not in handled}
-    for n, v in fixed.items():
-        if v is not None and not isinstance(v, (bool, int, float)):
-            raise NotImplementedError(f"{cls} compiled with {n} = {type(v).__name__}, which this module does not "
-                                      "hand it")
+    fixed = _fixed_args(given, handled, cls)
     if value == "scale" and cls == "FlashAttentionBackwardSm90" and float(given[scalar]) != cfg.softmax_scale:
         raise RuntimeError(f"FA4 compiled with scale {given[scalar]}, asked {cfg.softmax_scale}")
-    options = " ".join(o for o in kwargs.get("options", "").split() if o != "--enable-tvm-ffi")
-    return BackwardKernel(kernel, names, tuple(fixed.items()), tuple(tensors.items()),
-                          (scalar, cfg.softmax_scale if value == "scale" else value), options)
+    return BackwardKernel(kernel, names, fixed, tuple(tensors.items()),
+                          (scalar, cfg.softmax_scale if value == "scale" else value), _options(kwargs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -455,8 +468,6 @@ def configured_backward(cfg: Fa4Backward) -> ConfiguredBackward:
     makes (`cute_backend.fa4_backward_call`) on fake tensors of the buffers, taken where it compiles
     them (`compiles_taken`, as the forward's)."""
     import torch
-    from flash_attn.cute.block_sparsity import BlockSparseTensors
-    from flash_attn.cute.utils import AuxData
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from vsa_core.backends import cute_backend
@@ -474,13 +485,7 @@ def configured_backward(cfg: Fa4Backward) -> ConfiguredBackward:
         raise NotImplementedError(f"FA4's backward interface compiled {order}, expected {tuple(_BACKWARD_TENSORS)}")
     (_, *main_args), _ = taken[1]
     main = dict(zip(kernels[1].names, main_args))
-    lists, aux = main["blocksparse_tensors"], main["aux_data"]
-    if (not isinstance(lists, BlockSparseTensors) or any(t is None for t in lists[:4])
-            or any(t is not None for t in lists[4:])):
-        raise NotImplementedError("FA4's backward compiled with block-sparse tensors other than the full / mask "
-                                  f"lists and counts: {[t is not None for t in lists or ()]}")
-    if not isinstance(aux, AuxData) or len(aux.tensors or ()) != 1:
-        raise NotImplementedError(f"FA4's backward compiled with aux data other than the sub-block counts: {aux}")
+    aux = _lists_and_aux(main, "backward")
     buffers = cfg.buffers()
     for arg, name in kernels[1].tensors:  # the main kernel writes dk / dv directly (no GQA accumulators)
         if name in buffers and tuple(main[arg].shape) != _bshd(buffers[name][0], cfg.layout):

@@ -24,9 +24,7 @@ The default (`jax_launch` "auto", `vsa_core.config`, read at trace time: a funct
 jitted keeps the path it was traced with): the stages that have a native path (`has_native`:
 every stage of the Triton and sm90 backends, the cudnn backend's at 64-token blocks, the cute
 backend's on sm_90) run natively on a CUDA device; the others (cuDNN's 128-token blocks and its
-forward with a static prefix), calls on the CPU (the
-interpreter) and
-the cases `unavailable_reason` names take the callback (buffer_callback over vsa_core.ops), in
+forward with a static prefix), calls on the CPU (the interpreter) and the cases `unavailable_reason` names take the callback (buffer_callback over vsa_core.ops), in
 every mode. The two stages of one call may so take different paths. "On a CUDA
 device" is the device the call runs on as far as tracing knows it (`launch_device`): a concrete
 array's own (eager calls), else JAX's default device (`jax.default_device`), the device the

@@ -197,7 +197,7 @@ def workspaces(stage: str, p: AttnProblem) -> dict:
     each from `launcher.workspace`: FA4's lists (forward: full and mask [B, H, nQ, C] and their
     counts [B, H, nQ], four buffers of their own, which a recorded plan can hand a CuTe DSL launch
     whole; backward: the KV-owned index [B, H, nKV*E/128, nQ] (inv_idx
-    itself at E = 128) and the full and mask counts [2, B, H, nKV*E/128]), the valid tokens of
+    itself at E = 128) and the full and mask counts [B, H, nKV*E/128]), the valid tokens of
     each 128-token KV sub-block, and the copies of padding="ignore" (`stages.valid_rows_input`)."""
     B, H, nq, n_sub = p.batch, p.heads, p.n_q_blocks, p.n_kv_blocks * _sub(p)
     table = valid_rows_workspaces(stage, p)
