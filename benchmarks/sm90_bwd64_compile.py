@@ -70,6 +70,23 @@ VARIANTS = {
     "post": dict(postprocess=True),
     "post-d64": dict(postprocess=True, head_dim=64),
     "post-pool-ignore": dict(postprocess=True, pool_grads=True, ignore_padding=True),
+    # head_sweep is the launch's chunk, not the build: the sweeping default builds as "kvpr" below
+    "split-hints": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, l2_hints=True),
+    "split-p-early": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, p_early=True),
+    "split-p-rounded": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, p_rounded=True),
+    # hints, p_early, p_rounded, K / V in registers: the sm90 backend's BACKWARD on branch kvpr
+    "kvpr": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, k_in_regs=True, v_in_regs=True,
+                 p_early=True, p_rounded=True, l2_hints=True),
+    "kvpr-pool": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, k_in_regs=True, v_in_regs=True,
+                      p_early=True, p_rounded=True, l2_hints=True, pool_grads=True),
+    "kvpr-d64-pool": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, k_in_regs=True,
+                          v_in_regs=True, p_early=True, p_rounded=True, l2_hints=True, pool_grads=True, head_dim=64),
+    "kvpr-fp16-pool-ignore": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, k_in_regs=True,
+                                  v_in_regs=True, p_early=True, p_rounded=True, l2_hints=True, pool_grads=True,
+                                  ignore_padding=True, dtype=cutlass.Float16),
+    "kvpr-persist-pool": dict(split=True, stages=3, dq_bulk=True, q_group_bytes=32 << 20, k_in_regs=True,
+                              v_in_regs=True, p_early=True, p_rounded=True, l2_hints=True, persistent=True,
+                              pool_grads=True),
 }
 
 

@@ -5,7 +5,8 @@ float64 reference (vsa_core.reference, given the float64 forward's lse and out) 
 inputs, outputs poisoned with NaN first: partial and empty KV blocks, empty query rows, KV blocks
 nobody selected, nQ != nKV, BSHD, a long KV-owned list, padded query rows (lse +inf, q and dout
 zeroed there), softmax_scale; each for the one-warpgroup kernel, the split kernel and the split
-kernel with query groups, persistent or not. The query groups also on lists the list rule must clean (equal to the
+kernel with query groups, persistent or not, sweeping heads or not, and the split kernel's options
+(K / V in registers, P handed over early and rounded, L2 hints). The query groups also on lists the list rule must clean (equal to the
 clean lists' result) and run to run (dk, dv bitwise). Bound: P and dS are rounded to bf16 before their GEMMs and the
 gradients once more on output (as in the Triton backward, which measures ~6e-3 on these cases):
 rel-L2 < 1e-2. The wider matrix, the comparison with the Triton backward and the timing are in
@@ -47,9 +48,29 @@ CONFIGS = {"one-warpgroup": dict(stages=2, dq_red=True, dk_overlap=True),
                                        k_in_regs=True, v_in_regs=True),
            "split-persist-kregs": dict(stages=3, split=True, dq_bulk=True, persistent=True, grid_chunk_blocks=3,
                                        k_in_regs=True),
-           "split-vregs": dict(stages=3, split=True, dq_bulk=True, v_in_regs=True)}
+           "split-vregs": dict(stages=3, split=True, dq_bulk=True, v_in_regs=True),
+           # every group over a whole head before the next: the ring of partial sums holds one head's
+           # KV blocks (B * H generations here)
+           "split-groups-sweep": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                      head_sweep=True),
+           "split-groups-sweep-hints": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                            head_sweep=True, l2_hints=True),
+           "split-groups-sweep-p-early": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                              head_sweep=True, p_early=True),
+           "split-groups-sweep-p-rounded": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                                head_sweep=True, p_rounded=True),
+           # the backend's options together, with several groups, and persistent
+           "split-groups-sweep-kvpr": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=TWO_BLOCK_GROUPS,
+                                           head_sweep=True, k_in_regs=True, v_in_regs=True, p_early=True,
+                                           p_rounded=True, l2_hints=True),
+           "split-persist-kvpr": dict(stages=3, split=True, dq_bulk=True, persistent=True, grid_chunk_blocks=3,
+                                      k_in_regs=True, v_in_regs=True, p_early=True, p_rounded=True, l2_hints=True),
+           # the backend's BACKWARD (one group at these sizes)
+           "split-groups-32mib-sweep-kvpr": dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20,
+                                                 head_sweep=True, k_in_regs=True, v_in_regs=True, p_early=True,
+                                                 p_rounded=True, l2_hints=True)}
 # the query groups' configurations with several groups (the list rule, determinism)
-GROUP_CONFIGS = ("split-groups-chunk2", "split-groups-persist")
+GROUP_CONFIGS = ("split-groups-chunk2", "split-groups-persist", "split-groups-sweep", "split-groups-sweep-kvpr")
 
 
 def _backward():

@@ -27,6 +27,13 @@ NB = S // E
 SEVERAL_GROUPS = 64 * D * 8  # one query block per group (`sm90_bwd64_groups.group_blocks`)
 
 
+def _flags(config, dtype=torch.int32):
+    """group_flags as `config`'s launch needs them (ones: a launch that reads them zeroes them)."""
+    shape = sm90_bwd64_groups.group_workspace_shapes(NB, NB, D, config.get("q_group_bytes", 0),
+                                                     config.get("head_sweep", False))["group_flags"][0]
+    return torch.ones(shape, dtype=dtype)
+
+
 @pytest.fixture
 def stubbed(monkeypatch):
     """Fresh caches, the compile recorded instead of run, torch's current stream a stand-in."""
@@ -179,7 +186,7 @@ def test_backward_same_problem_reuses_checks_and_build_and_passes_the_new_buffer
     for _ in range(3):
         args, kw = _backward_args()
         kw["dq_accum"].fill_(1.0)
-        kw["group_flags"] = torch.ones(sm90_bwd64_groups.TILE_COUNTER_ROW + 1, 2, dtype=torch.int32)
+        kw["group_flags"] = _flags(sm90_backend.BACKWARD)
         sm90_bwd64.prepare_backward64(*args, **kw, softmax_scale=0.5, **sm90_backend.BACKWARD)()
         assert not kw["dq_accum"].any()  # zeroed by every launch, before the main kernel
         assert kw["group_flags"].all()  # one query group, not persistent: the kernel never reads the flags
@@ -190,7 +197,8 @@ def test_backward_same_problem_reuses_checks_and_build_and_passes_the_new_buffer
     assert [t is x for t, x in zip(m[:9], (q, k, v, dout, lse, delta, kw["dq_accum"], dk, dv))] == [True] * 9
     assert m[9] is inv_idx and m[10] is inv_num and m[11] is kv_counts
     assert m[12] is kw["dk_pool"] and m[13] is kw["dv_pool"] and m[15] is kw["group_flags"]
-    assert m[14].dtype == torch.float32 and m[16] == 0.5 and m[17] == 132  # dkv_partial, scale, the grid chunk
+    chunk = NB if sm90_backend.BACKWARD.get("head_sweep") else 132  # a head's KV blocks, or the device's
+    assert m[14].dtype == torch.float32 and m[16] == 0.5 and m[17] == chunk  # dkv_partial, scale, the grid chunk
     assert p[0] is kw["dq_accum"] and p[1] is dq and p[2] is kw["dq_pool"] and p[3] is kw["q_counts"] and p[4] == 0.5
     assert [a for _, a in main.examples] == [16] * 9 + [4] * 5 + [16, 4]
     assert [a for _, a in post.examples] == [16, 16, 4, 4]
@@ -202,11 +210,14 @@ def test_backward_zeroes_the_flags_where_the_kernel_reads_them(stubbed, options)
     """The persistent kernel's tile counter and the query groups' ring counters start at zero on
     every launch."""
     config = dict(sm90_backend.BACKWARD, **options)
+    if options.get("persistent"):
+        config["head_sweep"] = False  # (they do not go together)
     for _ in range(2):
         args, kw = _backward_args()
-        kw["group_flags"] = torch.ones(sm90_bwd64_groups.TILE_COUNTER_ROW + 1, 2, dtype=torch.int32)
+        kw["group_flags"] = _flags(config)
         if "q_group_bytes" in options:
-            shape = sm90_bwd64_groups.group_workspace_shapes(S // E, D, options["q_group_bytes"])
+            shape = sm90_bwd64_groups.group_workspace_shapes(NB, NB, D, options["q_group_bytes"],
+                                                             config.get("head_sweep", False))
             kw["dkv_partial"] = torch.zeros(shape["dkv_partial"][0])
         sm90_bwd64.prepare_backward64(*args, **kw, **config)()
         assert not kw["group_flags"].any()
@@ -214,22 +225,25 @@ def test_backward_zeroes_the_flags_where_the_kernel_reads_them(stubbed, options)
 
 @pytest.mark.parametrize("change, message", [
     (dict(group_flags=torch.zeros(8, 2, dtype=torch.int32)), "group_flags"),
-    (dict(group_flags=torch.zeros(sm90_bwd64_groups.TILE_COUNTER_ROW + 1, 2)), "group_flags"),
+    (dict(group_flags=_flags(sm90_backend.BACKWARD, torch.float32)), "group_flags"),
     (dict(q_group_bytes=SEVERAL_GROUPS, dkv_partial=torch.zeros(4)), "dkv_partial"),
     (dict(dkv_partial=torch.zeros(4, dtype=torch.float64)), "dkv_partial"),
-    (dict(grid_chunk_blocks=0), "grid_chunk_blocks"),
-    (dict(grid_chunk_blocks=133), "grid_chunk_blocks"),
-    (dict(split=False, q_group_bytes=SEVERAL_GROUPS, dq_bulk=False), "split"),
-    (dict(split=False, persistent=True, dq_bulk=False, q_group_bytes=0), "split"),
-    (dict(split=False, k_in_regs=True, dq_bulk=False, q_group_bytes=0), "split"),
-    (dict(split=False, v_in_regs=True, dq_bulk=False, q_group_bytes=0), "split"),
+    (dict(head_sweep=False, grid_chunk_blocks=0), "grid_chunk_blocks"),
+    (dict(head_sweep=False, grid_chunk_blocks=133), "grid_chunk_blocks"),
+    (dict(head_sweep=True, grid_chunk_blocks=2), "head_sweep"),
+    (dict(head_sweep=True, persistent=True), "persistent"),
     (dict(q_group_bytes=SEVERAL_GROUPS, list_in_smem=True), "list_in_smem"),
-    (dict(persistent=True, q_group_bytes=0, list_in_smem=True), "list_in_smem"),
-], ids=["flags-shape", "flags-dtype", "partial-shape", "partial-dtype", "chunk-0", "chunk-133", "groups-not-split",
-        "persistent-not-split", "kregs-not-split", "vregs-not-split", "groups-list-window", "persistent-list-window"])
+    (dict(head_sweep=False, persistent=True, q_group_bytes=0, list_in_smem=True), "list_in_smem"),
+] + [(dict(split=False, **{name: SEVERAL_GROUPS if name == "q_group_bytes" else True}), "split")
+     for name in sm90_bwd64.SPLIT_OPTIONS],
+    ids=["flags-shape", "flags-dtype", "partial-shape", "partial-dtype", "chunk-0", "chunk-133", "sweep-chunk",
+         "sweep-persistent", "groups-list-window", "persistent-list-window"]
+    + [f"{name}-not-split" for name in sm90_bwd64.SPLIT_OPTIONS])
 def test_backward_bad_workspace_or_configuration_names_it(stubbed, change, message):
     args, kw = _backward_args()
     options = dict(sm90_backend.BACKWARD)
+    if not change.get("split", True):  # the one option under test, on the one-warpgroup kernel
+        options = dict(stages=2)
     for name, value in change.items():
         (kw if name in ("group_flags", "dkv_partial") else options)[name] = value
     with pytest.raises(ValueError, match=message):

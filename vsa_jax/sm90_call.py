@@ -90,10 +90,12 @@ class _Adapter:
             post = sm90_bwd64.DqPostprocess(dtype, s["head_dim"], **flags)
             lse = t["lse"]
             # the query groups' grid chunk: lowering knows no device, so an H100 / H200's SM count
-            # (`grid_chunk(None)`; it orders the grid only, the results are the same)
+            # (`grid_chunk(None)`; it orders the grid only, the results are the same) or, sweeping
+            # heads, a head's KV blocks
+            chunk = sm90_bwd64.launch_chunk(s["config"], t["inv_num"].shape[2], None)
             main(t["q"], t["k"], t["v"], t["dout"], lse, t["delta"], t["dq_accum"], t["dk"], t["dv"], t["inv_idx"],
                  t["inv_num"], t["kv_counts"], t.get("dk_pool", lse), t.get("dv_pool", lse), t["dkv_partial"],
-                 t["group_flags"], scale, cutlass.Int32(sm90_bwd64.grid_chunk(None)), stream)
+                 t["group_flags"], scale, cutlass.Int32(chunk), stream)
             post(t["dq_accum"], t["dq"], t.get("dq_pool", lse), t.get("q_counts", lse), scale, stream)
 
 

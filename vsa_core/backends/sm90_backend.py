@@ -72,8 +72,11 @@ FORWARD = dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_
 # the GEMMs split over two cooperating warpgroups and a producer, a 3-slot Q / dO ring, dQ staged
 # in shared memory and sent as one bulk reduction (`sm90_bwd64_split`; "split3B" in the check script),
 # each KV block's list split into query groups of at most a 32 MiB working set (`sm90_bwd64`, "Query
-# groups": one group up to 512 query blocks at D128)
-BACKWARD = dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20)
+# groups": one group up to 512 query blocks at D128), every group over a whole head before the next
+# (head_sweep), K / V in the compute warpgroups' registers, P handed over early and in the input dtype,
+# L2 hints on the loads (`sm90_bwd64`, "Handing P over"; "kvpr" in the A/B)
+BACKWARD = dict(stages=3, split=True, dq_bulk=True, q_group_bytes=32 << 20, head_sweep=True, k_in_regs=True,
+                v_in_regs=True, p_early=True, p_rounded=True, l2_hints=True)
 
 # The CuTe DSL keeps per-compile state on a process-wide singleton, so two threads compiling at
 # once (one per GPU under a JAX mesh) corrupt each other: every call holds this for its host work.
@@ -130,7 +133,8 @@ def _dq_accum_shape(p: AttnProblem):
 
 
 def _group_shapes(p: AttnProblem) -> dict:
-    return group_workspace_shapes(p.n_q_blocks, p.head_dim, BACKWARD["q_group_bytes"])
+    return group_workspace_shapes(p.n_q_blocks, p.n_kv_blocks, p.head_dim, BACKWARD["q_group_bytes"],
+                                  BACKWARD.get("head_sweep", False))
 
 
 def workspaces(stage: str, p: AttnProblem) -> dict:

@@ -83,6 +83,12 @@ are still the same every run (but not bitwise the one-group result: another orde
 Counters order the ring (`sm90_bwd64_split._join_groups`); every wait is for a CTA launched before
 the waiting one. A problem with one group runs the kernel without any of it.
 
+Head sweep (`head_sweep`, with query groups; the sm90 backend's default). The grid's chunk is a head's
+KV blocks (`launch_chunk`), so every group runs over the whole head before the next, as cuDNN's
+backward orders its grid: a group's Q / dO / dQ come into L2 once a head instead of once per chunk of
+resident CTAs, and the ring of partial sums holds one head (`ring_slots`; the kernel is the same
+build, the chunk and the ring's size are run-time values).
+
 Persistent (`persistent`, split kernel only; a variant, not the default: it measured no faster,
 benchmarks/README.md). A grid of at most `chunk` CTAs, each taking the next (KV block, group) tile
 from a counter in `group_flags` (zeroed per launch) until none is left, in the grid's tile order: a
@@ -94,6 +100,14 @@ K / V in registers (`k_in_regs`, `v_in_regs`, split kernel only; variants, not t
 most, benchmarks/README.md). Warpgroup 1's S^T = K Q^T takes K, warpgroup 2's dP^T = V dO^T takes V as
 a register operand, loaded by ldmatrix once a tile, so the steps no longer read them from shared
 memory (`sm90_bwd64_split._kv_operand`). dk and dv stay bitwise the default's.
+
+Handing P over (split kernel). p_early: warpgroup 2 waits for P_j and reads it while its dP_j is in
+flight, so neither the wait nor the loads sit between dP retiring and dS. p_rounded: P goes to
+warpgroup 2 in the input dtype, rounded as dV takes it (16-byte shared-memory stores and loads, half
+P's bytes), and dS = P (dP - delta) takes the rounded P, as cuDNN's blk64 backward does: dq and dk
+round differently from the fp32-P kernel (by about what separates cuDNN's from it), dv is unchanged.
+l2_hints: Q / dO loads evict_last (every KV block of a group reads them), K / V evict_first (each
+read by one CTA).
 
 Layouts: tensors are [B, H, S, D] views with arbitrary batch / head / token strides and a
 contiguous head dim (BSHD is the same tensor transposed: no copy); strides must be multiples
@@ -121,7 +135,7 @@ except ModuleNotFoundError:  # pragma: no cover
 
 from .sm90_bwd64_groups import BLOCK, CHUNK_MAX, flags_in_use, group_blocks, group_workspace_shapes
 from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
-                          resident_ctas, rows_cols)
+                          resident_ctas, rows_cols, tma_load)
 
 LOG2_E = 1.4426950408889634
 THREADS = 128       # one warpgroup
@@ -550,9 +564,9 @@ class BlockSparseBwd64Sm90:
     def _load_barriers(self, st, warp, atoms):
         """The K / V and the Q / dO ring's transaction mbarriers; warp 0 prefetches the TMA descriptors
         (called while the kernel is traced)."""
-        tma_load = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
-        kv_full = pipeline.MbarrierArray(st.kv_full.data_ptr(), num_stages=1, agent=tma_load)
-        qdo_full = pipeline.MbarrierArray(st.qdo_full.data_ptr(), num_stages=self.stages, agent=tma_load)
+        by_tma = (pipeline.PipelineOp.TmaLoad, pipeline.CooperativeGroup(pipeline.Agent.Thread))
+        kv_full = pipeline.MbarrierArray(st.kv_full.data_ptr(), num_stages=1, agent=by_tma)
+        qdo_full = pipeline.MbarrierArray(st.qdo_full.data_ptr(), num_stages=self.stages, agent=by_tma)
         self._prefetch(warp, atoms)
         return kv_full, qdo_full
 
@@ -617,9 +631,9 @@ class BlockSparseBwd64Sm90:
         """Query block qb's Q, dO tiles and its 64 lse / delta values into stage s (one mbarrier)."""
         bar = loads["bar"]
         bar.arrive_and_expect_tx(s, 2 * self.tile_bytes + 2 * BLOCK * 4)
-        cute.copy(loads["tma_q"], loads["tQg"][None, qb], loads["tQs"][None, 2 * s], tma_bar_ptr=bar.get_barrier(s))
-        cute.copy(loads["tma_do"], loads["tdOg"][None, qb], loads["tdOs"][None, 2 * s + 1],
-                  tma_bar_ptr=bar.get_barrier(s))
+        policy = loads.get("policy")  # an L2 policy for Q / dO (split kernel, l2_hints), or None
+        tma_load(loads["tma_q"], loads["tQg"][None, qb], loads["tQs"][None, 2 * s], bar.get_barrier(s), policy)
+        tma_load(loads["tma_do"], loads["tdOg"][None, qb], loads["tdOs"][None, 2 * s + 1], bar.get_barrier(s), policy)
         b, h = loads["b"], loads["h"]
         with cute.arch.elect_one():
             for name, smem in (("mLSE", "sLSE"), ("mDelta", "sDelta")):
@@ -680,6 +694,13 @@ def grid_chunk(device_ordinal: Optional[int]) -> int:
     return min(CHUNK_MAX, resident_ctas(device_ordinal))
 
 
+def launch_chunk(config: dict, n_kv: int, device_ordinal: Optional[int]) -> int:
+    """The split kernel's run-time chunk for `config`: with head_sweep a head's KV blocks (every query
+    group runs over the whole head before the next: Q / dO / dQ of a group come into L2 once a head),
+    else the device's `grid_chunk`."""
+    return n_kv if config.get("head_sweep") else grid_chunk(device_ordinal)
+
+
 # ---- host launcher ------------------------------------------------------------------------------
 # As the forward's (sm90_fwd64): a launch calls the compiled functions with the torch tensors themselves
 # (`sm90_common.compile_for_torch`, TVM-FFI), its checks run once per problem (`_PLANS`, keyed by the
@@ -689,7 +710,10 @@ MAIN_ARGS = ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", "inv
              "dk_pool", "dv_pool", "dkv_partial", "group_flags")  # the main kernel's tensor arguments, in order
 # the ones read with 16-byte alignment (TMA, bulk copies, vector stores); the rest 4
 ALIGN16_ARGS = frozenset({"q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", "dkv_partial"})
-SPLIT_ONLY = ("sm90_bwd64: dq_bulk, q_group_bytes, persistent, k_in_regs and v_in_regs are options of the split "
+# the split kernel's options: refused without split=True (`check_config`)
+SPLIT_OPTIONS = ("dq_bulk", "q_group_bytes", "persistent", "head_sweep", "k_in_regs", "v_in_regs", "p_early",
+                 "p_rounded", "l2_hints")
+SPLIT_ONLY = (f"sm90_bwd64: {', '.join(SPLIT_OPTIONS[:-1])} and {SPLIT_OPTIONS[-1]} are options of the split "
               "kernel (give split=True)")
 _COMPILED = {}  # compile key (configuration, dtype, broadcast dims) -> (main kernel, dQ postprocess), compiled
 _PLANS = {}     # problem key -> the compiled pair of a problem whose checks passed
@@ -728,21 +752,43 @@ def backward_delta(out, dout, delta=None):
     return delta
 
 
+def check_config(config: dict) -> None:
+    """ValueError unless `config` (`prepare_backward64`'s options) is one the kernels have: run by the
+    eager launcher's checks and by `backward_kernel`, so both frontends refuse the same."""
+    if any(config.get(name) for name in SPLIT_OPTIONS) and not config.get("split"):
+        raise ValueError(SPLIT_ONLY)
+    if config.get("q_group_bytes") and config.get("list_in_smem"):
+        raise ValueError("sm90_bwd64: q_group_bytes and list_in_smem do not go together (the groups read the list "
+                         "from global memory)")
+    if config.get("persistent") and config.get("list_in_smem"):
+        raise ValueError("sm90_bwd64: persistent and list_in_smem do not go together (the list window is filled "
+                         "once per CTA)")
+    if config.get("head_sweep") and config.get("persistent"):
+        raise ValueError("sm90_bwd64: head_sweep sets the grid's chunk to a head's KV blocks; it does not go with "
+                         "persistent (whose chunk is the grid's size)")
+    if config.get("stages", 2) < 2:
+        raise ValueError(f"sm90_bwd64 needs stages >= 2 (the Q / dO ring), got {config['stages']}")
+
+
 def backward_kernel(dtype, head_dim: int, *, stages: int = 2, dq_red: bool = True, dk_overlap: bool = True,
                     split: bool = False, list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
-                    persistent: bool = False, k_in_regs: bool = False, v_in_regs: bool = False,
+                    persistent: bool = False, head_sweep: bool = False, k_in_regs: bool = False,
+                    v_in_regs: bool = False, p_early: bool = False, p_rounded: bool = False, l2_hints: bool = False,
                     pool_grads: bool = False, ignore_padding: bool = False):
     """The main kernel of one configuration (`prepare_backward64`'s options; `split` picks
     `sm90_bwd64_split`, whose dq_red and dk_overlap are its own): the one place a configuration
-    becomes a kernel object, for the eager launcher and the JAX native call alike."""
+    becomes a kernel object, for the eager launcher and the JAX native call alike. head_sweep is the
+    launch's chunk (`launch_chunk`), not part of the build."""
+    check_config(dict(stages=stages, split=split, list_in_smem=list_in_smem, dq_bulk=dq_bulk,
+                      q_group_bytes=q_group_bytes, persistent=persistent, head_sweep=head_sweep, k_in_regs=k_in_regs,
+                      v_in_regs=v_in_regs, p_early=p_early, p_rounded=p_rounded, l2_hints=l2_hints))
     flags = dict(pool_grads=pool_grads, ignore_padding=ignore_padding, list_in_smem=list_in_smem)
     if split:
         from .sm90_bwd64_split import BlockSparseBwd64Sm90Split
         return BlockSparseBwd64Sm90Split(dtype, head_dim, stages, dq_bulk=dq_bulk,
                                          q_group_blocks=group_blocks(q_group_bytes, head_dim), persistent=persistent,
-                                         k_in_regs=k_in_regs, v_in_regs=v_in_regs, **flags)
-    if dq_bulk or q_group_bytes or persistent or k_in_regs or v_in_regs:
-        raise ValueError(SPLIT_ONLY)
+                                         k_in_regs=k_in_regs, v_in_regs=v_in_regs, p_early=p_early,
+                                         p_rounded=p_rounded, l2_hints=l2_hints, **flags)
     return BlockSparseBwd64Sm90(dtype, head_dim, stages, dq_red=dq_red, dk_overlap=dk_overlap, **flags)
 
 
@@ -760,8 +806,9 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
                        dk_overlap: bool = True, dq_accum=None, dq_pool=None, dk_pool=None, dv_pool=None,
                        q_counts=None, ignore_padding: bool = False, split: bool = False,
                        list_in_smem: bool = False, dq_bulk: bool = False, q_group_bytes: int = 0,
-                       persistent: bool = False, k_in_regs: bool = False, v_in_regs: bool = False,
-                       dkv_partial=None, group_flags=None,
+                       persistent: bool = False, head_sweep: bool = False, k_in_regs: bool = False,
+                       v_in_regs: bool = False, p_early: bool = False, p_rounded: bool = False,
+                       l2_hints: bool = False, dkv_partial=None, group_flags=None,
                        grid_chunk_blocks: Optional[int] = None):
     """Checks the arguments, compiles on first use of a configuration, and returns a callable that
     launches the backward on torch's current stream at the time of this call: dq_accum zeroed, the
@@ -780,22 +827,26 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
     their workspaces, `group_workspace_shapes`, allocated here when not given; group_flags is zeroed
     by the launch where the kernel reads it, `flags_in_use`; grid_chunk_blocks: the grid's chunk,
     `grid_chunk` of the device unless given (tests: a small one runs the ring of partial sums over many
-    generations); persistent: at most that many CTAs, each taking tiles from a counter; k_in_regs / v_in_regs:
-    warpgroup 1's S^T = K Q^T reads K, warpgroup 2's dP^T = V dO^T reads V from registers, loaded once a tile)."""
+    generations); head_sweep: the chunk is a head's KV blocks (`launch_chunk`; the ring holds one
+    head); persistent: at most that many CTAs, each taking tiles from a counter; k_in_regs / v_in_regs:
+    warpgroup 1's S^T = K Q^T reads K, warpgroup 2's dP^T = V dO^T reads V from registers, loaded once a tile;
+    p_early: warpgroup 2 reads P under its dP; p_rounded: P handed over in the input dtype (dS from the
+    rounded P); l2_hints: Q / dO loads evict_last, K / V evict_first)."""
     import cuda.bindings.driver as cuda
     import torch
 
     B, H, Sq, D = q.shape
     if dq_accum is None:
         dq_accum = torch.empty(B, H, Sq // BLOCK, BLOCK * D, dtype=torch.float32, device=q.device)
-    shapes = group_workspace_shapes(Sq // BLOCK, D, q_group_bytes)
+    n_kv = k.shape[2] // BLOCK
+    shapes = group_workspace_shapes(Sq // BLOCK, n_kv, D, q_group_bytes, head_sweep)
     if dkv_partial is None:
         dkv_partial = torch.empty(shapes["dkv_partial"][0], dtype=torch.float32, device=q.device)
     if group_flags is None:
         group_flags = torch.empty(shapes["group_flags"][0], dtype=torch.int32, device=q.device)
     config = dict(stages=stages, dq_red=dq_red, dk_overlap=dk_overlap, split=split, list_in_smem=list_in_smem,
-                  dq_bulk=dq_bulk, q_group_bytes=q_group_bytes, persistent=persistent, k_in_regs=k_in_regs,
-                  v_in_regs=v_in_regs)
+                  dq_bulk=dq_bulk, q_group_bytes=q_group_bytes, persistent=persistent, head_sweep=head_sweep,
+                  k_in_regs=k_in_regs, v_in_regs=v_in_regs, p_early=p_early, p_rounded=p_rounded, l2_hints=l2_hints)
     zero_flags = flags_in_use(Sq // BLOCK, D, q_group_bytes, persistent)
     pool_grads = dq_pool is not None
     ignore_padding = bool(ignore_padding and pool_grads)
@@ -816,9 +867,14 @@ def prepare_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, 
         fns = remember(_PLANS, key, _compiled_backward64(main_args, post_args, pool_grads, ignore_padding, config))
     main_fn, post_fn = fns
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    chunk = grid_chunk(q.device.index or 0) if grid_chunk_blocks is None else grid_chunk_blocks
-    if not 1 <= chunk <= CHUNK_MAX:
-        raise ValueError(f"sm90_bwd64 needs grid_chunk_blocks in [1, {CHUNK_MAX}] (got {chunk})")
+    if grid_chunk_blocks is None:
+        chunk = launch_chunk(config, n_kv, q.device.index or 0)
+    elif head_sweep:
+        raise ValueError("sm90_bwd64: head_sweep sets the grid's chunk (a head's KV blocks); give no grid_chunk_blocks")
+    elif not 1 <= grid_chunk_blocks <= CHUNK_MAX:
+        raise ValueError(f"sm90_bwd64 needs grid_chunk_blocks in [1, {CHUNK_MAX}] (got {grid_chunk_blocks})")
+    else:
+        chunk = grid_chunk_blocks
 
     def launch():
         dq_accum.zero_()
@@ -850,17 +906,7 @@ def _check_backward64(q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, k
     if Sq % BLOCK or Skv % BLOCK:
         raise ValueError(f"sm90_bwd64 needs sequence lengths that are multiples of {BLOCK} (got q {Sq}, kv {Skv})")
     nq, nkv = Sq // BLOCK, Skv // BLOCK
-    split_only = ("dq_bulk", "q_group_bytes", "persistent", "k_in_regs", "v_in_regs")
-    if any(config[name] for name in split_only) and not config["split"]:
-        raise ValueError(SPLIT_ONLY)
-    if config["q_group_bytes"] and config["list_in_smem"]:
-        raise ValueError("sm90_bwd64: q_group_bytes and list_in_smem do not go together (the groups read the list "
-                         "from global memory)")
-    if config["persistent"] and config["list_in_smem"]:
-        raise ValueError("sm90_bwd64: persistent and list_in_smem do not go together (the list window is filled "
-                         "once per CTA)")
-    if config["stages"] < 2:
-        raise ValueError(f"sm90_bwd64 needs stages >= 2 (the Q / dO ring), got {config['stages']}")
+    check_config(config)
     expect = dict(lse=((B, H, Sq), torch.float32), delta=((B, H, Sq), torch.float32),
                   dq_accum=((B, H, nq, BLOCK * D), torch.float32),
                   inv_idx=((B, H, nkv, inv_idx.shape[-1]), torch.int32), inv_num=((B, H, nkv), torch.int32),

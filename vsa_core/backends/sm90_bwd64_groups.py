@@ -9,11 +9,16 @@ BLOCK = 64  # tokens per query / KV block
 # head-dim column and row
 GROUP_BYTES_PER_ELEMENT = 2 + 2 + 4
 # the grid's chunk: the CTAs resident at once (one per SM), at most CHUNK_MAX (an H100 / H200's 132
-# SMs); the partial sums live in a ring of RING_CHUNKS chunks' slots
+# SMs); the partial sums live in a ring of RING_CHUNKS chunks' slots (head_sweep: of one head's KV
+# blocks, its chunk)
 CHUNK_MAX = 132
 RING_CHUNKS = 2
-# group_flags' row after the ring's counters: the persistent kernel's next tile
-TILE_COUNTER_ROW = RING_CHUNKS * CHUNK_MAX
+
+
+def ring_slots(n_kv: int, head_sweep: bool) -> int:
+    """The partial sums' ring: a slot per KV block of RING_CHUNKS chunks, or of one head when the grid
+    sweeps heads (its chunk is a head's KV blocks, `sm90_bwd64_split._tile`)."""
+    return n_kv if head_sweep else RING_CHUNKS * CHUNK_MAX
 
 
 def group_blocks(q_group_bytes: int, head_dim: int) -> int:
@@ -35,16 +40,17 @@ def groups_of(n_q: int, head_dim: int, q_group_bytes: int) -> int:
     return group_count(n_q, blocks) if blocks else 1
 
 
-def group_workspace_shapes(n_q: int, head_dim: int, q_group_bytes: int) -> dict:
-    """The query groups' workspaces, independent of batch, heads and KV length: `dkv_partial`
-    (fp32, flat: a ring of RING_CHUNKS chunks of CHUNK_MAX KV blocks, per block a 64 x D slot of dV
-    and of dK for each group before the last; 4 elements when there is one group, never read) and
-    `group_flags` (int32 [RING_CHUNKS * CHUNK_MAX + 1, 2]: the ring slots' counters, for dV and for
-    dK, then the persistent kernel's tile counter at [TILE_COUNTER_ROW, 0]; zeroed before each
-    launch that reads them, `flags_in_use`)."""
+def group_workspace_shapes(n_q: int, n_kv: int, head_dim: int, q_group_bytes: int, head_sweep: bool = False) -> dict:
+    """The query groups' workspaces, independent of batch and heads: `dkv_partial` (fp32, flat: the
+    ring's slots, `ring_slots`, per slot a 64 x D tile of dV and of dK for each group before the last;
+    4 elements when there is one group, never read) and `group_flags` (int32 [slots + 1, 2]: the
+    ring slots' counters, for dV and for dK, then the persistent kernel's tile counter in the last
+    row; zeroed before each launch that reads them, `flags_in_use`). The kernel takes the ring's size
+    from group_flags' rows."""
     groups = groups_of(n_q, head_dim, q_group_bytes)
-    partial = (groups - 1) * TILE_COUNTER_ROW * 2 * BLOCK * head_dim if groups > 1 else 4
-    return dict(dkv_partial=((partial,), "float32"), group_flags=((TILE_COUNTER_ROW + 1, 2), "int32"))
+    slots = ring_slots(n_kv, head_sweep)
+    partial = (groups - 1) * slots * 2 * BLOCK * head_dim if groups > 1 else 4
+    return dict(dkv_partial=((partial,), "float32"), group_flags=((slots + 1, 2), "int32"))
 
 
 def flags_in_use(n_q: int, head_dim: int, q_group_bytes: int, persistent: bool) -> bool:

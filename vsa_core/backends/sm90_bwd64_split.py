@@ -46,14 +46,21 @@ import cutlass.utils.hopper_helpers as hopper_helpers
 
 from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, MAJOR_K, BlockSparseBwd64Sm90, SmemAllocator, _bulk_reduce_add_f32,
                          _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
-from .sm90_bwd64_groups import RING_CHUNKS, TILE_COUNTER_ROW, group_count
-from .sm90_common import rows_cols
+
+
+def _regs_8(regs: cute.Tensor) -> cute.Tensor:
+    """16-bit registers in storage order as (8, chunk): 16 bytes a chunk."""
+    v = cute.size(regs)
+    return cute.make_tensor(regs.iterator, cute.make_layout((8, v // 8), stride=(1, 8)))
+from .sm90_bwd64_groups import RING_CHUNKS, group_count
+from .sm90_common import EVICT_FIRST, EVICT_LAST, rows_cols, tma_load
 
 WG = 128            # threads per warpgroup
 P_READY, P_FREE, DS_STORED = (1, 2), (4, 5), 3  # named barriers (0 is sync_threads); P_*: per P buffer
 DQ_FULL, DQ_EMPTY = 6, 7  # dq_bulk: warpgroup 2 <-> the producer's warp 1, 128 + 32 threads
 GROUP_SYNC = (8, 9)       # query groups: warpgroup 1 (dV), warpgroup 2 (dK) around their partial sums
 TILE_DONE = 10            # persistent: warpgroups 1 and 2 at the end of each tile's steps
+SCAN_LOADS = 4            # `_group_range`: list entries a lane loads before it compares any
 
 
 class KVOperand(NamedTuple):
@@ -82,7 +89,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, stages: int = 3, pool_grads: bool = False,
                  ignore_padding: bool = False, list_in_smem: bool = False, dq_bulk: bool = False,
                  q_group_blocks: int = 0, persistent: bool = False, k_in_regs: bool = False,
-                 v_in_regs: bool = False):
+                 v_in_regs: bool = False, p_early: bool = False, p_rounded: bool = False, l2_hints: bool = False):
         # stages >= 2: entry j's fill waits for both warpgroups' release of entry j - stages, which
         # warpgroup 1 gives at its step j - stages + 1 (one slot would be a cycle)
         assert stages >= 2, "the split backward needs 2 Q / dO slots at least"
@@ -105,6 +112,15 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         # once a tile, register-A wgmmas): their shared-memory reads leave the steps, which read Q / dO,
         # P and dS there as well
         self.k_in_regs, self.v_in_regs = k_in_regs, v_in_regs
+        # warpgroup 2 waits for P and reads it while its dP is in flight (not after): the wait and the
+        # loads leave the path from dP retiring to dS
+        self.p_early = p_early
+        # P handed to warpgroup 2 in the input dtype, rounded as dV takes it (half P's shared-memory
+        # bytes; dS = P (dP - delta) then takes the rounded P, as cuDNN's blk64 backward does)
+        self.p_rounded = p_rounded
+        # Q / dO TMA loads kept in L2 (evict_last: every KV block of the group reads them), K / V
+        # evict_first (each read by one CTA)
+        self.l2_hints = l2_hints
         # setmaxnreg budgets: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers
         self.producer_regs, self.mma_regs = 24, 240
 
@@ -119,7 +135,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         dt = self.dtype
         o = self._operands(mQ, mK, mV, mdO, mdK, mdV)
         sKV_layout, sQdO_layout, sdS_layout = o["sKV_layout"], o["sQdO_layout"], o["sdS_layout"]
-        p_floats = 2 * BLOCK * BLOCK  # P^T of a pair in fp32, thread-ordered: two buffers
+        p_elems = 2 * BLOCK * BLOCK  # P^T of a pair, thread-ordered: two buffers
+        p_dtype = dt if self.p_rounded else cutlass.Float32
         list_len = LIST_WINDOW * int(self.list_in_smem) + 4 * int(not self.list_in_smem)  # (no `if`: traced)
         dq_floats = BLOCK * self.head_dim * int(self.dq_bulk) + 4 * int(not self.dq_bulk)
 
@@ -134,7 +151,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             sTile: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK * S], 128]
-            sP: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, p_floats], 128]
+            sP: cute.struct.Align[cute.struct.MemRange[p_dtype, p_elems], 128]
             sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sQdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
@@ -209,12 +226,17 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
             hand = dict(full=pipeline.MbarrierArray(st.tile_full.data_ptr(), num_stages=2, agent=one),
                         empty=pipeline.MbarrierArray(st.tile_empty.data_ptr(), num_stages=2, agent=readers),
                         tile=st.sTile.get_tensor(cute.make_layout(2)),
-                        counter=mFlags[TILE_COUNTER_ROW, None].iterator)
+                        counter=mFlags[mFlags.shape[0] - 1, None].iterator)
 
         sKV, sQdO, sdS, sLSE, sDelta = self._shared_tensors(st, sKV_layout, sQdO_layout, sdS_layout)
         v = BLOCK * BLOCK // WG  # accumulator registers of an m64n64 tile per thread
-        # thread t's register i at i * 128 + t: a warp's 32 threads store / load 32 consecutive words
-        sP = st.sP.get_tensor(cute.make_layout((v, WG, 2), stride=(WG, 1, v * WG)))
+        if cutlass.const_expr(self.p_rounded):
+            # thread t's 8 registers 8k..8k+7 at (k * 128 + t) * 8: a warp stores / loads 512
+            # consecutive bytes per 16-byte access
+            sP = st.sP.get_tensor(cute.make_layout((8, v // 8, WG, 2), stride=(1, 8 * WG, 8, v * WG)))
+        else:
+            # thread t's register i at i * 128 + t: a warp's 32 threads store / load 32 consecutive words
+            sP = st.sP.get_tensor(cute.make_layout((v, WG, 2), stride=(WG, 1, v * WG)))
         sdQ = st.sdQ.get_tensor(_staging_layout(self.head_dim)) if cutlass.const_expr(self.dq_bulk) else sP
         cute.arch.sync_threads()  # barrier inits visible before any arrive / wait
         window = mInvIdx[0, 0, 0, None]  # (a placeholder without list_in_smem, never read)
@@ -328,18 +350,25 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         counted (every in-range entry before it is smaller); inside the span the walk applies the rule
         with the group's bounds (an entry counts if in [first, end) and above the last counted one),
         which counts what the rule over the whole list does. Every warp finds it on its own (no
-        barrier): a few loads a lane."""
+        barrier). Each lane issues SCAN_LOADS loads (clamped into the list) before it compares any,
+        so a round of 32 * SCAN_LOADS entries waits for one trip to L2, not SCAN_LOADS."""
         lane = cute.arch.lane_idx()
+        per_round = 32 * SCAN_LOADS
         lo = n
         hi = n
-        for i in cutlass.range((n + 31) // 32, unroll=1):
-            p = i * 32 + lane
-            if p < n:
-                e = sel[p]
-                if (e >= first) & (e < n_q):
-                    lo = cutlass.min(lo, p)
-                if (e >= end) & (e < n_q):
-                    hi = cutlass.min(hi, p)
+        got = cute.make_rmem_tensor(cute.make_layout(SCAN_LOADS), cutlass.Int32)
+        for i in cutlass.range((n + per_round - 1) // per_round, unroll=1):
+            base = i * per_round + lane
+            for r in cutlass.range_constexpr(SCAN_LOADS):
+                got[r] = sel[cutlass.min(base + r * 32, n - 1)]
+            for r in cutlass.range_constexpr(SCAN_LOADS):
+                p = base + r * 32
+                e = got[r]
+                if p < n:
+                    if (e >= first) & (e < n_q):
+                        lo = cutlass.min(lo, p)
+                    if (e >= end) & (e < n_q):
+                        hi = cutlass.min(hi, p)
         lo = cute.arch.warp_redux_sync(lo, "min")
         hi = cute.arch.warp_redux_sync(hi, "min")
         return lo, hi - lo
@@ -350,9 +379,11 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         `acc`, in group order (the same sum every run). True for the CTA that writes the gradient
         (the last group's).
 
-        The partial sums go through a ring of RING_CHUNKS * chunk slots (`partial`, thread-ordered as
-        `_staging_layout`), one counter per slot in `flags`: KV block u (numbered over batch, head and
-        KV block) uses slot u % (RING_CHUNKS * chunk) in its generation k = u // (RING_CHUNKS * chunk).
+        The partial sums go through a ring of R slots (`partial`, thread-ordered as `_staging_layout`),
+        one counter per slot in `flags`: KV block u (numbered over batch, head and KV block) uses slot
+        u % R in its generation k = u // R. R is RING_CHUNKS * chunk, or fewer where `flags` has fewer
+        rows (head_sweep: one head's KV blocks, the chunk; the last group of the KV block in the head
+        before has a lower block index).
         A group before the last waits for the count k * groups (the slot's previous generation read),
         stores its sums and counts itself; the last group waits for k * groups + groups - 1 (every
         partial of its generation stored), adds them and counts itself, freeing the slot. Every wait
@@ -361,8 +392,9 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         D = self.head_dim
         groups, partial, flags, chunk = w["groups"], w["partial"], w["flags"], w["chunk"]
         u = (b * w["heads"] + h) * w["n_kv"] + kvb
-        ring_slot = u % (RING_CHUNKS * chunk)
-        base = (u // (RING_CHUNKS * chunk)) * groups
+        ring = cutlass.min(flags.shape[0] - 1, RING_CHUNKS * chunk)
+        ring_slot = u % ring
+        base = (u // ring) * groups
         counter = flags[ring_slot, None].iterator + which
         v = BLOCK * D // WG
         slots = cute.make_tensor(partial.iterator, cute.make_layout(
@@ -427,7 +459,9 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                 tdOs, tdOg = cute.nvgpu.cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sQdO, 0, 2),
                                                               cute.group_modes(gdO, 0, 2))
                 loads = dict(tma_q=tma_q, tma_do=tma_do, tQs=tQs, tQg=tQg, tdOs=tdOs, tdOg=tdOg, sLSE=sLSE,
-                             sDelta=sDelta, mLSE=mLSE, mDelta=mDelta, bar=qdo_full, b=b, h=h)
+                             sDelta=sDelta, mLSE=mLSE, mDelta=mDelta, bar=qdo_full, b=b, h=h,
+                             policy=EVICT_LAST if self.l2_hints else None)
+                kv_policy = EVICT_FIRST if self.l2_hints else None
                 ahead = 0
                 if cutlass.const_expr(self.persistent):
                     ahead = cutlass.min(n, S - 1)
@@ -436,8 +470,8 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                     if kv_loads > 0:  # both compute warpgroups are done with the tile before's K / V
                         kv_empty.wait(0, (kv_loads - 1) % 2)
                 kv_full.arrive_and_expect_tx(0, 2 * self.tile_bytes)
-                cute.copy(tma_k, tKg, tKs[None, 0], tma_bar_ptr=kv_full.get_barrier(0))
-                cute.copy(tma_v, tVg, tVs[None, 1], tma_bar_ptr=kv_full.get_barrier(0))
+                tma_load(tma_k, tKg, tKs[None, 0], kv_full.get_barrier(0), kv_policy)
+                tma_load(tma_v, tVg, tVs[None, 1], kv_full.get_barrier(0), kv_policy)
                 kv_loads += 1
                 for j in cutlass.range(ahead, n, unroll=1):
                     filled = self._fill(loads, sel, window, j, filled, qdo_empty, n_q)
@@ -567,14 +601,22 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                             p = cute.math.exp2(cute.math.fma(P[ri, ci], c, -stat[ci]), fastmath=True)
                             P[ri, ci] = p if row_ok else cutlass.Float32(0.0)
                     pb = j % 2
+                    if cutlass.const_expr(self.p_rounded):  # rounded before the wait: off its path
+                        rP_as_S.store(accS.load().to(dt))
                     if j >= 2:  # P_{j-2} was read from buffer pb
                         cute.arch.barrier(barrier_id=P_FREE[0] + pb * (P_FREE[1] - P_FREE[0]),
                                           number_of_threads=2 * WG)
-                    for i in cutlass.range_constexpr(cute.size(flatS)):
-                        sP[i, t, pb] = flatS[i]
+                    if cutlass.const_expr(self.p_rounded):
+                        rP8 = _regs_8(rP)
+                        for i in cutlass.range_constexpr(cute.size(rP8, mode=[1])):
+                            cute.autovec_copy(rP8[None, i], sP[None, i, t, pb])
+                    else:
+                        for i in cutlass.range_constexpr(cute.size(flatS)):
+                            sP[i, t, pb] = flatS[i]
                     cute.arch.barrier_arrive(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
                                              number_of_threads=2 * WG)
-                    rP_as_S.store(accS.load().to(dt))
+                    if cutlass.const_expr(not self.p_rounded):
+                        rP_as_S.store(accS.load().to(dt))
                     cute.nvgpu.warpgroup.fence()
                     cute.gemm(mma_kv, accdV, rP, tKVrQdO_t[None, None, None, 2 * s + 1], accdV)
                     cute.nvgpu.warpgroup.commit_group()
@@ -623,6 +665,19 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
 
     # ---- warpgroup 2: dP^T, dS^T, dQ, dK ----------------------------------------------------------
     @cute.jit
+    def _take_p(self, sP, rPf, rPr, pb, t):
+        """Wait until P_j is in buffer pb and read it: into rPf (fp32), or p_rounded into rPr."""
+        cute.arch.barrier(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]), number_of_threads=2 * WG)
+        if cutlass.const_expr(self.p_rounded):
+            r8 = _regs_8(rPr)
+            for i in cutlass.range_constexpr(cute.size(r8, mode=[1])):
+                cute.autovec_copy(sP[None, i, t, pb], r8[None, i])
+        else:
+            flat = cute.make_tensor(rPf.iterator, cute.make_layout(cute.size(rPf)))
+            for i in cutlass.range_constexpr(cute.size(flat)):
+                flat[i] = sP[i, t, pb]
+
+    @cute.jit
     def _dp_dq_dk(self, t, window, kv_full, kv_empty, qdo_full, qdo_empty, sKV, sQdO, sdS, sDelta, sP, sdQ, mma_s,
                   mma_kv, mma_dq, mDQacc, gdK4, mKVCounts, mdKPool, scale, w, hand):
         S = self.stages
@@ -644,7 +699,7 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
         rdS = cute.make_rmem_tensor(thr_kv.partition_shape_A((BLOCK, BLOCK)), dt)
         rdS_as_S = cute.make_tensor(rdS.iterator, accdP.layout)
         rPf = cute.make_rmem_tensor_like(accdP)  # P^T as warpgroup 1 formed it, in the same register order
-        flatP = cute.make_tensor(rPf.iterator, cute.make_layout(cute.size(rPf)))
+        rPr = cute.make_rmem_tensor_like(accdP, dt)  # p_rounded: as it came, in the input dtype
         Pf = rows_cols(rPf)
         cS_rc = rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK, BLOCK))))
         n_cols = cute.size(rows_cols(accdP), mode=[1])
@@ -675,12 +730,14 @@ class BlockSparseBwd64Sm90Split(BlockSparseBwd64Sm90):
                     cute.nvgpu.warpgroup.wait_group(1)  # dK_{j-1} retired: this warpgroup is done with slot j - 1
                     if j >= 1:
                         self._release(qdo_empty, (e - 1) % S)
-                    cute.nvgpu.warpgroup.wait_group(0)
                     pb = j % 2
-                    cute.arch.barrier(barrier_id=P_READY[0] + pb * (P_READY[1] - P_READY[0]),
-                                      number_of_threads=2 * WG)  # P_j is in buffer pb
-                    for i in cutlass.range_constexpr(cute.size(flatP)):
-                        flatP[i] = sP[i, t, pb]
+                    if cutlass.const_expr(self.p_early):  # under dP_j
+                        self._take_p(sP, rPf, rPr, pb, t)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    if cutlass.const_expr(not self.p_early):
+                        self._take_p(sP, rPf, rPr, pb, t)
+                    if cutlass.const_expr(self.p_rounded):
+                        rPf.store(rPr.load().to(cutlass.Float32))
                     for ri in cutlass.range_constexpr(cute.size(dS, mode=[0])):
                         for ci in cutlass.range_constexpr(n_cols):
                             dS[ri, ci] = Pf[ri, ci] * (dS[ri, ci] - stat[ci])

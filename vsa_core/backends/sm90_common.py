@@ -1,5 +1,5 @@
 """What our sm_90 CuTe DSL kernels (sm90_fwd64, sm90_bwd64) share: the (row, col) view of a
-wgmma accumulator fragment, and the host side: compiling for calls with torch tensors (TVM-FFI) and
+wgmma accumulator fragment, TMA loads with an L2 policy, and the host side: compiling for calls with torch tensors (TVM-FFI) and
 the per-problem key of the launches' checks."""
 
 from __future__ import annotations
@@ -16,6 +16,20 @@ def rows_cols(t: cute.Tensor) -> cute.Tensor:
     mn = cute.make_layout(((s[0][1], s[1]), ((s[0][0], s[0][2]), s[2])),
                           stride=((d[0][1], d[1]), ((d[0][0], d[0][2]), d[2])))
     return cute.make_tensor(t.iterator, mn)
+
+
+# L2 eviction policies of a TMA load (`tma_load`): the 64-bit descriptors `createpolicy.fractional`
+# makes for the whole line at that priority (as CUTLASS's sm_90 cache hints spell them)
+EVICT_FIRST = 0x12F0000000000000
+EVICT_LAST = 0x14F0000000000000
+
+
+def tma_load(atom, src, dst, mbar, policy=None):
+    """A TMA load completing on `mbar`; with an L2 policy (EVICT_FIRST / EVICT_LAST) when given."""
+    if policy is None:
+        cute.copy(atom, src, dst, tma_bar_ptr=mbar)
+    else:
+        cute.copy(atom, src, dst, tma_bar_ptr=mbar, cache_policy=cutlass.Int64(policy))
 
 
 def cutlass_dtype(t):
