@@ -3,7 +3,8 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs (each under 10 minutes)
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs | kvpr
+#   (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
 #   the commit: COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh tests
@@ -80,7 +81,7 @@ record() {  # record <log>: suite_record.md: date, device, versions, commit, cou
     echo "- date (UTC): $(date -u '+%Y-%m-%d %H:%M:%S')"
     echo "- device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | paste -sd ';')"
     echo "- commit: $(commit)"
-    echo "- command: VSA_REQUIRE_BACKENDS=$VSA_REQUIRE_BACKENDS python3 -m pytest -q -rfEs -n 12 --dist loadgroup tests"
+    echo "- command: VSA_REQUIRE_BACKENDS=$VSA_REQUIRE_BACKENDS python3 -m pytest -q -rfEs -n 12 --dist loadgroup tests${SHARD:+ (shard $SHARD of the files)}"
     echo "- counts: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$log" | grep -E ' in [0-9.]+s' | tail -1 | tr -d '=' | sed 's/^ *//')"
     echo "- pytest $(grep -E '^### rc=[0-9]+ after python3 -m pytest' "$log" | tail -1 | grep -oE 'rc=[0-9]+') (124: timed out)"
     echo
@@ -106,9 +107,12 @@ record() {  # record <log>: suite_record.md: date, device, versions, commit, cou
 case $step in
   tests)  # the whole suite in strict mode (FA4, cuDNN frontend and JAX's GPU backend must be there: a
           # test that would skip for a missing one fails), 64-bit offsets included, and its record
+    # SHARD=i/n: the i-th of n parts of the test files (round robin), for a suite longer than one run
     export VSA_REQUIRE_BACKENDS=cute,cudnn,sm90,jax
     versions | tee "$out/versions.txt"
-    t 540 python3 -m pytest -q -rfEs -n 12 --dist loadgroup --durations=15 tests
+    files=tests
+    [[ -n "${SHARD:-}" ]] && files=$(ls tests/test_*.py | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" '(NR - 1) % n == i - 1')
+    t 575 python3 -m pytest -q -rfEs -n 12 --dist loadgroup --durations=15 $files
     record "$out/$step.log"
     ;;
   checks)  # the coarse-stage precision tests must fail with TF32 coarse dots (they pass with the
@@ -273,6 +277,12 @@ case $step in
     t 150 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_bwd64.py -k "regs"
     t 330 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,8x58368,6x75264,40x92160 \
       --calls=backend,kvregs,cudnn
+    ;;
+  kvpr)  # issue 21: the backward's default (BACKWARD: head_sweep, K / V in registers, P early and rounded, L2
+         # hints): its GPU tests, then the A/B against the grid in chunks (main's before), sweep alone and cuDNN
+    t 200 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_bwd64.py tests/test_jax_sm90_native.py tests/test_sm90_backend.py \
+      -k "sweep or kvpr or query_groups or backend"
+    t 330 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,40x92160 --calls=chunks,sweep,kvpr,cudnn
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)

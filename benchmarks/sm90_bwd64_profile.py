@@ -36,13 +36,19 @@ def main(names, H=12, S=39936) -> None:
 GROUP_BYTES = 20 << 20  # "groups": query groups of a 20 MiB working set (Q, dO, fp32 dQ) each
 
 
+# the split kernel's options measured one by one against "sweep" (BACKWARD with all of them off)
+KVPR_FLAGS = ("k_in_regs", "v_in_regs", "p_early", "p_rounded", "l2_hints")
+
+
 def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> dict:
     """name -> a callable running that backward once on the timing problem (fcheck.timing_problem's
     inputs, dO random, out / lse from our forward, delta from it, the KV-owned lists of the same
     selection): "ours", "split", "backend" (our kernels, see main's doc), "groups" (the backend's
     configuration with query groups of GROUP_BYTES; "groups<N>": of N MiB), "persist" (the backend's
-    configuration, persistent; "persist<N>": with groups of N MiB; "persist0": without groups), "kregs" / "vregs" /
-    "kvregs" (the backend's configuration with K / V / both in the compute warpgroups' registers) or "cudnn". All write the
+    configuration, persistent; "persist<N>": with groups of N MiB; "persist0": without groups), "sweep" (the
+    backend's configuration with KVPR_FLAGS off), "chunks" (sweep without head_sweep: the grid in chunks of
+    resident CTAs), "kregs" / "vregs" / "kvregs" / "hints" / "pearly" / "prounded" (sweep with K / V / both in
+    registers, L2 hints, P early, P rounded), "kvpr" (sweep with all of KVPR_FLAGS) or "cudnn". All write the
     same dq, dk, dv, which `outputs` (a dict) receives when given."""
     from vsa_core.backends import sm90_bwd64, sm90_fwd64
     n = S // E
@@ -75,10 +81,14 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
                 if name != "persist":
                     options["q_group_bytes"] = int(name[len("persist"):]) << 20
             else:
+                sweep = dict(BACKWARD, **{flag: False for flag in KVPR_FLAGS})
                 options = dict(ours={}, split=dict(split=True, stages=3), backend=BACKWARD,
                                groups=dict(BACKWARD, q_group_bytes=GROUP_BYTES),
-                               kregs=dict(BACKWARD, k_in_regs=True), vregs=dict(BACKWARD, v_in_regs=True),
-                               kvregs=dict(BACKWARD, k_in_regs=True, v_in_regs=True))[name]
+                               kregs=dict(sweep, k_in_regs=True), vregs=dict(sweep, v_in_regs=True),
+                               kvregs=dict(sweep, k_in_regs=True, v_in_regs=True),
+                               chunks=dict(sweep, head_sweep=False), sweep=sweep, hints=dict(sweep, l2_hints=True),
+                               pearly=dict(sweep, p_early=True), prounded=dict(sweep, p_rounded=True),
+                               kvpr=dict(sweep, **{flag: True for flag in KVPR_FLAGS}))[name]
             calls[name] = sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
                                                         counts, softmax_scale=scale, **options)
     return calls
