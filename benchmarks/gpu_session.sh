@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs | kvpr
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs | kvpr | fwdorder
 #   (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
@@ -283,6 +283,12 @@ case $step in
     t 200 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_bwd64.py tests/test_jax_sm90_native.py tests/test_sm90_backend.py \
       -k "sweep or kvpr or query_groups or backend"
     t 330 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,40x92160 --calls=chunks,sweep,kvpr,cudnn
+    ;;
+  fwdorder)  # issue 21: the forward with cuDNN's load order and L2 hints (q_first, v_first, consumer_k, l2_hints on
+             # FORWARD = ws3LTrf): their GPU tests, then each against FORWARD and cuDNN at top-16 and top-62
+    t 150 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_fwd64.py -k "qvkh or consumer-k"
+    t 330 python3 benchmarks/fwd64_scaling.py --topks 16,62 --rounds 2 \
+      --variants ws3LTrf,ws3LTrf-q,ws3LTrf-v,ws3LTrf-k,ws3LTrf-h,ws3LTrf-qvkh
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)

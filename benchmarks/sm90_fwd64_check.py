@@ -85,6 +85,14 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
                    cluster_pairs=True),
     # rf = rescale_first: the step's O rescale between the row maxima and the exponentials, P converted at
     # the top of the next step (no exponentials computed twice)
+    # the load order and the L2 hints on FORWARD (ws3LTrf): q = q_first, v = v_first, k = consumer_k,
+    # h = l2_hints
+    "ws3LTrf-q": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, q_first=True),
+    "ws3LTrf-v": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, v_first=True),
+    "ws3LTrf-k": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, consumer_k=True),
+    "ws3LTrf-h": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, l2_hints=True),
+    "ws3LTrf-qvkh": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, q_first=True, v_first=True,
+                         consumer_k=True, l2_hints=True),
     "ws3LTrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
                     rescale_first=True),
     "ws3LTCrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,

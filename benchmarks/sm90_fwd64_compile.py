@@ -91,6 +91,11 @@ VARIANTS = {
     "ws-c3-k1v2-lazy-tma-store-pairs-vsa": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
                                                 lazy_rescale=True, tma_store=True, cluster_pairs=True,
                                                 has_coarse=True, has_gate=True, store_fine=True),
+    # FORWARD with the load order and the L2 hints (q_first, v_first, consumer_k, l2_hints), VSA epilogue
+    "ws-c3-k1v2-lazy-tma-store-vsa-rf-qvkh": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, has_coarse=True,
+                                                  has_gate=True, store_fine=True, q_first=True, v_first=True,
+                                                  consumer_k=True, l2_hints=True),
+    "ws-c3-k1v2-lazy-tma-store-rf-k": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, consumer_k=True),
     "ws-c3-k1v2-lazy-tma-store-rf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
                                          lazy_rescale=True, tma_store=True, rescale_first=True),
     "ws-c3-k1v2-lazy-tma-store-vsa-rf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,

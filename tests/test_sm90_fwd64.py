@@ -42,6 +42,13 @@ VARIANTS = {
                               tma_store=True, cluster_pairs=True),
     "ws2-cluster-pairs-k2v3": dict(k_stages=2, v_stages=3, consumers=2, warp_specialized=True, lazy_rescale=True,
                                    cluster_pairs=True),
+    # the sm90 backend's FORWARD with cuDNN's load order (Q before the count: empty lists wait for it; V_{j-1}
+    # before K_j; the consumer refilling its own K slot) and L2 hints, all four and consumer_k alone
+    "ws3-rf-qvkh": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True,
+                        tma_store=True, rescale_first=True, q_first=True, v_first=True, consumer_k=True,
+                        l2_hints=True),
+    "ws2-pingpong-k2-consumer-k": dict(k_stages=2, v_stages=2, consumers=2, warp_specialized=True, pingpong=True,
+                                       lazy_rescale=True, consumer_k=True),
 }
 
 
@@ -141,6 +148,18 @@ def test_cluster_pairs_outside_its_configuration_is_refused_naming_it(config):
     kw = dict(warp_specialized=True, consumers=3, cluster_pairs=True)
     kw.update(config)
     with pytest.raises(ValueError, match="cluster_pairs"):
+        _prepare_on_host(**kw)
+
+
+@pytest.mark.parametrize("flag", ["q_first", "v_first", "consumer_k"])
+@pytest.mark.parametrize("config", [dict(warp_specialized=False, consumers=1), dict(persistent=2),
+                                    dict(shared_kv=True), dict(cluster_pairs=True)],
+                         ids=["simple", "persistent", "shared-kv", "cluster-pairs"])
+def test_load_order_outside_its_configuration_is_refused_naming_it(flag, config):
+    """The load-order flags run on the warp-specialized kernel with its own rings, not persistent."""
+    kw = dict(warp_specialized=True, consumers=3, **{flag: True})
+    kw.update(config)
+    with pytest.raises(ValueError, match=flag):
         _prepare_on_host(**kw)
 
 

@@ -68,8 +68,8 @@ try:  # cutlass-dsl >= 4.8 moved these; 4.8.1 is what we pin
 except ModuleNotFoundError:  # pragma: no cover
     from cutlass.utils import LayoutEnum, SmemAllocator
 
-from .sm90_common import (broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype, layout_key, remember,
-                          rows_cols)
+from .sm90_common import (EVICT_FIRST, EVICT_LAST, broadcast_dims, compile_for_torch, cute_tensor, cutlass_dtype,
+                          layout_key, remember, rows_cols, tma_load)
 
 BLOCK = 64          # tokens per query block and per KV block
 LOG2_E = 1.4426950408889634
@@ -160,7 +160,8 @@ class BlockSparseFwd64Sm90:
                  consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
                  shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0,
-                 tma_store: bool = False, cluster_pairs: bool = False, rescale_first: bool = False):
+                 tma_store: bool = False, cluster_pairs: bool = False, rescale_first: bool = False,
+                 q_first: bool = False, v_first: bool = False, consumer_k: bool = False, l2_hints: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), "bf16 or fp16"
         assert not shared_kv or (warp_specialized and not pingpong), "shared KV rings need the producer warpgroup"
         assert head_dim in (64, 128), "head dim 64 or 128"
@@ -217,6 +218,17 @@ class BlockSparseFwd64Sm90:
         assert not cluster_pairs or (warp_specialized and not (pingpong or shared_kv or list_in_smem or
                                                                self.persistent)), \
             "cluster_pairs: the warp-specialized kernel with each consumer on its own rings, not persistent"
+        # The load order of the warp-specialized kernel with its own rings (cuDNN's blk64 forward's):
+        # q_first: the producer issues Q before it reads the list's count (a consumer with an empty
+        # list then waits for that Q: its out may leave through the Q slot); v_first: V_{j-1} before
+        # K_j (V's slot frees earlier in the consumer's step than K's); consumer_k: the consumer's warp
+        # 0 refills its own K slot after its wait for QK_j, instead of a release the producer waits for
+        assert not (q_first or v_first or consumer_k) or (
+            warp_specialized and not (shared_kv or cluster_pairs or self.persistent)), \
+            "q_first, v_first, consumer_k: the warp-specialized kernel with its own rings, not persistent"
+        self.q_first, self.v_first, self.consumer_k = q_first, v_first, consumer_k
+        # K / V TMA loads evict_last (several query blocks read them), Q evict_first (read once)
+        self.l2_hints = l2_hints
         self.rings = 1 if shared_kv else consumers  # K / V rings per CTA
         tile_bytes = BLOCK * head_dim * 2
         self.smem_bytes = tile_bytes * (consumers + (k_stages + v_stages) * self.rings) + 1024
@@ -543,22 +555,30 @@ class BlockSparseFwd64Sm90:
         `t0` tiles and `filled` Q loads of this consumer's earlier items came before (ring
         positions run on); K_0 comes before Q, which waits for the consumer to release the last
         item's."""
-        KS, VS = self.k_stages, self.v_stages
+        KS = self.k_stages
         n_kv = lists["kv_counts"].shape[0]
+        if cutlass.const_expr(self.q_first):
+            if qb < lists["idx"].shape[2]:
+                self._load_q(ci, qb, tma, bars, lists)
         n = self._count(lists, qb)
         shared = cutlass.Int32(0)
         if cutlass.const_expr(self.cluster_pairs):
             _, n, shared = self._pair_counts(lists, qb)  # positions past the own count: masked tiles
         if n > 0:
             sel = lists["idx"][lists["b"], lists["h"], cutlass.min(qb, lists["idx"].shape[2] - 1), None]
-            if cutlass.const_expr(not self.persistent):
+            if cutlass.const_expr(not (self.persistent or self.q_first)):
                 self._load_q(ci, qb, tma, bars, lists)
             # tile j's block is read one iteration ahead (before the empty waits); V_{j-1} reuses K_{j-1}'s
             k_blk = self._block(sel, 0, n_kv)
             v_blk = k_blk
+            k_tiles = n  # consumer_k: the producer loads the first k_stages K tiles, the consumer the rest
+            if cutlass.const_expr(self.consumer_k):
+                k_tiles = cutlass.min(n, KS)
             for j in cutlass.range(n + 1, unroll=1):
                 k_after = self._block(sel, cutlass.min(j + 1, n - 1), n_kv)
-                if j < n:
+                if cutlass.const_expr(self.v_first):
+                    self._produce_v(ci, j, t0, v_blk, shared, tma, bars)
+                if j < k_tiles:
                     tk = t0 + j
                     if tk >= KS:
                         bars["k_empty"].wait(ci * KS + tk % KS, (tk // KS + 1) % 2)
@@ -570,13 +590,20 @@ class BlockSparseFwd64Sm90:
                         if filled > 0:
                             bars["q_empty"].wait(ci, (filled - 1) % 2)
                         self._load_q(ci, qb, tma, bars, lists)
-                if j >= 1:
-                    t = t0 + j - 1
-                    if t >= VS:
-                        bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
-                    self._load_kv("v", tma, bars["v_full"], v_blk, ci * VS + t % VS, j - 1 < shared)
+                if cutlass.const_expr(not self.v_first):
+                    self._produce_v(ci, j, t0, v_blk, shared, tma, bars)
                 v_blk = k_blk
                 k_blk = k_after
+
+    @cute.jit
+    def _produce_v(self, ci, j, t0, v_blk, shared, tma, bars):
+        """The producer's V_{j-1} (nothing at j = 0), once its slot has been released."""
+        VS = self.v_stages
+        if j >= 1:
+            t = t0 + j - 1
+            if t >= VS:
+                bars["v_empty"].wait(ci * VS + t % VS, (t // VS + 1) % 2)
+            self._load_kv("v", tma, bars["v_full"], v_blk, ci * VS + t % VS, j - 1 < shared)
 
     @cute.jit
     def _load_q(self, ci, qb, tma, bars, lists):
@@ -584,7 +611,7 @@ class BlockSparseFwd64Sm90:
         tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma["q"], 0, cute.make_layout(1),
                                                     cute.group_modes(tma["sQ"], 0, 2), cute.group_modes(gQ, 0, 2))
         bars["q_full"].arrive_and_expect_tx(ci, self.tile_bytes)
-        cute.copy(tma["q"], tQg, tQs[None, ci], tma_bar_ptr=bars["q_full"].get_barrier(ci))
+        tma_load(tma["q"], tQg, tQs[None, ci], bars["q_full"].get_barrier(ci), EVICT_FIRST if self.l2_hints else None)
 
     @cute.jit
     def _release(self, bar, slot):
@@ -687,7 +714,10 @@ class BlockSparseFwd64Sm90:
                 if turns > 0 and not (ci == 1 and turns == 1):
                     self._turn_pass(ci)
             cute.nvgpu.warpgroup.wait_group(0)
-            if cutlass.const_expr(self.ws):
+            if cutlass.const_expr(self.consumer_k):
+                if warp == 0 and KS < n:
+                    self._load_kv("k", tma, k_full, k_next, ks0 + (t0 + KS) % KS, False)
+            elif cutlass.const_expr(self.ws):
                 self._release(bars["k_empty"], ks0 + t0 % KS)
             else:
                 if warp == 0 and KS < n:
@@ -729,7 +759,10 @@ class BlockSparseFwd64Sm90:
                         self._turn_pass(ci)
                 cute.nvgpu.warpgroup.wait_group(1)
                 # QK_j retired: its K slot takes tile j + KS
-                if cutlass.const_expr(self.ws):
+                if cutlass.const_expr(self.consumer_k):
+                    if warp == 0 and j + KS < n:
+                        self._load_kv("k", tma, k_full, k_next, ks0 + (t0 + j + KS) % KS, False)
+                elif cutlass.const_expr(self.ws):
                     self._release(bars["k_empty"], ks0 + (t0 + j) % KS)
                 else:
                     if warp == 0 and j + KS < n:
@@ -761,6 +794,10 @@ class BlockSparseFwd64Sm90:
                 if cutlass.const_expr(not self.tma_store):
                     self._release(bars["q_empty"], ci)
 
+        if cutlass.const_expr(self.q_first):
+            if n == 0:  # its Q was issued before the count: it lands before out may use the slot
+                if qb < lists["idx"].shape[2]:
+                    bars["q_full"].wait(ci, filled % 2)
         if qb < lists["idx"].shape[2]:
             self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c, dict(ci=ci, warp=warp, n=n, sQ=sQ, mma_pv=mma_pv,
@@ -1090,7 +1127,7 @@ class BlockSparseFwd64Sm90:
     def _load_tile(self, atom, tXg, tXs, bar, blk, slot):
         """TMA of KV block `blk`'s tile into `slot`, completing on that slot's mbarrier."""
         bar.arrive_and_expect_tx(slot, self.tile_bytes)
-        cute.copy(atom, tXg[None, blk], tXs[None, slot], tma_bar_ptr=bar.get_barrier(slot))
+        tma_load(atom, tXg[None, blk], tXs[None, slot], bar.get_barrier(slot), EVICT_LAST if self.l2_hints else None)
 
     @cute.jit
     def _load_kv(self, kind, tma, bar, blk, slot, shared):
@@ -1232,7 +1269,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
                       list_in_smem: bool = False, persistent=False, tma_store: bool = False,
-                      cluster_pairs: bool = False, rescale_first: bool = False):
+                      cluster_pairs: bool = False, rescale_first: bool = False, q_first: bool = False,
+                      v_first: bool = False, consumer_k: bool = False, l2_hints: bool = False):
     """Checks the arguments (once per problem), compiles on first use of a configuration, and returns a
     callable that launches the forward on torch's current stream at the time of this call.
 
@@ -1253,14 +1291,18 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
 
     persistent (warp_specialized without shared_kv / pingpong / list_in_smem): True for one CTA per
     SM of q's device, or a number of CTAs (tests: few CTAs walk many query blocks each); each
-    consumer walks its share of the query blocks (the class docstring)."""
+    consumer walks its share of the query blocks (the class docstring).
+
+    q_first, v_first, consumer_k (warp_specialized with its own rings, not persistent): the load
+    order (`BlockSparseFwd64Sm90.__init__`); l2_hints: K / V loads evict_last, Q evict_first."""
     import cuda.bindings.driver as cuda
     import torch
 
     config = dict(k_stages=k_stages, v_stages=v_stages, consumers=consumers, warp_specialized=warp_specialized,
                   pingpong=pingpong, q_in_regs=q_in_regs, lazy_rescale=lazy_rescale, shared_kv=shared_kv,
                   list_in_smem=list_in_smem, persistent=persistent, tma_store=tma_store, cluster_pairs=cluster_pairs,
-                  rescale_first=rescale_first)
+                  rescale_first=rescale_first, q_first=q_first, v_first=v_first, consumer_k=consumer_k,
+                  l2_hints=l2_hints)
     tensors = (q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine)
     key = (tuple(config.values()), q.get_device(), layout_key(*tensors))  # device: its SM count (persistent)
     fn = _PLANS.get(key)
@@ -1342,6 +1384,10 @@ def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, g
     persistent = config["persistent"]
     if not isinstance(persistent, int) or persistent < 0:  # True, False, or a CTA count (0: not persistent)
         raise ValueError(f"sm90_fwd64: persistent must be False, True or a CTA count >= 1 (got {persistent!r})")
+    ordered = [name for name in ("q_first", "v_first", "consumer_k") if config.get(name)]
+    if ordered and (not config["warp_specialized"] or config["shared_kv"] or config["cluster_pairs"] or persistent):
+        raise ValueError(f"sm90_fwd64: {', '.join(ordered)} need warp_specialized=True with the consumers' own "
+                         "rings: no shared_kv, cluster_pairs or persistent")
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
