@@ -288,7 +288,7 @@ case $step in
              # FORWARD = ws3LTrf): their GPU tests, then each against FORWARD and cuDNN at top-16 and top-62
     t 150 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_fwd64.py -k "qvkh or consumer-k"
     t 330 python3 benchmarks/fwd64_scaling.py --topks 16,62 --rounds 2 \
-      --variants ws3LTrf,ws3LTrf-q,ws3LTrf-v,ws3LTrf-k,ws3LTrf-h,ws3LTrf-qvkh
+      --variants ws3LTrf,ws3LTrf-q,ws3LTrf-v,ws3LTrf-k,ws3LTrf-h,ws3LTrf-qvkh,k1v2LTrf,k1v2LTrfh,ws3LPTrf
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)

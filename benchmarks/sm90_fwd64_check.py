@@ -87,6 +87,12 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
     # the top of the next step (no exponentials computed twice)
     # the load order and the L2 hints on FORWARD (ws3LTrf): q = q_first, v = v_first, k = consumer_k,
     # h = l2_hints
+    # cuDNN's shape (one warpgroup, 3 CTAs an SM) with FORWARD's flags that the simple kernel has, and
+    # FORWARD persistent
+    "k1v2LTrf": dict(k_stages=1, v_stages=2, lazy_rescale=True, tma_store=True, rescale_first=True),
+    "k1v2LTrfh": dict(k_stages=1, v_stages=2, lazy_rescale=True, tma_store=True, rescale_first=True, l2_hints=True),
+    "ws3LPTrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, persistent=True,
+                     tma_store=True, rescale_first=True),
     "ws3LTrf-q": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, q_first=True),
     "ws3LTrf-v": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, v_first=True),
     "ws3LTrf-k": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, consumer_k=True),

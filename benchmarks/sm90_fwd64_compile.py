@@ -95,6 +95,8 @@ VARIANTS = {
     "ws-c3-k1v2-lazy-tma-store-vsa-rf-qvkh": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, has_coarse=True,
                                                   has_gate=True, store_fine=True, q_first=True, v_first=True,
                                                   consumer_k=True, l2_hints=True),
+    "simple-k1v2-lazy-tma-store-rf-hints": dict(k_stages=1, v_stages=2, lazy_rescale=True, tma_store=True,
+                                                rescale_first=True, l2_hints=True),
     "ws-c3-k1v2-lazy-tma-store-rf-k": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, consumer_k=True),
     "ws-c3-k1v2-lazy-tma-store-rf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
                                          lazy_rescale=True, tma_store=True, rescale_first=True),
