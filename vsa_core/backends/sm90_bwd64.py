@@ -96,8 +96,8 @@ tile is taken only by a running CTA, so the waits of the groups stay deadlock-fr
 count. The next tile's first Q / dO tiles load under the current tile's last steps and its K / V
 under the epilogue (`sm90_bwd64_split`, `_next_tile`, `_produce`).
 
-K / V in registers (`k_in_regs`, `v_in_regs`, split kernel only; variants, not the default: 1-3% at
-most, benchmarks/README.md). Warpgroup 1's S^T = K Q^T takes K, warpgroup 2's dP^T = V dO^T takes V as
+K / V in registers (`k_in_regs`, `v_in_regs`, split kernel only; the sm90 backend's default together
+with the options below, benchmarks/README.md). Warpgroup 1's S^T = K Q^T takes K, warpgroup 2's dP^T = V dO^T takes V as
 a register operand, loaded by ldmatrix once a tile, so the steps no longer read them from shared
 memory (`sm90_bwd64_split._kv_operand`). dk and dv stay bitwise the default's.
 
