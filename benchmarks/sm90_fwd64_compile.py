@@ -92,9 +92,18 @@ VARIANTS = {
                                                 lazy_rescale=True, tma_store=True, cluster_pairs=True,
                                                 has_coarse=True, has_gate=True, store_fine=True),
     # FORWARD with the load order and the L2 hints (q_first, v_first, consumer_k, l2_hints), VSA epilogue
-    "ws-c3-k1v2-lazy-tma-store-vsa-rf-qvkh": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, has_coarse=True,
-                                                  has_gate=True, store_fine=True, q_first=True, v_first=True,
-                                                  consumer_k=True, l2_hints=True),
+    "ws-c3-k1v2-lazy-tma-store-vsa-rf-qvkh": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                                  lazy_rescale=True, tma_store=True, rescale_first=True,
+                                                  has_coarse=True, has_gate=True, store_fine=True, q_first=True,
+                                                  v_first=True, consumer_k=True, l2_hints=True),
+    # FORWARD's VSA epilogue keeping out's rounding residual (AttnProblem.fine_residual "rounding")
+    "ws-c3-k1v2-lazy-tma-store-vsa-rf-rounding": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True,
+                                                      lazy_rescale=True, tma_store=True, rescale_first=True,
+                                                      has_coarse=True, has_gate=True, store_fine=True,
+                                                      fine_rounding=True),
+    "ws-c3-k1v2-lazy-tma-store-nogate-rf-rounding-d64-fp16": dict(
+        k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
+        rescale_first=True, has_coarse=True, store_fine=True, fine_rounding=True, head_dim=64, dtype=cutlass.Float16),
     "simple-k1v2-lazy-tma-store-rf-hints": dict(k_stages=1, v_stages=2, lazy_rescale=True, tma_store=True,
                                                 rescale_first=True, l2_hints=True),
     "ws-c3-k1v2-lazy-tma-store-rf-k": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, consumer_k=True),
@@ -127,7 +136,7 @@ VARIANTS = {
 }
 
 
-def fake_args(dtype, D):
+def fake_args(dtype, D, fine_rounding=False):
     i32 = lambda: cute.sym_int32()  # noqa: E731
     div8 = lambda: cute.sym_int32(divisibility=8)  # noqa: E731
     B, H, S, SK, NQ, NKV, CAP = i32(), i32(), cute.sym_int32(divisibility=64), cute.sym_int32(divisibility=64), i32(), i32(), i32()
@@ -147,7 +156,10 @@ def fake_args(dtype, D):
     gate = tok(S)
     out_c = f32((B, H, NQ, D))
     div4 = lambda: cute.sym_int32(divisibility=4)  # noqa: E731
-    out_fine = make_fake_tensor(cutlass.Float32, (B, H, S, D), (div4(), div4(), div4(), 1), assumed_align=16)
+    if fine_rounding:  # out's rounding residual, in the input dtype
+        out_fine = make_fake_tensor(dtype, (B, H, S, D), (div8(), div8(), div8(), 1), assumed_align=16)
+    else:
+        out_fine = make_fake_tensor(cutlass.Float32, (B, H, S, D), (div4(), div4(), div4(), 1), assumed_align=16)
     NG, UCAP = i32(), i32()
     union_idx, union_num = i32t((B, H, NG, UCAP)), i32t((B, H, NG))  # shared_kv (placeholders otherwise)
     return [q, k, v, o, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_c, out_fine, union_idx, union_num]
@@ -155,7 +167,7 @@ def fake_args(dtype, D):
 
 def compile_variant(name, kw):
     kernel = BlockSparseFwd64Sm90(**kw)
-    args = fake_args(kw.get("dtype", cutlass.BFloat16), kw.get("head_dim", 128))
+    args = fake_args(kw.get("dtype", cutlass.BFloat16), kw.get("head_dim", 128), kw.get("fine_rounding", False))
     return compile_report(kernel, args)
 
 

@@ -47,7 +47,7 @@ BACKWARD_TRITON = ["columns_to_lists_kernel", "sparse_attn_bwd_preprocess_kernel
 
 def _vsa(**kw) -> AttnProblem:
     base = dict(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16", topk=2,
-                has_gate=True, fine_residual="float32")
+                has_gate=True, fine_residual="rounding")
     base.update(kw)
     return AttnProblem(**base)
 
@@ -91,7 +91,7 @@ def test_vsa_forward_plan_records_the_cute_step(padding, layout):
     assert dict(cute.args) == want
     assert cute.statics_dict() == dict(dtype="bfloat16", head_dim=128, layout=layout, softmax_scale=p.softmax_scale,
                                        has_coarse=True, has_gate=True, store_fine=True, ignore_padding=ignore,
-                                       config=sm90_backend.FORWARD)
+                                       fine_rounding=True, config=sm90_backend.FORWARD)
     assert plan.backend == "sm90" and plan.workspaces == sm90_backend.workspaces("forward", p)
     assert set(plan.workspaces) == ({"k_valid", "v_valid"} if ignore else set())
     if ignore:

@@ -90,7 +90,7 @@ def backward(p: AttnProblem, backend, buffers: Mapping, stream: Optional[int] = 
         S.columns_to_lists(launcher, p, block_mask, b["inv_idx"], b["inv_num"])
         S.backward_preprocess(launcher, p, b["out_fine"] if p.is_vsa else b["out"], b["dout"], b["delta"],
                               gate=b.get("gate"), out_coarse=b.get("out_coarse"), dgate=b.get("dgate"),
-                              dout_coarse=b.get("dout_coarse"), q_counts=b.get("q_counts"))
+                              dout_coarse=b.get("dout_coarse"), q_counts=b.get("q_counts"), out=b["out"])
         if p.is_vsa:
             S.coarse_backward(launcher, p, b["q_pool"], b["k_pool"], b["v_pool"], b["kv_counts"], b["out_coarse"],
                               b["lse_coarse"], b["dout_coarse"], b["dq_pool"], b["dk_pool"], b["dv_pool"],

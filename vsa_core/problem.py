@@ -117,10 +117,13 @@ class AttnProblem:
     softmax_scale: Optional[float] = None
     # the padded rows of each block (past its count): "zeros" or "ignore" (PADDINGS)
     padding: str = "zeros"
-    # dtype of the fine output kept for the backward (VSA training, `out_fine`): "float32" where the
-    # fine kernel has it from its fp32 accumulators (triton, sm90), "input" (q's dtype) where a
-    # library writes the fine output in q's dtype anyway (cute, cudnn: fp32 would hold the same
-    # values at twice the bytes). Set from the backend (`backends.fine_residual`).
+    # what VSA training keeps of the fine output for the backward's delta = rowsum(dO * out_fine), in
+    # `out_fine`: "rounding" where the fine kernel has it in fp32 (triton, sm90): out's rounding
+    # residual (out in fp32 minus out rounded, in q's dtype), from which the backward forms the fp32
+    # fine output as out + residual - gate * out_coarse (fp32's accuracy at half its bytes: a bf16
+    # fine output costs dq / dk several times their error where the logits are large); "input" (the
+    # fine output in q's dtype) where a library writes it in q's dtype anyway (cute, cudnn); "float32"
+    # (the fine output in fp32). Set from the backend (`backends.fine_residual`).
     fine_residual: str = "float32"
 
     def __post_init__(self):
@@ -187,7 +190,8 @@ class AttnProblem:
                 "sel_mask": ((B, H, nq, nk), "int8"),
             })
             if self.training:
-                bufs["out_fine"] = (self.token_shape(self.q_len), self.fine_residual)
+                bufs["out_fine"] = (self.token_shape(self.q_len),
+                                    "float32" if self.fine_residual == "float32" else "input")
         else:
             # lists from the map, or the given lists as the rule reads them (varlen: kept to each
             # query's own sequence); the backward takes these

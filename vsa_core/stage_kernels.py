@@ -1009,17 +1009,20 @@ def clean_lists_kernel(
 
 @triton.jit
 def sparse_attn_bwd_preprocess_kernel(
-    DOUT, OUT_FINE, GATE, OUT_C, DELTA, DGATE, DOUT_C, Q_COUNTS,
+    DOUT, OUT_FINE, GATE, OUT_C, DELTA, DGATE, DOUT_C, Q_COUNTS, OUT,
     stride_qb, stride_qh, stride_qs,
     H, q_len, n_q_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, IGNORE_PADDING: tl.constexpr = False,
+    FINE_ROUNDING: tl.constexpr = False,
 ):
     """Per query block: delta = rowsum(dO * out_fine) for the fine backward and, with the
     coarse branch, dgate = dO * out_c and dout_c = sum over the block of dO * gate, over
     every row of the block. With the coarse branch (VSA) and IGNORE_PADDING, dO and the
     gate of the block's padded rows (past Q_COUNTS) read as 0: the output is 0 there
-    whatever the inputs, so no gradient comes from those rows."""
+    whatever the inputs, so no gradient comes from those rows. FINE_ROUNDING (coarse branch):
+    OUT_FINE holds out's rounding residual, and the fine output is formed in fp32 as
+    out + residual - gate * out_c (`AttnProblem.fine_residual`)."""
     q_block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -1038,11 +1041,21 @@ def sparse_attn_bwd_preprocess_kernel(
         valid = (in_block < n_valid)[:, None]
         do = tl.load(DOUT + ptr, mask=valid, other=0.0).to(tl.float32)
         out_fine = tl.load(OUT_FINE + ptr, mask=valid, other=0.0).to(tl.float32)
+        if HAS_COARSE:
+            gate = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+            if HAS_GATE:
+                gate = tl.load(GATE + ptr, mask=valid, other=0.0).to(tl.float32)
+            if FINE_ROUNDING:
+                mixed = tl.load(OUT + ptr, mask=valid, other=0.0).to(tl.float32) + out_fine
+                if HAS_GATE:
+                    out_fine = mixed - gate * coarse[None, :]
+                else:
+                    out_fine = mixed - coarse[None, :]
         tl.store(DELTA + bh * q_len + rows, tl.sum(do * out_fine, axis=1))
         if HAS_COARSE:
             if HAS_GATE:
                 tl.store(DGATE + ptr, (do * coarse[None, :]).to(DGATE.dtype.element_ty))
-                dcoarse += tl.sum(do * tl.load(GATE + ptr, mask=valid, other=0.0).to(tl.float32), axis=0)
+                dcoarse += tl.sum(do * gate, axis=0)
             else:
                 dcoarse += tl.sum(do, axis=0)
     if HAS_COARSE:

@@ -248,14 +248,17 @@ def clean_lists(launcher, p: AttnProblem, given_idx, given_num, sel_idx, sel_num
 
 
 def backward_preprocess(launcher, p: AttnProblem, out_fine, dout, delta, gate=None, out_coarse=None, dgate=None,
-                        dout_coarse=None, q_counts=None):
+                        dout_coarse=None, q_counts=None, out=None):
     """delta for the fine backward; with the coarse branch also dgate and dout_coarse
-    (padding="ignore": dout of the padded query rows, past q_counts, read as 0)."""
+    (padding="ignore": dout of the padded query rows, past q_counts, read as 0). With the coarse
+    branch and `p.fine_residual` "rounding", out_fine is out's rounding residual and `out` is read."""
+    rounding = out_coarse is not None and p.fine_residual == "rounding"
     launcher.triton(kernels_for(dout).sparse_attn_bwd_preprocess_kernel, (p.n_q_blocks, _bh(p)),
-        dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, q_counts, *p.token_strides(p.q_len),
-        p.heads, p.q_len, p.n_q_blocks,
+        dout, out_fine, gate, out_coarse, delta, dgate, dout_coarse, q_counts, out if rounding else None,
+        *p.token_strides(p.q_len), p.heads, p.q_len, p.n_q_blocks,
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, ROWS=min(64, p.block_elems),
-        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, IGNORE_PADDING=_ignore(p))
+        HAS_COARSE=out_coarse is not None, HAS_GATE=gate is not None, IGNORE_PADDING=_ignore(p),
+        FINE_ROUNDING=rounding)
 
 
 def lists_to_mask(launcher, p: AttnProblem, sel_idx, sel_num, block_mask):

@@ -78,7 +78,7 @@ class _Adapter:
         if self.step == "sm90_fwd64":
             kernel = sm90_fwd64.BlockSparseFwd64Sm90(dtype, s["head_dim"], has_coarse=s["has_coarse"],
                                                      has_gate=s["has_gate"], store_fine=s["store_fine"],
-                                                     **s["config"])
+                                                     fine_rounding=s["fine_rounding"], **s["config"])
             lse, sel_idx, sel_num = t["lse"], t["sel_idx"], t["sel_num"]
             # what the eager launcher passes for an absent feature (never read)
             kernel(t["q"], t["k"], t["v"], t["out"], lse, sel_idx, sel_num, t["kv_counts"],

@@ -35,8 +35,9 @@ from .registry import CHOICES, FINE_OUTPUT_IN_INPUT_DTYPE, NAMES, REGISTRY  # no
 
 
 def fine_residual(name: str) -> str:
-    """`AttnProblem.fine_residual` of backend `name`: "input" or "float32"."""
-    return "input" if name in FINE_OUTPUT_IN_INPUT_DTYPE else "float32"
+    """`AttnProblem.fine_residual` of backend `name`: "input" (a library's fine output) or "rounding"
+    (our kernels': out's rounding residual)."""
+    return "input" if name in FINE_OUTPUT_IN_INPUT_DTYPE else "rounding"
 
 
 def names_text(names=CHOICES) -> str:

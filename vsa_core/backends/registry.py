@@ -22,5 +22,6 @@ NAMES: Tuple[str, ...] = tuple(REGISTRY)
 CHOICES: Tuple[str, ...] = ("auto",) + NAMES
 
 # the backends whose fine kernel writes its output in q's dtype only (a library kernel): the fine
-# output kept for the backward (`out_fine`) is then q's dtype too; the others keep it in fp32
+# output kept for the backward (`out_fine`) is then q's dtype too; the others keep out's rounding
+# residual (`AttnProblem.fine_residual`)
 FINE_OUTPUT_IN_INPUT_DTYPE = frozenset({"cute", "cudnn"})

@@ -8,9 +8,9 @@ float64 and time them.
 
 What this module adds to the kernels:
 - The coarse branch (VSA) is mixed in the forward kernel's epilogue: `out` is written once
-  as out_fine + gate * out_coarse, and training keeps the fine output in fp32 (`out_fine`,
-  from the accumulators) for the backward's delta. No separate mix pass, unlike the
-  library backends (cute, cudnn).
+  as out_fine + gate * out_coarse, and training keeps out's rounding residual in q's dtype
+  (`out_fine`, `AttnProblem.fine_residual` "rounding"), from which the backward's delta forms the
+  fp32 fine output. No separate mix pass, unlike the library backends (cute, cudnn).
 - Padding. The epilogue writes the query rows past `q_counts` as out 0, out_fine 0, lse
   +inf: padding="ignore"'s rows. Under padding="zeros" those rows are computed like any
   row, so the epilogue gets full counts (every row valid). Both kernels mask the padded
@@ -171,11 +171,13 @@ def sparse_forward(launcher, p: AttnProblem, a: FineForward):
         if a.out_fine is not None:
             buffers["out_fine"] = a.out_fine
     launcher.cute("sm90_fwd64", buffers, **_statics(p), has_coarse=has_coarse, has_gate=a.gate is not None,
-                  store_fine=has_coarse and a.out_fine is not None, ignore_padding=ignore_padding, config=FORWARD)
+                  store_fine=has_coarse and a.out_fine is not None, ignore_padding=ignore_padding,
+                  fine_rounding=has_coarse and p.fine_residual == "rounding", config=FORWARD)
 
 
 def launch_forward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, softmax_scale: float,
-                     has_coarse: bool, has_gate: bool, store_fine: bool, ignore_padding: bool, config: dict):
+                     has_coarse: bool, has_gate: bool, store_fine: bool, ignore_padding: bool, config: dict,
+                     fine_rounding: bool = False):
     """The "sm90_fwd64" launch on framework buffers (`CUTE_STEPS`): `prepare_forward64`
     on torch views, on the caller's stream. Buffers: q, k, v, out, lse, sel_idx, sel_num, kv_counts;
     with the coarse branch out_coarse (+ q_counts under ignore_padding, gate, out_fine)."""
@@ -190,7 +192,7 @@ def launch_forward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, s
                                                                            // BLOCK_ELEMS)
             coarse = dict(q_counts=q_counts, out_coarse=b["out_coarse"],
                           gate=_bhsd(layout, b["gate"]) if has_gate else None,
-                          out_fine=_bhsd(layout, b["out_fine"]) if store_fine else None)
+                          out_fine=_bhsd(layout, b["out_fine"]) if store_fine else None, fine_rounding=fine_rounding)
         prepare_forward64(_bhsd(layout, b["q"]), _bhsd(layout, b["k"]), _bhsd(layout, b["v"]), _bhsd(layout, b["out"]),
                           b["lse"], b["sel_idx"], b["sel_num"], b["kv_counts"], softmax_scale=softmax_scale,
                           **coarse, **config)()

@@ -12,7 +12,8 @@ Triton kernel's: the count is clamped to [0, capacity], and an entry counts only
 in-bounds tile and masks all of it). `lse` is the natural-log logsumexp, -inf (and out 0)
 where a row sees nothing. With the coarse branch (VSA) the epilogue mixes
 out = out_fine + gate * out_coarse[query block] (or + out_coarse without a gate), keeps
-out_fine in fp32 when asked (training), and writes the padded query rows (past `q_counts`)
+out_fine in fp32 when asked (training; with fine_rounding out's rounding residual in the input
+dtype instead), and writes the padded query rows (past `q_counts`)
 as out 0, out_fine 0, lse +inf, so `out` is written once.
 
 Design, "simple" (consumers=1): one warpgroup (128 threads) per CTA owns one 64-row query
@@ -157,7 +158,7 @@ class BlockSparseFwd64Sm90:
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
-                 consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
+                 fine_rounding: bool = False, consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
                  shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0,
                  tma_store: bool = False, cluster_pairs: bool = False, rescale_first: bool = False,
@@ -175,6 +176,9 @@ class BlockSparseFwd64Sm90:
         self.has_coarse = has_coarse
         self.has_gate = has_gate and has_coarse
         self.store_fine = store_fine and has_coarse
+        # out_fine holds out's rounding residual in the input dtype (`AttnProblem.fine_residual`
+        # "rounding"), not the fine output in fp32
+        self.fine_rounding = fine_rounding and self.store_fine
         self.consumers = consumers
         self.ws = warp_specialized
         self.pingpong = pingpong
@@ -274,7 +278,7 @@ class BlockSparseFwd64Sm90:
         if cutlass.const_expr(self.has_gate):
             mGate = tok_major(mGate, 8)
         if cutlass.const_expr(self.store_fine):
-            mOutFine = tok_major(mOutFine, 4)
+            mOutFine = tok_major(mOutFine, 8 if self.fine_rounding else 4)
 
         k_major = LayoutEnum.from_tensor(gK4)
         v_major = LayoutEnum.from_tensor(gV4)
@@ -999,7 +1003,7 @@ class BlockSparseFwd64Sm90:
             q_valid = cutlass.min(cutlass.max(mQCounts[qb], 0), BLOCK)
             rO_rc = rows_cols(rO)
             if cutlass.const_expr(self.store_fine):
-                rF = cute.make_rmem_tensor_like(accO, cutlass.Float32)
+                rF = cute.make_rmem_tensor_like(accO, self.dtype if self.fine_rounding else cutlass.Float32)
                 rF_rc = rows_cols(rF)
             if cutlass.const_expr(self.has_gate):
                 rG_rc = rows_cols(rG)
@@ -1012,13 +1016,16 @@ class BlockSparseFwd64Sm90:
                 for ri in cutlass.range_constexpr(n_rows):
                     row_ok = cO_rc[ri, 0][0] < q_valid
                     fine = O[ri, ci] if row_ok else cutlass.Float32(0.0)
-                    if cutlass.const_expr(self.store_fine):
-                        rF_rc[ri, ci] = fine
+                    mixed = fine + (coarse if row_ok else cutlass.Float32(0.0))
                     if cutlass.const_expr(self.has_gate):
                         g = rG_rc[ri, ci].to(cutlass.Float32) if row_ok else cutlass.Float32(0.0)
-                        rO_rc[ri, ci] = cute.math.fma(g, coarse, fine).to(self.dtype)
-                    else:
-                        rO_rc[ri, ci] = (fine + (coarse if row_ok else cutlass.Float32(0.0))).to(self.dtype)
+                        mixed = cute.math.fma(g, coarse, fine)
+                    rounded = mixed.to(self.dtype)
+                    rO_rc[ri, ci] = rounded
+                    if cutlass.const_expr(self.fine_rounding):
+                        rF_rc[ri, ci] = (mixed - rounded.to(cutlass.Float32)).to(self.dtype)
+                    elif cutlass.const_expr(self.store_fine):
+                        rF_rc[ri, ci] = fine
             self._store_out(rO, tOg, qb, b, h, tidx, own)
             if cutlass.const_expr(self.store_fine):
                 cute.autovec_copy(rF, thr_pv.partition_C(
@@ -1265,7 +1272,8 @@ def sparse_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, **options):
 
 
 def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax_scale: Optional[float] = None,
-                      q_counts=None, gate=None, out_coarse=None, out_fine=None, k_stages: int = 1, v_stages: int = 2,
+                      q_counts=None, gate=None, out_coarse=None, out_fine=None, fine_rounding: bool = False,
+                      k_stages: int = 1, v_stages: int = 2,
                       consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
                       q_in_regs: bool = False, lazy_rescale: bool = False, shared_kv: bool = False,
                       list_in_smem: bool = False, persistent=False, tma_store: bool = False,
@@ -1274,8 +1282,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     """Checks the arguments (once per problem), compiles on first use of a configuration, and returns a
     callable that launches the forward on torch's current stream at the time of this call.
 
-    q, k, v, out, gate (bf16 / fp16) and out_fine (fp32): [B, H, S, D] views, BHSD or a BSHD tensor
-    transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
+    q, k, v, out, gate (bf16 / fp16) and out_fine (fp32; q's dtype with fine_rounding: out's rounding
+    residual, `AttnProblem.fine_residual`): [B, H, S, D] views, BHSD or a BSHD tensor transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
     q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32. The coarse branch (VSA) is on when
     out_coarse is given (q_counts then required; gate optional; out_fine optional, training).
 
@@ -1304,10 +1312,11 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
                   rescale_first=rescale_first, q_first=q_first, v_first=v_first, consumer_k=consumer_k,
                   l2_hints=l2_hints)
     tensors = (q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine)
-    key = (tuple(config.values()), q.get_device(), layout_key(*tensors))  # device: its SM count (persistent)
+    fine_rounding = bool(fine_rounding and out_fine is not None)
+    key = (tuple(config.values()), fine_rounding, q.get_device(), layout_key(*tensors))  # device: its SMs
     fn = _PLANS.get(key)
     if fn is None:
-        _check_forward64(*tensors, config)
+        _check_forward64(*tensors, config, fine_rounding)
     has_coarse = out_coarse is not None
     D, nq = q.shape[3], q.shape[2] // BLOCK
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
@@ -1349,7 +1358,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
             out_coarse if has_coarse else lse, out_fine if out_fine is not None else lse, union_idx, union_num]
     if fn is None:
         fn = remember(_PLANS, key,
-                      _compiled_forward64(args, gate is not None, has_coarse, out_fine is not None, config))
+                      _compiled_forward64(args, gate is not None, has_coarse, out_fine is not None, config,
+                                          fine_rounding))
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
 
     def launch():
@@ -1370,7 +1380,7 @@ _ARG_NAMES = ("q", "k", "v", "out", "lse", "sel_idx", "sel_num", "kv_counts", "q
 
 
 def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, gate, out_coarse, out_fine,
-                     config: dict):
+                     config: dict, fine_rounding: bool = False):
     """ValueError unless the tensors are what the kernel reads (shapes, dtypes, strides, alignment) and
     the configuration is one the kernel has."""
     import torch
@@ -1411,7 +1421,7 @@ def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, g
             expect["gate"] = ((B, H, Sq, D), q.dtype)
             given["gate"] = gate
         if out_fine is not None:
-            expect["out_fine"] = ((B, H, Sq, D), torch.float32)
+            expect["out_fine"] = ((B, H, Sq, D), q.dtype if fine_rounding else torch.float32)
             given["out_fine"] = out_fine
     elif gate is not None or out_fine is not None or q_counts is not None:
         raise ValueError("sm90_fwd64: gate, out_fine and q_counts belong to the coarse branch (give out_coarse)")
@@ -1428,7 +1438,8 @@ def _check_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, q_counts, g
                              "bytes and a 16-byte aligned start (TMA loads, vector stores)")
 
 
-def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine: bool, config: dict):
+def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine: bool, config: dict,
+                        fine_rounding: bool = False):
     """The forward of `config` for the dtype and head dim of q = args[0], compiled on first use with
     `args` (the call's arguments, `_ARG_NAMES`) as examples. Their CuTe types hold dtype, rank and
     alignment, which the configuration fixes, and which dims are broadcast (stride 0, `broadcast_dims`),
@@ -1444,11 +1455,13 @@ def _compiled_forward64(args: list, has_gate: bool, has_coarse: bool, store_fine
         persistent_ctas = int(persistent)  # False or 0: not persistent (`_check_forward64` took the value)
     options = {n: x for n, x in config.items() if n != "persistent"}
     D = q.shape[3]
-    key = (q.dtype, D, has_coarse, has_gate, store_fine, persistent_ctas, *options.values(), broadcast_dims(args))
+    key = (q.dtype, D, has_coarse, has_gate, store_fine, fine_rounding, persistent_ctas, *options.values(),
+           broadcast_dims(args))
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = BlockSparseFwd64Sm90(cutlass_dtype(q), D, has_coarse=has_coarse, has_gate=has_gate,
-                                      store_fine=store_fine, persistent_ctas=persistent_ctas, **options)
+                                      store_fine=store_fine, fine_rounding=fine_rounding,
+                                      persistent_ctas=persistent_ctas, **options)
         absent = {n for n, on in (("gate", has_gate), ("out_fine", store_fine)) if not on}
         examples = [cute_tensor(t, 16 if n in _VECTOR_ARGS and n not in absent else 4)
                     for n, t in zip(_ARG_NAMES, args)]

@@ -191,7 +191,7 @@ def sparse_forward(launcher, p: AttnProblem, a: FineForward):
         int(out_fine is not None), _first_blocks(p),
         BLOCK_ELEMS=p.block_elems, HEAD_DIM=p.head_dim, HAS_COARSE=out_coarse is not None,
         HAS_GATE=gate is not None, UPCAST=interpreted(q), USE_TMA=tma,
-        IGNORE_PADDING=_ignore(p))
+        IGNORE_PADDING=_ignore(p), FINE_ROUNDING=out_coarse is not None and p.fine_residual == "rounding")
 
 
 def sparse_backward_dq(launcher, p: AttnProblem, q, k, v, lse, dout, delta, dq, sel_idx, sel_num, kv_counts,

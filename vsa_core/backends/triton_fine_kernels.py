@@ -76,7 +76,7 @@ def sparse_attn_fwd_kernel(
     H, q_len, n_q_blocks, n_kv_blocks, idx_capacity, qk_scale_log2, store_fine, first_blocks,
     BLOCK_ELEMS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_COARSE: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    IGNORE_PADDING: tl.constexpr = False,
+    IGNORE_PADDING: tl.constexpr = False, FINE_ROUNDING: tl.constexpr = False,
 ):
     """Each query attends to the valid tokens of the KV blocks its block selected.
 
@@ -86,7 +86,10 @@ def sparse_attn_fwd_kernel(
     delta = rowsum(dO * out_fine): where logits are large the softmax is near one-hot
     and dP - delta cancels, so a bf16-rounded out (FlashAttention's recipe) costs
     accuracy: measured on x16 inputs, 3.7e-2 relative error in dQ/dK from a bf16 out,
-    7e-3 from an fp32 one, for 4 extra bytes per element written and read.
+    7e-3 from an fp32 one, for 4 extra bytes per element written and read. FINE_ROUNDING
+    (HAS_COARSE): out_fine holds out's rounding residual instead, in out's dtype (the fp32 mix
+    minus out rounded), from which the backward forms the fp32 fine output at half the bytes
+    (`AttnProblem.fine_residual`).
     LSE is the fine branch's natural-log logsumexp (-inf for a query with nothing to see).
     Padded query rows (past Q_COUNTS) are computed like any row; with IGNORE_PADDING and
     HAS_COARSE (VSA) they are written out 0, out_fine 0 and lse +inf instead: they read no
@@ -132,8 +135,9 @@ def sparse_attn_fwd_kernel(
         if IGNORE_PADDING:
             out = tl.where(q_valid[:, None], out, 0.0)
             lse = tl.where(q_valid, lse, float("inf"))  # P = exp(S - lse) = 0 there in any backward
-    if store_fine != 0:  # a run-time flag: training and inference run the same binary, same out
-        tl.store(OUT_FINE + q_ptr, out)
+    if not FINE_ROUNDING:
+        if store_fine != 0:  # a run-time flag: training and inference run the same binary, same out
+            tl.store(OUT_FINE + q_ptr, out)
     if HAS_COARSE:
         coarse = tl.load(OUT_C + (bh * n_q_blocks + q_block) * HEAD_DIM + d)
         if HAS_GATE:
@@ -146,7 +150,11 @@ def sparse_attn_fwd_kernel(
             out += tl.where(q_valid[:, None], coarse[None, :], 0.0)
         else:
             out += coarse[None, :]
-    tl.store(OUT + q_ptr, out.to(OUT.dtype.element_ty))
+    rounded = out.to(OUT.dtype.element_ty)
+    tl.store(OUT + q_ptr, rounded)
+    if FINE_ROUNDING:
+        if store_fine != 0:
+            tl.store(OUT_FINE + q_ptr, (out - rounded.to(tl.float32)).to(OUT_FINE.dtype.element_ty))
     tl.store(LSE + bh * q_len + rows, lse)
 
 
