@@ -46,12 +46,6 @@ import cutlass.utils.hopper_helpers as hopper_helpers
 
 from .sm90_bwd64 import (BLOCK, LIST_WINDOW, LOG2_E, MAJOR_K, BlockSparseBwd64Sm90, SmemAllocator, _bulk_reduce_add_f32,
                          _pooling_grad, _red_add_v4_f32, _regs_4, _staging_layout, _transposed)
-
-
-def _regs_8(regs: cute.Tensor) -> cute.Tensor:
-    """16-bit registers in storage order as (8, chunk): 16 bytes a chunk."""
-    v = cute.size(regs)
-    return cute.make_tensor(regs.iterator, cute.make_layout((8, v // 8), stride=(1, 8)))
 from .sm90_bwd64_groups import RING_CHUNKS, group_count
 from .sm90_common import EVICT_FIRST, EVICT_LAST, rows_cols, tma_load
 
@@ -61,6 +55,12 @@ DQ_FULL, DQ_EMPTY = 6, 7  # dq_bulk: warpgroup 2 <-> the producer's warp 1, 128 
 GROUP_SYNC = (8, 9)       # query groups: warpgroup 1 (dV), warpgroup 2 (dK) around their partial sums
 TILE_DONE = 10            # persistent: warpgroups 1 and 2 at the end of each tile's steps
 SCAN_LOADS = 4            # `_group_range`: list entries a lane loads before it compares any
+
+
+def _regs_8(regs: cute.Tensor) -> cute.Tensor:
+    """16-bit registers in storage order as (8, chunk): 16 bytes a chunk."""
+    v = cute.size(regs)
+    return cute.make_tensor(regs.iterator, cute.make_layout((8, v // 8), stride=(1, 8)))
 
 
 class KVOperand(NamedTuple):
