@@ -57,6 +57,9 @@ OUT = os.environ.get("OUT")
 LINES = []
 E = 64
 DEV = "cuda"
+# the sm90 backend's FORWARD ("ws3LTrf" below), for the variants built on it
+FORWARD_FLAGS = dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
+                     rescale_first=True)
 VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_rescale, q = q_in_regs)
     "k1v2": dict(k_stages=1, v_stages=2),
     "k1v2L": dict(k_stages=1, v_stages=2, lazy_rescale=True),
@@ -93,12 +96,11 @@ VARIANTS = {  # name: launcher keywords (the first runs every case; L = lazy_res
     "k1v2LTrfh": dict(k_stages=1, v_stages=2, lazy_rescale=True, tma_store=True, rescale_first=True, l2_hints=True),
     "ws3LPTrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, persistent=True,
                      tma_store=True, rescale_first=True),
-    "ws3LTrf-q": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, q_first=True),
-    "ws3LTrf-v": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, v_first=True),
-    "ws3LTrf-k": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, consumer_k=True),
-    "ws3LTrf-h": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, l2_hints=True),
-    "ws3LTrf-qvkh": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True, rescale_first=True, q_first=True, v_first=True,
-                         consumer_k=True, l2_hints=True),
+    "ws3LTrf-q": dict(FORWARD_FLAGS, q_first=True),
+    "ws3LTrf-v": dict(FORWARD_FLAGS, v_first=True),
+    "ws3LTrf-k": dict(FORWARD_FLAGS, consumer_k=True),
+    "ws3LTrf-h": dict(FORWARD_FLAGS, l2_hints=True),
+    "ws3LTrf-qvkh": dict(FORWARD_FLAGS, q_first=True, v_first=True, consumer_k=True, l2_hints=True),
     "ws3LTrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,
                     rescale_first=True),
     "ws3LTCrf": dict(k_stages=1, v_stages=2, consumers=3, warp_specialized=True, lazy_rescale=True, tma_store=True,

@@ -6,11 +6,11 @@ inputs, outputs poisoned with NaN first: partial and empty KV blocks, empty quer
 nobody selected, nQ != nKV, BSHD, a long KV-owned list, padded query rows (lse +inf, q and dout
 zeroed there), softmax_scale; each for the one-warpgroup kernel, the split kernel and the split
 kernel with query groups, persistent or not, sweeping heads or not, and the split kernel's options
-(K / V in registers, P handed over early and rounded, L2 hints). The query groups also on lists the list rule must clean (equal to the
-clean lists' result) and run to run (dk, dv bitwise). Bound: P and dS are rounded to bf16 before their GEMMs and the
-gradients once more on output (as in the Triton backward, which measures ~6e-3 on these cases):
-rel-L2 < 1e-2. The wider matrix, the comparison with the Triton backward and the timing are in
-benchmarks/sm90_bwd64_check.py.
+(K / V in registers, P handed over early and rounded, L2 hints). The query groups also on lists the
+list rule must clean (equal to the clean lists' result) and run to run (dk, dv bitwise). Bound: P and
+dS are rounded to bf16 before their GEMMs and the gradients once more on output (as in the Triton
+backward, which measures ~6e-3 on these cases): rel-L2 < 1e-2. The wider matrix, the comparison with
+the Triton backward and the timing are in benchmarks/sm90_bwd64_check.py.
 """
 
 import math

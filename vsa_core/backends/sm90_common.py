@@ -1,6 +1,6 @@
 """What our sm_90 CuTe DSL kernels (sm90_fwd64, sm90_bwd64) share: the (row, col) view of a
-wgmma accumulator fragment, TMA loads with an L2 policy, and the host side: compiling for calls with torch tensors (TVM-FFI) and
-the per-problem key of the launches' checks."""
+wgmma accumulator fragment, TMA loads with an L2 policy, and the host side: compiling for calls
+with torch tensors (TVM-FFI) and the per-problem key of the launches' checks."""
 
 from __future__ import annotations
 

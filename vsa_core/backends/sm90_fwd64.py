@@ -158,7 +158,8 @@ class BlockSparseFwd64Sm90:
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, k_stages: int = 1, v_stages: int = 2,
                  has_coarse: bool = False, has_gate: bool = False, store_fine: bool = False,
-                 fine_rounding: bool = False, consumers: int = 1, warp_specialized: bool = False, pingpong: bool = False,
+                 fine_rounding: bool = False, consumers: int = 1, warp_specialized: bool = False,
+                 pingpong: bool = False,
                  q_in_regs: bool = False, lazy_rescale: bool = False, ctas_per_sm: Optional[int] = None,
                  shared_kv: bool = False, list_in_smem: bool = False, persistent_ctas: int = 0,
                  tma_store: bool = False, cluster_pairs: bool = False, rescale_first: bool = False,
@@ -1283,7 +1284,8 @@ def prepare_forward64(q, k, v, out, lse, sel_idx, sel_num, kv_counts, *, softmax
     callable that launches the forward on torch's current stream at the time of this call.
 
     q, k, v, out, gate (bf16 / fp16) and out_fine (fp32; q's dtype with fine_rounding: out's rounding
-    residual, `AttnProblem.fine_residual`): [B, H, S, D] views, BHSD or a BSHD tensor transposed; lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
+    residual, `AttnProblem.fine_residual`): [B, H, S, D] views, BHSD or a BSHD tensor transposed;
+    lse [B, H, Sq] fp32; sel_idx [B, H, nQ, capacity], sel_num [B, H, nQ], kv_counts [nKV],
     q_counts [nQ] int32; out_coarse [B, H, nQ, D] fp32. The coarse branch (VSA) is on when
     out_coarse is given (q_counts then required; gate optional; out_fine optional, training).
 
