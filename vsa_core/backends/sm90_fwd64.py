@@ -225,7 +225,7 @@ class BlockSparseFwd64Sm90:
             "cluster_pairs: the warp-specialized kernel with each consumer on its own rings, not persistent"
         # The load order of the warp-specialized kernel with its own rings (cuDNN's blk64 forward's):
         # q_first: the producer issues Q before it reads the list's count (a consumer with an empty
-        # list then waits for that Q: its out may leave through the Q slot); v_first: V_{j-1} before
+        # list then waits for that Q, so that no load is in flight when the CTA leaves); v_first: V_{j-1} before
         # K_j (V's slot frees earlier in the consumer's step than K's); consumer_k: the consumer's warp
         # 0 refills its own K slot after its wait for QK_j, instead of a release the producer waits for
         assert not (q_first or v_first or consumer_k) or (
@@ -800,7 +800,7 @@ class BlockSparseFwd64Sm90:
                     self._release(bars["q_empty"], ci)
 
         if cutlass.const_expr(self.q_first):
-            if n == 0:  # its Q was issued before the count: it lands before out may use the slot
+            if n == 0:  # its Q was issued before the count: the CTA must not leave with that load in flight
                 if qb < lists["idx"].shape[2]:
                     bars["q_full"].wait(ci, filled % 2)
         if qb < lists["idx"].shape[2]:
