@@ -454,13 +454,14 @@ def check_bad_lists_under_compile(backend: str, frontend: str, E: int):
 
 def test_library_backends_keep_the_fine_output_in_the_input_dtype():
     """out_fine (VSA training) holds what the fine kernel wrote: q's dtype for the library backends
-    (cuDNN and FA4 write nothing wider), fp32 from the accumulators for ours."""
+    (cuDNN and FA4 write nothing wider); ours keep out's rounding residual, in q's dtype too."""
     import numpy as np
     from vsa_core.spec import OpStatics, op_problem
     p = _problem()
     q, k = np.zeros((1, 2, 256, 128), np.float32), np.zeros((1, 2, 512, 128), np.float32)
-    for name, want in (("cudnn", "input"), ("cute", "input"), ("triton", "float32"), ("sm90", "float32")):
-        assert op_problem(OpStatics.of(p, name), {"q": q, "k": k}).forward_buffers()["out_fine"][1] == want, name
+    for name, kept in (("cudnn", "input"), ("cute", "input"), ("triton", "rounding"), ("sm90", "rounding")):
+        problem = op_problem(OpStatics.of(p, name), {"q": q, "k": k})
+        assert problem.fine_residual == kept and problem.forward_buffers()["out_fine"][1] == "input", name
 
 
 BLK64_BACKWARD_BUILD = """

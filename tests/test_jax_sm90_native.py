@@ -47,7 +47,7 @@ BACKWARD_TRITON = ["columns_to_lists_kernel", "sparse_attn_bwd_preprocess_kernel
 
 def _vsa(**kw) -> AttnProblem:
     base = dict(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16", topk=2,
-                has_gate=True, fine_residual="rounding")
+                has_gate=True)
     base.update(kw)
     return AttnProblem(**base)
 
@@ -178,7 +178,7 @@ _COMPILE_TRITON = textwrap.dedent("""
     from vsa_core.backends import sm90_backend, sm90_bwd64_groups
     from vsa_core.problem import AttnProblem
     p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16", topk=2,
-                    has_gate=True, padding="ignore", layout="bshd", fine_residual="float32")
+                    has_gate=True, padding="ignore", layout="bshd")
     for stage, inputs in (("forward", P.forward_inputs(p)), ("backward", P.backward_inputs(p))):
         plan = P.record_plan(stage, p, inputs, sm90_backend)
         for launch in plan.launches:
@@ -412,7 +412,7 @@ SHARD_MAP = textwrap.dedent("""
 
     def problem(heads):
         return AttnProblem(batch=1, heads=heads, q_len=256, kv_len=320, head_dim=128, block_elems=64,
-                           dtype="bfloat16", topk=2, has_gate=True, fine_residual="float32")
+                           dtype="bfloat16", topk=2, has_gate=True)
 
     p = problem(2)  # each device's heads
     inputs = P.forward_inputs(problem(4))
@@ -463,7 +463,7 @@ DEFAULT_LOWER = textwrap.dedent("""
     native._kernel_call = lambda compiled, cap: compiled.name.encode()
 
     p = AttnProblem(batch=1, heads=2, q_len=256, kv_len=320, head_dim=128, block_elems=64, dtype="bfloat16",
-                    topk=2, has_gate=True, fine_residual="float32")
+                    topk=2, has_gate=True)
     for stage in ("forward", "backward"):
         inputs = P.forward_inputs(p) if stage == "forward" else P.backward_inputs(p)
         names = list(inputs)

@@ -124,7 +124,7 @@ class AttnProblem:
     # fine output costs dq / dk several times their error where the logits are large); "input" (the
     # fine output in q's dtype) where a library writes it in q's dtype anyway (cute, cudnn); "float32"
     # (the fine output in fp32). Set from the backend (`backends.fine_residual`).
-    fine_residual: str = "float32"
+    fine_residual: str = "rounding"
 
     def __post_init__(self):
         object.__setattr__(self, "softmax_scale", resolve_softmax_scale(self.softmax_scale, self.head_dim))
