@@ -282,7 +282,7 @@ case $step in
          # hints) and the forward's rounding residual: their GPU tests, then the backward A/B against the grid in
          # chunks (main's before), sweep alone and cuDNN
     t 200 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_bwd64.py tests/test_jax_sm90_native.py tests/test_sm90_backend.py \
-      tests/test_fine_residual.py -k "sweep or kvpr or query_groups or backend or residual"
+      tests/test_fine_residual.py tests/test_sm90_fwd64.py -k "sweep or kvpr or query_groups or backend or residual"
     t 330 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,40x92160 --calls=chunks,sweep,kvpr,cudnn
     ;;
   fwdorder)  # issue 21: the forward with cuDNN's load order and L2 hints (q_first, v_first, consumer_k, l2_hints on

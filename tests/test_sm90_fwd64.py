@@ -173,3 +173,34 @@ def _prepare_on_host(**config):
     lists = dict(sel_idx=torch.zeros(B, H, nq, cap, dtype=torch.int32), sel_num=torch.ones(B, H, nq, dtype=torch.int32),
                  kv_counts=torch.full((nq,), E, dtype=torch.int32))
     prepare_forward64(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(B, H, nq * E), **lists, **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["ws3-rf-qvkh", "ws3-tma-store", "simple"])
+def test_sm90_fwd64_rounding_residual_restores_the_fp32_mix(variant):
+    """fine_rounding (`AttnProblem.fine_residual` "rounding"): out_fine holds out's rounding residual in
+    q's dtype. out is bitwise the out of the run that keeps the fp32 fine output, and out + residual
+    is that run's fp32 mix fine + gate * out_coarse to the residual's own rounding (2^-9 of out's,
+    itself 2^-9 of out), where out alone is off by out's rounding."""
+    fwd = _forward()
+    B, H, nq, nkv, cap = 2, 2, 4, 4, 3
+    case = _case(zlib.crc32(variant.encode()), B, H, nq, nkv, cap, coarse=True)
+    runs = {}
+    for rounding in (False, True):
+        out = torch.full_like(case["q"], math.nan)
+        lse = torch.full((B, H, nq * E), math.nan, device="cuda")
+        out_fine = torch.full((B, H, nq * E, 128), math.nan, device="cuda",
+                              dtype=torch.bfloat16 if rounding else torch.float32)
+        fwd(case["q"], case["k"], case["v"], out, lse, case["sel_idx"], case["sel_num"], case["kv_counts"],
+            q_counts=case["q_counts"], gate=case["gate"], out_coarse=case["out_coarse"], out_fine=out_fine,
+            fine_rounding=rounding, **VARIANTS[variant])
+        torch.cuda.synchronize()
+        runs[rounding] = (out, out_fine)
+    (out32, fine32), (out, residual) = runs[False], runs[True]
+    assert torch.equal(out, out32)
+    valid = (torch.arange(nq * E, device="cuda") % E) < torch.repeat_interleave(case["q_counts"], E)
+    mix = torch.where(valid[:, None], fine32 + case["gate"].float() * case["out_coarse"].repeat_interleave(E, 2), 0.0)
+    scale = mix.abs().max()
+    assert torch.isfinite(residual).all()
+    assert ((out.float() + residual.float() - mix).abs().max() / scale).item() < 2 ** -15
+    assert ((out.float() - mix).abs().max() / scale).item() > 2 ** -12
