@@ -71,9 +71,9 @@ def main(argv=None):
     tok = lambda: torch.zeros(B, H, S, D, dtype=torch.bfloat16)  # noqa: E731
     f32 = lambda *s: torch.zeros(*s, dtype=torch.float32)  # noqa: E731
     i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
-    # VSA, training (gate, out_fine, pooling gradients), padding="ignore", BHSD: the buffers the backend hands
+    # VSA, training (gate, out_fine as out's rounding residual, pooling gradients), padding="ignore", BHSD: the buffers the backend hands
     fwd = dict(q=tok(), k=tok(), v=tok(), out=tok(), lse=f32(B, H, S), sel_idx=i32(B, H, nb, K), sel_num=i32(B, H, nb),
-               kv_counts=i32(nb), out_coarse=f32(B, H, nb, D), q_counts=i32(nb), gate=tok(), out_fine=f32(B, H, S, D))
+               kv_counts=i32(nb), out_coarse=f32(B, H, nb, D), q_counts=i32(nb), gate=tok(), out_fine=tok())
     bwd = dict(q=tok(), k=tok(), v=tok(), dout=tok(), lse=f32(B, H, S), delta=f32(B, H, S),
                dq=tok(), dk=tok(), dv=tok(),
                inv_idx=i32(B, H, nb, nb), inv_num=i32(B, H, nb), kv_counts=i32(nb), dq_accum=f32(B, H, nb, E * D),
@@ -87,6 +87,7 @@ def main(argv=None):
     steps = {
         "sm90_fwd64": lambda: sm90_backend.launch_forward64(fwd, **statics, has_coarse=True, has_gate=True,
                                                             store_fine=True, ignore_padding=True,
+                                                            fine_rounding=problem.fine_residual == "rounding",
                                                             config=sm90_backend.FORWARD),
         "sm90_bwd64": lambda: sm90_backend.launch_backward64(bwd, **statics, pool_grads=True, ignore_padding=True,
                                                              config=sm90_backend.BACKWARD),
