@@ -2,12 +2,13 @@
 (`AttnProblem.fine_residual`): our kernels (triton, sm90) keep out's rounding residual in q's dtype
 and the backward forms the fp32 fine output from out + residual - gate * out_coarse.
 
-Where the logits are large (q, k x16) the softmax is near one-hot and dP - delta cancels, so a
-fine output rounded to bf16 costs dq / dk several times their error. Measured on the CPU (Triton
-interpreter, triton backend, head dim 128, q / k x16, seeds 61-63, rel-L2 against float64): the fp32
-fine output gives dq 6.3-6.5e-3 / dk 6.4-7.5e-3, the rounding residual 6.2-6.6e-3 / 6.1-7.5e-3, a
-bf16 fine output 2.0-2.4e-2 / 2.8-4.1e-2. BOUND sits between: the residual must pass it, and the test
-that a bf16 fine output fails it shows the bound can fail.
+Where the logits are large (q, k x16) the softmax is near one-hot and dP - delta cancels, so the
+rounding of the fine output reaches dq / dk. The residual must give the fp32 fine output's gradients
+up to its own rounding (AGREE); a fine output rounded to bf16 (FlashAttention's recipe, what the cudnn
+and cute backends keep) must not, which shows the agreement bound can fail. Both forms stay within
+BOUND of float64. Measured on the GPU and on the CPU: `benchmarks/fine_residual_precision.py` (the
+Triton interpreter truncates fp32 -> bf16, so on the CPU a bf16 fine output costs more than on a GPU,
+which rounds to nearest even).
 """
 
 import zlib
@@ -22,7 +23,8 @@ import vsa_core.spec as spec
 import vsa_torch.ops
 from vsa_core.backends import fine_residual
 
-BOUND = 1.5e-2  # dq / dk rel-L2 at x16 logits
+BOUND = 1.5e-2  # dq / dk rel-L2 against float64 at x16 logits
+AGREE = 2e-3  # dq / dk rel-L2 between the residual's gradients and the fp32 fine output's
 LARGE_LOGITS = Case(head_dim=128, scale=16.0)
 SEED = 62
 
@@ -59,24 +61,27 @@ def test_rounding_residual_keeps_fp32_accuracy_at_large_logits():
     assert err["dq"] < BOUND and err["dk"] < BOUND, err
 
 
-def test_bound_fails_a_bf16_fine_output(residual_kept_as):
+def test_agreement_fails_a_bf16_fine_output(residual_kept_as):
+    inputs = make_inputs(LARGE_LOGITS, seed=SEED)
+    residual_kept_as("float32")
+    fp32 = run_torch(LARGE_LOGITS, inputs, backend="triton")
     residual_kept_as("input")
-    err = _grad_errors(LARGE_LOGITS, "triton")
-    assert max(err["dq"], err["dk"]) > BOUND, err
+    bf16 = run_torch(LARGE_LOGITS, inputs, backend="triton")
+    assert max(errors(bf16[n], fp32[n])[0] for n in ("dq", "dk")) > AGREE
 
 
 @pytest.mark.parametrize("case", [LARGE_LOGITS, Case(head_dim=128, gate=False, scale=16.0),
                                   Case(head_dim=128, layout="bshd")], ids=lambda c: c.id())
 def test_rounding_residual_and_fp32_fine_output_agree(case, residual_kept_as):
     """The two forms of the fine output give the backward the same values up to the residual's
-    own rounding (2^-9 of 2^-9 of out): every gradient within a small fraction of the bf16 bound."""
+    own rounding (2^-9 of 2^-9 of out)."""
     inputs = make_inputs(case, seed=zlib.crc32(case.id().encode()))
     rounding = run_torch(case, inputs, backend="triton")
     residual_kept_as("float32")
     fp32 = run_torch(case, inputs, backend="triton")
     assert errors(rounding["out"], fp32["out"])[0] < 1e-6  # the forward's out is the same either way
     for name in ("dq", "dk", "dv"):
-        assert errors(rounding[name], fp32[name])[0] < 2e-3, name
+        assert errors(rounding[name], fp32[name])[0] < AGREE, name
 
 
 @pytest.mark.gpu
