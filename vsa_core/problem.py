@@ -121,7 +121,7 @@ class AttnProblem:
     # `out_fine`: "rounding" where the fine kernel has it in fp32 (triton, sm90): out's rounding
     # residual (out in fp32 minus out rounded, in q's dtype), from which the backward forms the fp32
     # fine output as out + residual - gate * out_coarse (fp32's accuracy at half its bytes: a bf16
-    # fine output costs dq / dk several times their error where the logits are large); "input" (the
+    # fine output costs dq / dk 2-3x their error where the logits are large); "input" (the
     # fine output in q's dtype) where a library writes it in q's dtype anyway (cute, cudnn); "float32"
     # (the fine output in fp32). Set from the backend (`backends.fine_residual`).
     fine_residual: str = "rounding"
