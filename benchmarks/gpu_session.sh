@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs | kvpr | fwdorder
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs | kvpr | fwdorder | fa4bwd
 #   (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
@@ -290,6 +290,12 @@ case $step in
     t 150 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_fwd64.py -k "qvkh or consumer-k"
     t 330 python3 benchmarks/fwd64_scaling.py --topks 16,62 --rounds 2 \
       --variants ws3LTrf,ws3LTrf-q,ws3LTrf-v,ws3LTrf-k,ws3LTrf-h,ws3LTrf-qvkh,k1v2LTrf,k1v2LTrfh,ws3LPTrf
+    ;;
+  fa4bwd)  # issue 21 step 4: FA4's sm_90 backward configurations for 256-token blocks (the cute backend) against
+          # FA4's own choice and cuDNN's 128-token kernel; the candidates ptxas compiles clean or nearly
+          # (`fa4_bwd_configs.py --cpu`, benchmarks/results/2026-12-07-session26/fa4_bwd_configs_cpu.md)
+    t 540 python3 benchmarks/fa4_bwd_configs.py --only fa4,mdq2,dq-swap,pds1,ndkv1,dkv-swap --shapes 720p-256,480p-256 \
+      --rounds 2
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)
