@@ -3,7 +3,7 @@
 # root on the device machine, after the CuTe carry (../shared/device/README.md):
 #   bash benchmarks/gpu_session.sh <step>      logs go to $OUT (or ./gpu_out)
 # Steps: tests | checks | multi | bench | stages | kernels | profile | fwd64 | merge | replay | hostprof | cudnnjax |
-#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs | kvpr | fwdorder | fa4bwd
+#   cudnnbench | pairs | pairsprof | xu | xubwd | groups | persist | wholevsa | bwdl2 | bwdlen | regs | kvpr | kvprcheck | fwdorder | fa4bwd
 #   (each under 10 minutes)
 #   tests: the whole suite in strict mode, and $OUT/suite_record.md (date, device, versions, commit,
 #   counts, skip reasons) to commit under benchmarks/results/. Where .git did not come along, pass
@@ -290,6 +290,15 @@ case $step in
     t 150 python3 -m pytest -q -m gpu -n 4 tests/test_sm90_fwd64.py -k "qvkh or consumer-k"
     t 330 python3 benchmarks/fwd64_scaling.py --topks 16,62 --rounds 2 \
       --variants ws3LTrf,ws3LTrf-q,ws3LTrf-v,ws3LTrf-k,ws3LTrf-h,ws3LTrf-qvkh,k1v2LTrf,k1v2LTrfh,ws3LPTrf
+    ;;
+  kvprcheck)  # issue 21: the backward's default (kvpr: head_sweep's ring of partial sums, P in bf16) and the forward's
+              # rounding residual under compute-sanitizer memcheck, then the bad-list / bad-count battery on the
+              # sm90 backend (64-token blocks) under memcheck, both frontends
+    t 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m pytest -q -m gpu \
+      tests/test_sm90_bwd64.py tests/test_sm90_fwd64.py \
+      -k "(32mib-sweep-kvpr and (nq4 or long or sq-gt)) or (list_rule and sweep-kvpr) or rounding_residual"
+    t 200 compute-sanitizer --tool memcheck --report-api-errors no python3 benchmarks/safety_gpu.py --small \
+      --frontends torch,jax --backends sm90 --block 64
     ;;
   fa4bwd)  # issue 21 step 4: FA4's sm_90 backward configurations for 256-token blocks (the cute backend) against
           # FA4's own choice and cuDNN's 128-token kernel; the candidates ptxas compiles clean or nearly

@@ -38,6 +38,8 @@ def parse_args():
     p.add_argument("--frontends", default="torch,jax")
     p.add_argument("--backends", default=None,
                    help="default: triton,cute, and cudnn when nvidia-cudnn-frontend is importable")
+    p.add_argument("--block", type=int, default=128,
+                   help="tokens per block (128: the cute and cudnn backends; 64: the sm90 backend)")
     args = p.parse_args()
     if args.backends is None:
         args.backends = "triton,cute" + (",cudnn" if importlib.util.find_spec("cudnn") is not None else "")
@@ -56,7 +58,7 @@ from vsa_core import reference as R  # noqa: E402
 from vsa_core.backends import BackendUnavailableError  # noqa: E402
 
 # shape: B, H, D, E, nQ, nKV, list capacity (head dim 128: cuDNN's backward needs it)
-SHAPE = (1, 1, 128, 128, 2, 3, 3) if ARGS.small else (1, 2, 128, 128, 8, 8, 8)
+SHAPE = (1, 1, 128, ARGS.block, 2, 3, 3) if ARGS.small else (1, 2, 128, ARGS.block, 8, 8, 8)
 B, H, D, E, NQ, NK, CAP = SHAPE
 I32_MAX = 2**31 - 1
 
