@@ -133,20 +133,13 @@ def test_auto_order_per_key_and_default():
         assert auto_table.auto_order(p, dev) == auto_table.DEFAULT_ORDER
 
 
-def test_auto_order_of_long_training_calls():
-    """Past the measured length a training call takes the long order; at it, or in inference (no
-    backward follows), the table's."""
+def test_auto_order_ignores_length_and_training():
+    """The measured order holds at every length, in training and in inference."""
     key = ("sm_90", 64, 128, "bfloat16")
-    most, order = auto_table.LONG_TRAINING[key]
-    assert order != auto_table.TABLE[key] and sorted(order) == sorted(auto_table.TABLE[key])
-    at, past = (_problem(q_len=n * 64, kv_len=n * 64) for n in (most, most + 1))
-    assert auto_table.auto_order(at, H200) == auto_table.TABLE[key]
-    assert auto_table.auto_order(past, H200) == order
-    inference = dataclasses.replace(past, training=False)
-    assert auto_table.auto_order(inference, H200) == auto_table.TABLE[key]
-    # packed: the stream's query blocks count
-    packed = _problem(q_len=(most + 1) * 64, kv_len=(most + 1) * 64, n_seqs=3)
-    assert auto_table.auto_order(packed, H200) == order
+    for n in (1, 624, 1440, 4096):
+        long = _problem(q_len=n * 64, kv_len=n * 64)
+        assert auto_table.auto_order(long, H200) == auto_table.TABLE[key]
+        assert auto_table.auto_order(dataclasses.replace(long, training=False), H200) == auto_table.TABLE[key]
 
 
 def test_auto_takes_sm90_where_measured_fastest_and_falls_through(monkeypatch):
@@ -348,11 +341,9 @@ def test_auto_takes_sm90_at_64_token_blocks_on_h200():
     p = _problem(block_elems=64, head_dim=128)
     device = device_info(torch.empty(0, device="cuda"))
     assert resolve_backend("auto", p, device) is sm90_backend
-    # training past the measured length: cuDNN's backward first; inference there: sm90 still
-    n = auto_table.LONG_TRAINING[("sm_90", 64, 128, "bfloat16")][0] + 1
-    long = _problem(block_elems=64, head_dim=128, q_len=n * 64, kv_len=n * 64)
-    assert resolve_backend("auto", long, device) is cudnn_backend
-    assert resolve_backend("auto", dataclasses.replace(long, training=False), device) is sm90_backend
+    # training at 720p-64's length (1440 query blocks): sm90 still
+    long = _problem(block_elems=64, head_dim=128, q_len=1440 * 64, kv_len=1440 * 64)
+    assert resolve_backend("auto", long, device) is sm90_backend
 
 
 @pytest.mark.gpu

@@ -31,6 +31,10 @@ TABLE = {
     # Whole VSA since the sm90 forward mixes in its epilogue and launches through TVM-FFI
     # (benchmarks/bench.py --quick, benchmarks/results/2026-12-03-h200-session13, eager):
     # fwd / bwd ms sm90 1.926 / 6.118, cudnn 1.981 / 6.265: sm90 first.
+    # Training at every length: our backward's time / cuDNN's on an H100 (benchmarks/sm90_bwd64_ab.py,
+    # benchmarks/results/2026-12-07-session26/bwdlen.txt), by query blocks per head: 624: 0.934,
+    # 780: 0.906, 912: 0.870, 1176: 0.981, 1440: 0.939 (H4) and 0.932 (H40). (Before the backward swept
+    # heads, cuDNN's was faster past ~900 query blocks and took training calls there.)
     ("sm_90", 64, 128, "bfloat16"): ("sm90", "cudnn", "triton"),
     # H200 (sm_90), bf16, D=128, benchmarks/bench.py, 2026-11-29 (benchmarks/results/
     # 2026-11-29-h200): 480p-256 (top-20) fine cute 705 / 522, triton 425 / 392; 720p-256
@@ -47,22 +51,6 @@ def arch_of(device: DeviceInfo) -> Optional[str]:
     return f"sm_{device.capability[0]}{device.capability[1]}"
 
 
-# Training calls longer than a measured number of query blocks (per head, the whole packed stream),
-# where another order is faster over forward + backward: key -> (most query blocks of TABLE's order,
-# the order past it). Inference (a forward with no backward to follow) keeps TABLE's order.
-LONG_TRAINING = {
-    # H100 (sm_90), bf16, D=128, our sm90 backward's time / cuDNN's by query blocks (benchmarks/
-    # sm90_bwd64_ab.py, benchmarks/results/2026-12-06-h100-session20): 624: 1.015, 912: 1.026,
-    # 1176: 1.069, 1440 (H40): 1.178. The sm90 forward stays ahead (720p-64 fine stage 37.4 vs 38.9
-    # ms), but the backward takes ~3x the forward's time: a training step breaks even near 900.
-    # 720p-64 whole VSA fwd + bwd (bench.py): sm90 168.9 ms, cudnn 150.9.
-    ("sm_90", 64, 128, "bfloat16"): (800, ("cudnn", "sm90", "triton")),
-}
-
-
 def auto_order(problem: AttnProblem, device: DeviceInfo) -> Tuple[str, ...]:
     key = (arch_of(device), problem.block_elems, problem.head_dim, problem.dtype)
-    long = LONG_TRAINING.get(key)
-    if long is not None and problem.training and problem.n_q_blocks > long[0]:
-        return long[1]
     return TABLE.get(key, DEFAULT_ORDER)
