@@ -125,9 +125,8 @@ def check(launch) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fa4Forward:
-    """What FA4's interface configures the forward from: the buffers' shapes and the statics
-    (`width`: the lists' columns)."""
+class _Fa4Shapes:
+    """The problem's shapes, which the forward and the backward configure FA4 from alike."""
     batch: int
     heads: int
     q_len: int
@@ -136,15 +135,23 @@ class Fa4Forward:
     dtype: str
     layout: str
     block_elems: int
+
+    def tokens(self, s: int) -> tuple:
+        """A [tokens, head dim] buffer's shape in the problem's layout, `s` tokens long."""
+        B, H, D = self.batch, self.heads, self.head_dim
+        return (B, H, s, D) if self.layout == "bhsd" else (B, s, H, D)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fa4Forward(_Fa4Shapes):
+    """What FA4's interface configures the forward from: the buffers' shapes and the statics
+    (`width`: the lists' columns)."""
     width: int
     softmax_scale: float
 
     def buffers(self) -> Dict[str, tuple]:
         """The "fa4_fwd" buffers as the cute backend lays them out: name -> (shape, dtype)."""
-        B, H, D, dt = self.batch, self.heads, self.head_dim, self.dtype
-
-        def tokens(s):
-            return (B, H, s, D) if self.layout == "bhsd" else (B, s, H, D)
+        B, H, dt, tokens = self.batch, self.heads, self.dtype, self.tokens
         n_q = self.q_len // self.block_elems
         lists = {}
         for kind in ("full", "mask"):
@@ -376,26 +383,15 @@ BACKWARD_TOKENS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
 
 
 @dataclasses.dataclass(frozen=True)
-class Fa4Backward:
+class Fa4Backward(_Fa4Shapes):
     """What FA4's interface configures the backward from: the "fa4_bwd" buffers' shapes and the
     statics (`has_dlse`: the coarse branch hands FA4 a dlse)."""
-    batch: int
-    heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    dtype: str
-    layout: str
-    block_elems: int
     softmax_scale: float
     has_dlse: bool
 
     def buffers(self) -> Dict[str, tuple]:
         """The "fa4_bwd" buffers as the cute backend lays them out: name -> (shape, dtype)."""
-        B, H, D, dt = self.batch, self.heads, self.head_dim, self.dtype
-
-        def tokens(s):
-            return (B, H, s, D) if self.layout == "bhsd" else (B, s, H, D)
+        B, H, dt, tokens = self.batch, self.heads, self.dtype, self.tokens
         n_sub = self.kv_len // 128
         table = {n: (tokens(self.q_len), dt) for n in ("q", "out", "dout", "dq")}
         table.update({n: (tokens(self.kv_len), dt) for n in ("k", "v", "dk", "dv")})
