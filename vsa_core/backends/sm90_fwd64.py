@@ -658,32 +658,8 @@ class BlockSparseFwd64Sm90:
         if cutlass.const_expr(self.pingpong):
             turns = cutlass.min(n, self._count(lists, qb - ci + (1 - ci)))
 
-        thr_qk = mma_qk.get_slice(tidx)
-        thr_pv = mma_pv.get_slice(tidx)
-        if cutlass.const_expr(self.q_in_regs):
-            tSsQ = thr_qk.partition_A(sQ[None, None, ci])
-            rQ = cute.make_rmem_tensor(tSsQ.shape, self.dtype)
-        else:
-            rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))[None, None, None, ci]
-        rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
-        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
-        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
-        rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
-        assert cute.size(rP) == cute.size(accS)
-        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
-        S = rows_cols(accS)
-        O = rows_cols(accO)
-        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
-        cS_rc = rows_cols(cS)
-        n_rows = cute.size(S, mode=[0])
-        row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        alpha = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        row_max.fill(-cutlass.Float32.inf)
-        row_sum.fill(0.0)
-        alpha.fill(1.0)
-        accO.fill(0.0)
+        (thr_qk, thr_pv, tSsQ, rQ, rK, rV, accS, accO, rP, rP_as_S, S, O, cS_rc, n_rows, row_max, row_sum,
+         alpha) = self._consumer_registers(tidx, ci, mma_qk, mma_pv, sQ, sK, sV)
 
         # rings: tile j lives in K slot j % KS, V slot j % VS; its mbarrier phase is (j // stages) % 2
         if n > 0:
@@ -856,31 +832,8 @@ class BlockSparseFwd64Sm90:
         n = self._count(lists, qb)
         own = lists["idx"][b, h, cutlass.min(qb, lists["idx"].shape[2] - 1), None]
 
-        thr_qk = mma_qk.get_slice(tidx)
-        thr_pv = mma_pv.get_slice(tidx)
-        if cutlass.const_expr(self.q_in_regs):
-            tSsQ = thr_qk.partition_A(sQ[None, None, ci])
-            rQ = cute.make_rmem_tensor(tSsQ.shape, self.dtype)
-        else:
-            rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))[None, None, None, ci]
-        rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
-        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
-        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
-        rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
-        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
-        S = rows_cols(accS)
-        O = rows_cols(accO)
-        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
-        cS_rc = rows_cols(cS)
-        n_rows = cute.size(S, mode=[0])
-        row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        alpha = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        row_max.fill(-cutlass.Float32.inf)
-        row_sum.fill(0.0)
-        alpha.fill(1.0)
-        accO.fill(0.0)
+        (thr_qk, thr_pv, tSsQ, rQ, rK, rV, accS, accO, rP, rP_as_S, S, O, cS_rc, n_rows, row_max, row_sum,
+         alpha) = self._consumer_registers(tidx, ci, mma_qk, mma_pv, sQ, sK, sV)
 
         if n > 0:
             # own tile j's union entry is read one step ahead, its block and count at the top of its step
@@ -953,6 +906,39 @@ class BlockSparseFwd64Sm90:
         if qb < lists["idx"].shape[2]:
             self._epilogue(qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
                            mQCounts, mGate, mOutC, mOutFine, c)
+
+    def _consumer_registers(self, tidx, ci, mma_qk, mma_pv, sQ, sK, sV):
+        """A consumer's MMA slices, fragments, accumulators and softmax state, initialised (traced
+        inline into both consumers' main loops). tSsQ is Q's shared-memory partition (q_in_regs) or None."""
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        tSsQ = None
+        if cutlass.const_expr(self.q_in_regs):
+            tSsQ = thr_qk.partition_A(sQ[None, None, ci])
+            rQ = cute.make_rmem_tensor(tSsQ.shape, self.dtype)
+        else:
+            rQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))[None, None, None, ci]
+        rK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        rV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK, self.head_dim)), cutlass.Float32)
+        rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK, BLOCK)), self.dtype)
+        assert cute.size(rP) == cute.size(accS)
+        rP_as_S = cute.make_tensor(rP.iterator, accS.layout)  # same register order (module doc)
+        S = rows_cols(accS)
+        O = rows_cols(accO)
+        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
+        cS_rc = rows_cols(cS)
+        n_rows = cute.size(S, mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        alpha = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        alpha.fill(1.0)
+        accO.fill(0.0)
+        return (thr_qk, thr_pv, tSsQ, rQ, rK, rV, accS, accO, rP, rP_as_S, S, O, cS_rc, n_rows, row_max, row_sum,
+                alpha)
 
     @cute.jit
     def _qk_at(self, mma_qk, accS, rQ, rK, k_bar, t):
