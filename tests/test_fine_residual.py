@@ -89,3 +89,17 @@ def test_sm90_rounding_residual_at_large_logits():
     require_backend("sm90", LARGE_LOGITS)
     err = _grad_errors(LARGE_LOGITS, "sm90")
     assert err["dq"] < BOUND and err["dk"] < BOUND, err
+
+
+@pytest.mark.gpu
+def test_sm90_rounding_residual_and_fp32_fine_output_agree(residual_kept_as):
+    """On the GPU the sm90 forward's two forms give the backward the same gradients up to the residual's
+    own rounding (a bf16 fine output would not: `test_agreement_fails_a_bf16_fine_output`)."""
+    require_backend("sm90", LARGE_LOGITS)
+    inputs = make_inputs(LARGE_LOGITS, seed=SEED)
+    rounding = run_torch(LARGE_LOGITS, inputs, backend="sm90")
+    residual_kept_as("float32")
+    fp32 = run_torch(LARGE_LOGITS, inputs, backend="sm90")
+    assert errors(rounding["out"], fp32["out"])[0] < 1e-6
+    for name in ("dq", "dk", "dv"):
+        assert errors(rounding[name], fp32[name])[0] < AGREE, name
