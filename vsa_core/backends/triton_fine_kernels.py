@@ -84,9 +84,8 @@ def sparse_attn_fwd_kernel(
     out = out_fine + gate * out_c[query block] (or + out_c without a gate).
     store_fine != 0 (training) also keeps out_fine in fp32 for the backward's
     delta = rowsum(dO * out_fine): where logits are large the softmax is near one-hot
-    and dP - delta cancels, so a bf16-rounded out (FlashAttention's recipe) costs
-    accuracy: measured on x16 inputs, 3.7e-2 relative error in dQ/dK from a bf16 out,
-    7e-3 from an fp32 one, for 4 extra bytes per element written and read. FINE_ROUNDING
+    and dP - delta cancels, so a bf16-rounded out (FlashAttention's recipe) costs dQ / dK
+    accuracy (benchmarks/fine_residual_precision.py measures it). FINE_ROUNDING
     (HAS_COARSE): out_fine holds out's rounding residual instead, in out's dtype (the fp32 mix
     minus out rounded), from which the backward forms the fp32 fine output at half the bytes
     (`AttnProblem.fine_residual`).
