@@ -161,10 +161,16 @@ def gpu_report(names, shapes, rounds: int) -> None:
                 err = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(g_, ref)]
                 print(f"  {shape} {name} vs fa4: rel-L2 dq/dk/dv " + " ".join(f"{e:.1e}" for e in err))
         times = {name: [] for name in calls}
+        # do_bench runs as many calls as fit in `rep` ms: at least 10 each, or one 100 ms call at 720p-256
+        # is the whole measurement (and moved by 14% between rounds)
+        start = time.perf_counter()
+        next(iter(calls.values()))()
+        torch.cuda.synchronize()
+        rep = max(60.0, 10e3 * (time.perf_counter() - start))
         for _ in range(rounds):
             for name, call in calls.items():
                 with fa4_config(name) if name in CANDIDATES else contextlib.nullcontext():
-                    times[name].append(triton.testing.do_bench(call, warmup=5, rep=60, return_mode="median"))
+                    times[name].append(triton.testing.do_bench(call, warmup=rep / 10, rep=rep, return_mode="median"))
         base = statistics.median(times["fa4"]) if "fa4" in times else None
         flops = 2.5 * 4 * B * H * D * S * topk * E
         for name, t in times.items():

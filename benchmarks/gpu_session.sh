@@ -303,8 +303,11 @@ case $step in
   fa4bwd)  # issue 21 step 4: FA4's sm_90 backward configurations for 256-token blocks (the cute backend) against
           # FA4's own choice and cuDNN's 128-token kernel; the candidates ptxas compiles clean or nearly
           # (`fa4_bwd_configs.py --cpu`, benchmarks/results/2026-12-07-session26/fa4_bwd_configs_cpu.md)
-    t 540 python3 benchmarks/fa4_bwd_configs.py --only fa4,mdq2,dq-swap,pds1,ndkv1,dkv-swap --shapes 720p-256,480p-256 \
-      --rounds 2
+    t 400 python3 benchmarks/fa4_bwd_configs.py --only fa4,dq-swap,pds1 --shapes 720p-256,480p-256 --rounds 5
+    ;;
+  hostsplit)  # issue 22: a torch training step's host time split (engine, frontend backward, launches) and traced
+    t 150 python3 benchmarks/host_split.py --backends triton,sm90,cudnn --trace sm90
+    t 60 python3 benchmarks/host_split.py --backends triton --trace triton
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)
