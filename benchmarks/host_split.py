@@ -2,7 +2,8 @@
 
 `host_cost.py` times the forward and the forward+backward (`out.backward(dout)`). This splits the
 backward's share, at the same small shape, by timing each of these back to back (N calls, one sync,
-divided by N) for each backend and for SDPA:
+divided by N) for each backend, for SDPA, and for a Python autograd node that launches nothing
+(`_PythonNode`, the floor of any Python backward):
 
   fwd            the forward on inputs that require grad (keeps what the backward needs)
   fwd+grad       the forward, then torch.autograd.grad(out, inputs, dout): the engine, no .grad adds
@@ -43,8 +44,8 @@ def per_call_ms(fn, calls: int) -> float:
 def rows_for(name, call, inputs, dout, calls):
     def node():
         grad_fn = call().grad_fn
-        if name == "sdpa":  # a C++ node: called with the one gradient of its output
-            grad_fn(dout)
+        if name in ("sdpa", "python"):  # one gradient: the node's one output
+            grad_fn(dout) if name == "sdpa" else grad_fn.apply(dout)
         else:  # the eager operator's node: its backward (dout, and None for lse)
             grad_fn.apply(dout, None)
 
@@ -59,6 +60,19 @@ def rows_for(name, call, inputs, dout, calls):
         print(f"{name} fwd+node: {type(e).__name__}: {str(e).splitlines()[0]}")
         rows.append(("fwd+node", float("nan")))
     return rows
+
+
+class _PythonNode(torch.autograd.Function):
+    """The floor of a Python autograd node on the GPU: one allocation forward, four backward, no
+    kernels (the engine's hand-over to its device thread and back, the GIL, the .grad adds)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gate):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.empty_like(dout) for _ in range(4))
 
 
 def main():
@@ -77,7 +91,8 @@ def main():
     q, k, v, gate = leaf(), leaf(), leaf(), leaf()
     counts = torch.full((S // E,), E, device="cuda", dtype=torch.int32)
     dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    calls = {"sdpa": (lambda: F.scaled_dot_product_attention(q, k, v), [q, k, v])}
+    calls = {"sdpa": (lambda: F.scaled_dot_product_attention(q, k, v), [q, k, v]),
+             "python": (lambda: _PythonNode.apply(q, k, v, gate), [q, k, v, gate])}
     for backend in a.backends.split(","):
         calls[backend] = ((lambda b=backend: video_sparse_attn(q, k, v, counts, counts, topk, E, gate, backend=b)),
                           [q, k, v, gate])
