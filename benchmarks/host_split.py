@@ -21,24 +21,11 @@ host ops that take the most CPU time.
 from __future__ import annotations
 
 import argparse
-import time
-
 import torch
 import torch.nn.functional as F
 
+from host_cost import per_call_ms  # benchmarks/ is the script's directory
 from vsa_torch import video_sparse_attn
-
-
-def per_call_ms(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    return (issued - start) * 1e3 / calls
 
 
 def rows_for(name, call, inputs, dout, calls):
