@@ -21,6 +21,7 @@ host ops that take the most CPU time.
 from __future__ import annotations
 
 import argparse
+
 import torch
 import torch.nn.functional as F
 
