@@ -11,11 +11,11 @@ divided by N) for each backend, for SDPA, and for a Python autograd node that la
   fwd+node       the forward, then out.grad_fn's backward called on this thread (no engine: the
                  frontend's backward and its launches only)
 
-and then, under torch.profiler (CPU and CUDA activities) for a few steps of the backend named by
+and then, under torch.profiler (CPU and CUDA activities) for a few steps of each backend named by
 --trace: the kernels per step and their summed GPU time (to show the step is host-bound), and the
 host ops that take the most CPU time.
 
-    PYTHONPATH=. python3 benchmarks/host_split.py [--backends triton,sm90] [--calls 300] [--trace sm90]
+    PYTHONPATH=. python3 benchmarks/host_split.py [--backends triton,sm90] [--calls 300] [--trace sm90,triton]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main():
     p.add_argument("--backends", default="triton,sm90,cudnn")
     p.add_argument("--shape", default="1,2,4096,128,64,16", metavar="B,H,S,D,E,topk")
     p.add_argument("--calls", type=int, default=300)
-    p.add_argument("--trace", default=None, metavar="BACKEND", help="profile a few steps of BACKEND")
+    p.add_argument("--trace", default="", metavar="BACKENDS", help="profile a few steps of each (comma-separated)")
     a = p.parse_args()
     B, H, S, D, E, topk = map(int, a.shape.split(","))
     gen = torch.Generator("cuda").manual_seed(0)
@@ -95,8 +95,8 @@ def main():
     print(f"{'row':<8} " + " ".join(f"{c:>13}" for c in cols))
     for name, row in table.items():
         print(f"{name:<8} " + " ".join(f"{t:13.3f}" for _, t in row))
-    if a.trace:
-        trace(calls[a.trace][0], dout, a.trace)
+    for name in filter(None, a.trace.split(",")):
+        trace(calls[name][0], dout, name)
 
 
 def trace(call, dout, name, steps: int = 20):
