@@ -104,7 +104,7 @@ def main(argv=None):
     # the prepare functions ask torch for the current stream (for the launch they return, never called)
     torch.cuda.current_stream = lambda *args, **kw: types.SimpleNamespace(cuda_stream=0)
     import cutlass.cute as cute
-    from vsa_core.backends import sm90_backend, sm90_bwd64, sm90_fwd64
+    from vsa_core.backends import sm90_backend, sm90_bwd64_launch, sm90_fwd64
     kernels = []  # the kernel objects compiled (their smem_bytes: the dynamic shared memory they launch with)
     compile_ = cute.compile
 
@@ -140,7 +140,7 @@ def main(argv=None):
             elif kern == "bwd":
                 extra = dict(dq_pool=f32(B, H, nb, D), dk_pool=f32(B, H, nb, D), dv_pool=f32(B, H, nb, D),
                              q_counts=i32(nb)) if coarse else {}
-                sm90_bwd64.prepare_backward64(tok(), tok(), tok(), tok(), f32(B, H, S), f32(B, H, S), tok(), tok(),
+                sm90_bwd64_launch.prepare_backward64(tok(), tok(), tok(), tok(), f32(B, H, S), f32(B, H, S), tok(), tok(),
                                               tok(), i32(B, H, nb, nb), i32(B, H, nb), i32(nb), **extra,
                                               **sm90_backend.BACKWARD)
             else:

@@ -96,8 +96,8 @@ def say(msg: str = "") -> None:
 
 
 def bwd64():
-    from vsa_core.backends import sm90_bwd64
-    return sm90_bwd64
+    from vsa_core.backends import sm90_bwd64_launch
+    return sm90_bwd64_launch
 
 
 # ---- the float64 reference -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 
 from vsa_core.backends import sm90_bwd64 as MOD  # noqa: E402
+from vsa_core.backends import sm90_bwd64_launch  # noqa: E402
 
 VARIANTS = {
     # name: constructor arguments
@@ -123,7 +124,7 @@ def compile_variant(name, kw):
         args = [a["dq_acc"], a["dq"], a["dq_pool"], a["q_counts"]]
     else:
         kw.pop("dtype", None), kw.pop("head_dim", None)
-        kernel = MOD.backward_kernel(dtype, D, **kw, **flags)
+        kernel = sm90_bwd64_launch.backward_kernel(dtype, D, **kw, **flags)
         args = [a[n] for n in ("q", "k", "v", "do", "lse", "delta", "dq_acc", "dk", "dv", "inv_idx", "inv_num",
                                "kv_counts", "k_pool", "v_pool", "partial", "flags")]
         return compile_report(kernel, args, (cutlass.Float32(0.088), cutlass.Int32(132)))

@@ -50,7 +50,7 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
     resident CTAs), "kregs" / "vregs" / "kvregs" / "hints" / "pearly" / "prounded" (sweep with K / V / both in
     registers, L2 hints, P early, P rounded), "kvpr" (sweep with all of KVPR_FLAGS) or "cudnn". All write the
     same dq, dk, dv, which `outputs` (a dict) receives when given."""
-    from vsa_core.backends import sm90_bwd64, sm90_fwd64
+    from vsa_core.backends import sm90_bwd64_launch, sm90_fwd64
     n = S // E
     q, k, v, idx, num, counts = fcheck.timing_problem(B, H, S, D, topk)
     gen = torch.Generator(device=q.device).manual_seed(1)
@@ -59,7 +59,7 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     sm90_fwd64.prepare_forward64(q, k, v, out, lse, idx, num, counts, softmax_scale=scale)()
-    delta = sm90_bwd64.backward_delta(out, do)
+    delta = sm90_bwd64_launch.backward_delta(out, do)
     mask = torch.zeros(B, H, n, n, dtype=torch.bool, device=q.device).scatter_(-1, idx.long(), True)
     _, _, inv_idx, inv_num = bcheck.lists_from_mask(mask)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
@@ -89,7 +89,7 @@ def backward_calls(names, B=1, H=12, S=39936, D=128, topk=62, outputs=None) -> d
                                chunks=dict(sweep, head_sweep=False), sweep=sweep, hints=dict(sweep, l2_hints=True),
                                pearly=dict(sweep, p_early=True), prounded=dict(sweep, p_rounded=True),
                                kvpr=dict(sweep, **{flag: True for flag in KVPR_FLAGS}))[name]
-            calls[name] = sm90_bwd64.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
+            calls[name] = sm90_bwd64_launch.prepare_backward64(q, k, v, do, lse, delta, dq, dk, dv, inv_idx, inv_num,
                                                         counts, softmax_scale=scale, **options)
     return calls
 

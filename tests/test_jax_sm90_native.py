@@ -220,7 +220,7 @@ def _stub_launchers(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_fwd64",
                         types.SimpleNamespace(prepare_forward64=prepare("fwd")))
-    monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_bwd64",
+    monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_bwd64_launch",
                         types.SimpleNamespace(prepare_backward64=prepare("bwd")))
     return calls
 
@@ -793,7 +793,7 @@ def test_callback_path_copies_into_torch_workspaces(padding, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_fwd64",
                         types.SimpleNamespace(prepare_forward64=record("fwd")))
-    monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_bwd64",
+    monkeypatch.setitem(sys.modules, "vsa_core.backends.sm90_bwd64_launch",
                         types.SimpleNamespace(prepare_backward64=record("bwd")))
     p = _vsa(q_len=128, kv_len=192, head_dim=64, padding=padding, layout="bshd")
     rng = np.random.default_rng(0)

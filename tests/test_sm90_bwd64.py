@@ -77,8 +77,8 @@ def _backward():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
     pytest.importorskip("cutlass")
-    from vsa_core.backends import sm90_bwd64
-    return sm90_bwd64
+    from vsa_core.backends import sm90_bwd64_launch
+    return sm90_bwd64_launch
 
 
 def _lists(mask):

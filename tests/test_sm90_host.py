@@ -1,4 +1,4 @@
-"""The sm90 kernels' host launchers (`sm90_fwd64.prepare_forward64`, `sm90_bwd64.prepare_backward64`):
+"""The sm90 kernels' host launchers (`sm90_fwd64.prepare_forward64`, `sm90_bwd64_launch.prepare_backward64`):
 what is kept per problem and per configuration, and what each launch passes.
 
 CPU (needs nvidia-cutlass-dsl; no GPU, no TVM-FFI): the compile step and torch's current-stream
@@ -20,7 +20,7 @@ from common import record_compiles
 torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
 
-from vsa_core.backends import sm90_backend, sm90_bwd64, sm90_bwd64_groups, sm90_fwd64  # noqa: E402
+from vsa_core.backends import sm90_backend, sm90_bwd64_groups, sm90_bwd64_launch, sm90_fwd64  # noqa: E402
 
 B, H, S, D, E, K = 1, 2, 256, 128, 64, 2
 NB = S // E
@@ -40,12 +40,12 @@ def stubbed(monkeypatch):
     compiled = []
     compile_for_torch = record_compiles(compiled)
 
-    for mod in (sm90_fwd64, sm90_bwd64):
+    for mod in (sm90_fwd64, sm90_bwd64_launch):
         monkeypatch.setattr(mod, "_COMPILED", {})
         monkeypatch.setattr(mod, "_PLANS", {})
         monkeypatch.setattr(mod, "compile_for_torch", compile_for_torch)
         monkeypatch.setattr(mod, "cute_tensor", lambda t, align=16: (t, align))
-    monkeypatch.setattr(sm90_bwd64, "grid_chunk", lambda device_ordinal: 132)  # no CUDA driver here
+    monkeypatch.setattr(sm90_bwd64_launch, "grid_chunk", lambda device_ordinal: 132)  # no CUDA driver here
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: types.SimpleNamespace(cuda_stream=7))
     return compiled
 
@@ -182,12 +182,12 @@ def _backward_args(dtype=torch.bfloat16, seq=S, layout="bhsd", pools=True):
 
 
 def test_backward_same_problem_reuses_checks_and_build_and_passes_the_new_buffers(stubbed, monkeypatch):
-    checks = _counting(monkeypatch, sm90_bwd64, "_check_backward64")
+    checks = _counting(monkeypatch, sm90_bwd64_launch, "_check_backward64")
     for _ in range(3):
         args, kw = _backward_args()
         kw["dq_accum"].fill_(1.0)
         kw["group_flags"] = _flags(sm90_backend.BACKWARD)
-        sm90_bwd64.prepare_backward64(*args, **kw, softmax_scale=0.5, **sm90_backend.BACKWARD)()
+        sm90_bwd64_launch.prepare_backward64(*args, **kw, softmax_scale=0.5, **sm90_backend.BACKWARD)()
         assert not kw["dq_accum"].any()  # zeroed by every launch, before the main kernel
         assert kw["group_flags"].all()  # one query group, not persistent: the kernel never reads the flags
     assert len(checks) == 1 and len(stubbed) == 2  # the main kernel and the dQ postprocess
@@ -219,7 +219,7 @@ def test_backward_zeroes_the_flags_where_the_kernel_reads_them(stubbed, options)
             shape = sm90_bwd64_groups.group_workspace_shapes(NB, NB, D, options["q_group_bytes"],
                                                              config.get("head_sweep", False))
             kw["dkv_partial"] = torch.zeros(shape["dkv_partial"][0])
-        sm90_bwd64.prepare_backward64(*args, **kw, **config)()
+        sm90_bwd64_launch.prepare_backward64(*args, **kw, **config)()
         assert not kw["group_flags"].any()
 
 
@@ -235,10 +235,10 @@ def test_backward_zeroes_the_flags_where_the_kernel_reads_them(stubbed, options)
     (dict(q_group_bytes=SEVERAL_GROUPS, list_in_smem=True), "list_in_smem"),
     (dict(head_sweep=False, persistent=True, q_group_bytes=0, list_in_smem=True), "list_in_smem"),
 ] + [(dict(split=False, **{name: SEVERAL_GROUPS if name == "q_group_bytes" else True}), "split")
-     for name in sm90_bwd64.SPLIT_OPTIONS],
+     for name in sm90_bwd64_launch.SPLIT_OPTIONS],
     ids=["flags-shape", "flags-dtype", "partial-shape", "partial-dtype", "chunk-0", "chunk-133", "sweep-chunk",
          "sweep-persistent", "groups-list-window", "persistent-list-window"]
-    + [f"{name}-not-split" for name in sm90_bwd64.SPLIT_OPTIONS])
+    + [f"{name}-not-split" for name in sm90_bwd64_launch.SPLIT_OPTIONS])
 def test_backward_bad_workspace_or_configuration_names_it(stubbed, change, message):
     args, kw = _backward_args()
     options = dict(sm90_backend.BACKWARD)
@@ -247,30 +247,30 @@ def test_backward_bad_workspace_or_configuration_names_it(stubbed, change, messa
     for name, value in change.items():
         (kw if name in ("group_flags", "dkv_partial") else options)[name] = value
     with pytest.raises(ValueError, match=message):
-        sm90_bwd64.prepare_backward64(*args, **kw, **options)()
+        sm90_bwd64_launch.prepare_backward64(*args, **kw, **options)()
 
 
 def test_backward_new_layout_checks_again_and_reuses_the_build(stubbed, monkeypatch):
-    checks = _counting(monkeypatch, sm90_bwd64, "_check_backward64")
+    checks = _counting(monkeypatch, sm90_bwd64_launch, "_check_backward64")
     for layout in ("bhsd", "bshd"):
         args, kw = _backward_args(layout=layout)
-        sm90_bwd64.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
+        sm90_bwd64_launch.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
     assert len(checks) == 2 and len(stubbed) == 2 and len(stubbed[0].calls) == 2
 
 
 def test_backward_misaligned_start_is_checked_not_taken_for_a_known_problem(stubbed):
     args, kw = _backward_args()
-    sm90_bwd64.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
+    sm90_bwd64_launch.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
     args, kw = _backward_args()
     args[4] = _misaligned(args[4])  # lse: read by bulk copies
     with pytest.raises(ValueError, match="16-byte aligned start"):
-        sm90_bwd64.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)
+        sm90_bwd64_launch.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)
 
 
 @pytest.mark.parametrize("change", ["dtype", "pooling gradients", "ignore padding"])
 def test_backward_dtype_or_configuration_compiles_again(stubbed, change):
     args, kw = _backward_args()
-    sm90_bwd64.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
+    sm90_bwd64_launch.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
     extra = {}
     if change == "dtype":
         args, kw = _backward_args(dtype=torch.float16)
@@ -278,7 +278,7 @@ def test_backward_dtype_or_configuration_compiles_again(stubbed, change):
         args, kw = _backward_args(pools=False)
     else:
         extra = dict(ignore_padding=True)
-    sm90_bwd64.prepare_backward64(*args, **kw, **extra, **sm90_backend.BACKWARD)()
+    sm90_bwd64_launch.prepare_backward64(*args, **kw, **extra, **sm90_backend.BACKWARD)()
     assert len(stubbed) == 4 and len(stubbed[2].calls) == 1
 
 
@@ -299,7 +299,7 @@ def test_backward_broadcast_dim_compiles_again(stubbed):
         args, kw = _backward_args()
         if broadcast:
             args[4] = torch.zeros(B, 1, S).expand(B, H, S)  # lse: stride 0 over the heads
-        sm90_bwd64.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
+        sm90_bwd64_launch.prepare_backward64(*args, **kw, **sm90_backend.BACKWARD)()
     assert len(stubbed) == 4
 
 

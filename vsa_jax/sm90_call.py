@@ -67,7 +67,7 @@ class _Adapter:
     def __call__(self, stream, *tensors):
         import cutlass
 
-        from vsa_core.backends import sm90_bwd64, sm90_fwd64
+        from vsa_core.backends import sm90_bwd64, sm90_bwd64_launch, sm90_fwd64
 
         s = self.statics
         t = dict(zip(self.names, tensors))
@@ -86,13 +86,13 @@ class _Adapter:
                    t.get("out_fine", lse), sel_idx, sel_num, scale, stream)
         else:
             flags = dict(pool_grads=s["pool_grads"], ignore_padding=s["ignore_padding"])
-            main = sm90_bwd64.backward_kernel(dtype, s["head_dim"], **s["config"], **flags)
+            main = sm90_bwd64_launch.backward_kernel(dtype, s["head_dim"], **s["config"], **flags)
             post = sm90_bwd64.DqPostprocess(dtype, s["head_dim"], **flags)
             lse = t["lse"]
             # the query groups' grid chunk: lowering knows no device, so an H100 / H200's SM count
             # (`grid_chunk(None)`; it orders the grid only, the results are the same) or, sweeping
             # heads, a head's KV blocks
-            chunk = sm90_bwd64.launch_chunk(s["config"], t["inv_num"].shape[2], None)
+            chunk = sm90_bwd64_launch.launch_chunk(s["config"], t["inv_num"].shape[2], None)
             main(t["q"], t["k"], t["v"], t["dout"], lse, t["delta"], t["dq_accum"], t["dk"], t["dv"], t["inv_idx"],
                  t["inv_num"], t["kv_counts"], t.get("dk_pool", lse), t.get("dv_pool", lse), t["dkv_partial"],
                  t["group_flags"], scale, cutlass.Int32(chunk), stream)

@@ -89,7 +89,7 @@ def _kernels_import_error() -> Optional[str]:
     eager launches are compiled for (`sm90_common.compile_for_torch`), does; else the error."""
     import tvm_ffi  # noqa: F401
 
-    from . import sm90_bwd64, sm90_fwd64  # noqa: F401
+    from . import sm90_bwd64_launch, sm90_fwd64  # noqa: F401
 
 
 def library_error() -> Optional[str]:
@@ -142,7 +142,7 @@ def workspaces(stage: str, p: AttnProblem) -> dict:
     each from `launcher.workspace`: the padded-rows-zeroed copies of padding="ignore"
     ("<name>_valid", `stages.valid_rows_input`), the backward's fp32 dQ accumulator
     ([B, H, nQ, 64 * D], which the sm90_bwd64 launch zeroes before its main kernel) and its query
-    groups' partial sums and flags (`sm90_bwd64.group_workspace_shapes`; the flags zeroed by the
+    groups' partial sums and flags (`sm90_bwd64_groups.group_workspace_shapes`; the flags zeroed by the
     launch too)."""
     table = valid_rows_workspaces(stage, p)
     if stage == "backward":
@@ -222,7 +222,7 @@ def launch_backward64(buffers: dict, *, dtype: str, head_dim: int, layout: str, 
     stream. Buffers: q, k, v, dout, lse, delta, dq, dk, dv, inv_idx, inv_num, kv_counts, dq_accum,
     dkv_partial, group_flags; with pool_grads dq_pool, dk_pool, dv_pool, q_counts."""
     from ._torch_views import as_torch_buffers
-    from .sm90_bwd64 import prepare_backward64
+    from .sm90_bwd64_launch import prepare_backward64
     with caller_stream(), _COMPILE_LOCK:
         b = as_torch_buffers(buffers, "lse")  # lse: the frontend's in both steps
         pools = {}
