@@ -847,7 +847,7 @@ class BlockSparseFwd64Sm90:
                 cute.autovec_copy(tSsQ, rQ)
             # tile 0 (peeled, as in _consumer)
             mma_pv.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            self._qk_at(mma_qk, accS, rQ, rK, k_full, u)
+            self._qk(mma_qk, accS, rQ, rK, k_full, u, 0)
             cute.nvgpu.warpgroup.wait_group(0)
             self._release(bars["k_empty"], u % KS)
             # the union holds counted entries only: `last` -1 lets the rule take every one
@@ -872,7 +872,7 @@ class BlockSparseFwd64Sm90:
                     cute.nvgpu.warpgroup.wait_group(0)
                     self._release(bars["v_empty"], prev % VS)
                 self._pass_entries(bars, prev + 1, u)
-                self._qk_at(mma_qk, accS, rQ, rK, k_full, u)
+                self._qk(mma_qk, accS, rQ, rK, k_full, u, 0)
                 if overlap:  # S = Q K_j^T in flight with O = alpha * O + P_{j-1} V_{j-1}
                     v_full.wait(prev % VS, (prev // VS) % 2)
                     cute.nvgpu.warpgroup.fence()
@@ -939,17 +939,6 @@ class BlockSparseFwd64Sm90:
         accO.fill(0.0)
         return (thr_qk, thr_pv, tSsQ, rQ, rK, rV, accS, accO, rP, rP_as_S, S, O, cS_rc, n_rows, row_max, row_sum,
                 alpha)
-
-    @cute.jit
-    def _qk_at(self, mma_qk, accS, rQ, rK, k_bar, t):
-        """S = Q K^T on union entry t's K slot, once it has landed; committed, not waited."""
-        slot = t % self.k_stages
-        k_bar.wait(slot, (t // self.k_stages) % 2)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-            mma_qk.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(mma_qk, accS, rQ[None, None, kb], rK[None, None, kb, slot], accS)
-        cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
     def _epilogue(self, qb, b, h, tidx, thr_pv, accO, O, row_max, row_sum, alpha, cS_rc, gO4, mLSE,
@@ -1141,7 +1130,8 @@ class BlockSparseFwd64Sm90:
 
     @cute.jit
     def _qk(self, mma_qk, accS, rQ, rK, k_bar, j, slot0):
-        """Issues S = Q K_j^T (K slot slot0 + j % k_stages) once its tile has landed; committed, not waited."""
+        """Issues S = Q K_j^T (K slot slot0 + j % k_stages) once its tile has landed; committed, not waited.
+        The shared rings pass the union entry as j and slot0 0."""
         slot = slot0 + j % self.k_stages
         k_bar.wait(slot, (j // self.k_stages) % 2)
         cute.nvgpu.warpgroup.fence()
