@@ -288,6 +288,24 @@ def test_cute_matches_triton(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [CUTE_CASES[0], CUTE_CASES[4]], ids=lambda c: c.id())
+def test_cute_backward_configuration_matches_float64_reference(case, monkeypatch, launch_config):
+    """The backward with FA4's dQ GEMM swapped (`cute_backend.BACKWARD_CONFIG`, overrides of FA4's own
+    configuration) against float64, and its dK / dV bitwise FA4's own configuration's (only dQ's GEMM
+    differs; dQ is reduced with fp32 atomics in either, so it is held to the reference only). No
+    replays: each call runs the backend's stages under the configuration of the moment."""
+    _require_cute(case)
+    launch_config(replay=False)
+    inputs = make_inputs(case, seed=zlib.crc32(case.id().encode()) + 2)
+    own = run_torch(case, inputs, backend="cute")
+    monkeypatch.setattr(cute_backend, "BACKWARD_CONFIG", {"dQ_swapAB": True})
+    got = run_torch(case, inputs, backend="cute")
+    assert_close(case, got, reference(case, inputs))
+    for name in ("out", "dk", "dv"):
+        assert np.array_equal(got[name], own[name]), name
+
+
+@pytest.mark.gpu
 def test_cute_large_logits_within_flash_attention_precision():
     """FA4 writes the fine output in bf16 only, so the backward's delta is formed from a
     bf16 out (FlashAttention's recipe): at large logits dQ/dK lose accuracy (measured

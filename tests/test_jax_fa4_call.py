@@ -113,6 +113,36 @@ def test_the_kernels_are_fa4_s_own_and_fa4_is_left_as_it_was():
     assert out.count("KERNEL") == 2 and out.count("BACKWARD") == 4, out
 
 
+BACKWARD_CONFIG = textwrap.dedent("""
+    import pytest
+    from flash_attn.cute import interface
+    from vsa_core.backends import cute_backend
+    from vsa_jax import fa4_call
+
+    own = interface._tile_size_bwd_sm90
+    for config in ((), (("dQ_swapAB", True),)):
+        cfg = fa4_call.Fa4Backward(1, 2, 512, 384, 128, "bfloat16", "bhsd", 128, 128 ** -0.5, True, config)
+        main = fa4_call.configured_backward(cfg).kernels[1].kernel
+        assert type(main).__name__ == "FlashAttentionBackwardSm90"
+        assert main.dQ_swapAB is bool(config), (config, main.dQ_swapAB)   # FA4's own at D128: 64 rows, no swap
+        assert main.tile_m == 64 and main.tile_n == 128
+        assert interface._tile_size_bwd_sm90 is own   # the selector is FA4's own again after the call
+    with pytest.raises(ValueError, match="BACKWARD_CONFIG.*num_stages_PdS"):
+        with cute_backend._backward_configured({"num_stages_PdS": 1}):   # not in FA4's compile key
+            pass
+    assert interface._tile_size_bwd_sm90 is own
+    print("CONFIGURED")
+    """)
+
+
+def test_the_backward_configuration_overrides_fa4_s_own_for_the_call_only():
+    """cute_backend.BACKWARD_CONFIG reaches FA4's backward through its one call site
+    (`fa4_backward_call`): with dQ_swapAB the main kernel FA4 builds swaps dQ's GEMM, without it it is
+    FA4's own (64 rows at head dim 128, no swap); FA4's selector is its own again after; a field FA4's
+    compile key does not hold is refused (its kernel would be cached as FA4's own)."""
+    assert "CONFIGURED" in run_lowering(BACKWARD_CONFIG)
+
+
 def test_the_native_stages_of_the_cute_backend():
     from vsa_core.problem import AttnProblem
     from vsa_jax import native

@@ -388,6 +388,7 @@ class Fa4Backward(_Fa4Shapes):
     statics (`has_dlse`: the coarse branch hands FA4 a dlse)."""
     softmax_scale: float
     has_dlse: bool
+    config: tuple = ()  # overrides of FA4's own backward configuration, sorted items (`cute_backend.BACKWARD_CONFIG`)
 
     def buffers(self) -> Dict[str, tuple]:
         """The "fa4_bwd" buffers as the cute backend lays them out: name -> (shape, dtype)."""
@@ -474,7 +475,7 @@ def configured_backward(cfg: Fa4Backward) -> ConfiguredBackward:
             b = {n: torch.empty(shape, dtype=getattr(torch, dt), device="cuda")
                  for n, (shape, dt) in cfg.buffers().items()}
             cute_backend.fa4_backward_call(b, layout=cfg.layout, softmax_scale=cfg.softmax_scale,
-                                           block_elems=cfg.block_elems)
+                                           block_elems=cfg.block_elems, config=dict(cfg.config))
     kernels = tuple(_backward_kernel(kernel, args, kwargs, cfg) for (kernel, *args), kwargs in taken)
     order = tuple(type(k.kernel).__name__ for k in kernels)
     if order != tuple(_BACKWARD_TENSORS):
@@ -562,7 +563,8 @@ def _backward_call(launch, step, current: Dict[str, jax.Array], result_types: tu
     seq = 2 if s["layout"] == "bhsd" else 1
     has_dlse = "dlse" in dict(launch.args)
     cfg = Fa4Backward(q.shape[0], q.shape[3 - seq], q.shape[seq], k.shape[seq], q.shape[3], jnp.dtype(q.dtype).name,
-                      s["layout"], s["block_elems"], float(s["softmax_scale"]), has_dlse)
+                      s["layout"], s["block_elems"], float(s["softmax_scale"]), has_dlse,
+                      tuple(sorted((s.get("config") or {}).items())))
     args = arrange(launch, step, current, result_types)
     fn = _backward_callable(cfg, tuple(args.in_args), tuple(args.out_args), args.result_args,
                             tuple((tuple(r.shape), jnp.dtype(r.dtype).name) for r in result_types),

@@ -68,6 +68,8 @@ as cutlass_calls of the kernel objects FA4's interface configures in `fa4_forwar
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 from typing import Optional
 
@@ -99,6 +101,15 @@ BLOCK_ELEMS = (128, 256)
 # Mesh over 2 GPUs). Every FA4 call therefore holds this lock for its host work (the
 # compile on first use, then the cache lookup and the asynchronous launch).
 _FA4_LOCK = threading.RLock()
+
+# FA4's sm_90 backward configuration for our calls: overrides of FA4's own choice (its interface fixes
+# it from the head dim alone: at head dim 128 a 64-row tile for every block size we take); empty for
+# FA4's own. Only fields of FA4's compile key (`BACKWARD_CONFIG_FIELDS`): a kernel compiled with the
+# overrides is then cached under its own key, apart from FA4's own choice.
+# benchmarks/fa4_bwd_configs.py times candidates against FA4's own and cuDNN's kernel.
+BACKWARD_CONFIG: dict = {}
+BACKWARD_CONFIG_FIELDS = frozenset({"m_block_size", "n_block_size", "num_stages_Q", "num_stages_dO", "SdP_swapAB",
+                                    "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP", "AtomLayoutNdKV", "AtomLayoutMdQ"})
 
 
 # ---- availability --------------------------------------------------------------------------
@@ -282,36 +293,66 @@ def sparse_backward(launcher, p: AttnProblem, a: FineBackward):
         # `out` holds out_fine + gate * out_c: make FA4's rowsum(out * dO) - dlse equal our delta
         delta_to_dlse(launcher, p, a.out, dout, a.delta)
         buffers["dlse"] = a.delta
-    launcher.cute("fa4_bwd", buffers, layout=p.layout, softmax_scale=p.softmax_scale, block_elems=p.block_elems)
+    launcher.cute("fa4_bwd", buffers, layout=p.layout, softmax_scale=p.softmax_scale, block_elems=p.block_elems,
+                  config=BACKWARD_CONFIG)
     if a.dq_pool is not None:
         add_block_grad(launcher, p, a.dq, a.dq_pool, a.q_counts, p.q_len)
         add_block_grad(launcher, p, a.dk, a.dk_pool, kv_counts, p.kv_len)
         add_block_grad(launcher, p, a.dv, a.dv_pool, kv_counts, p.kv_len)
 
 
-def launch_fa4_backward(buffers: dict, *, layout: str, softmax_scale: float, block_elems: int):
+def launch_fa4_backward(buffers: dict, *, layout: str, softmax_scale: float, block_elems: int,
+                        config: Optional[dict] = None):
     """The "fa4_bwd" launch on framework buffers (`CUTE_STEPS`): FA4's block-sparse backward into dq,
     dk, dv with the KV-owned lists (idx shared by the full and mask lists; full_num, mask_num) and,
     with the coarse branch, dlse, on the caller's stream. FA4 allocates its own scratch (fp32 dq
-    accumulator, lse_log2, dpsum) from torch's caching allocator on that stream."""
+    accumulator, lse_log2, dpsum) from torch's caching allocator on that stream. `config`: overrides of
+    FA4's own backward configuration (`BACKWARD_CONFIG`)."""
     from ._torch_views import as_torch_buffers
     with caller_stream():
         b = as_torch_buffers(buffers, "lse")
         with _FA4_LOCK:
-            fa4_backward_call(b, layout=layout, softmax_scale=softmax_scale, block_elems=block_elems)
+            fa4_backward_call(b, layout=layout, softmax_scale=softmax_scale, block_elems=block_elems, config=config)
 
 
-def fa4_backward_call(b: dict, *, layout: str, softmax_scale: float, block_elems: int) -> None:
+def fa4_backward_call(b: dict, *, layout: str, softmax_scale: float, block_elems: int,
+                      config: Optional[dict] = None) -> None:
     """FA4's backward interface called on the torch tensors `b` (the "fa4_bwd" buffers) as that step
     calls it: the one place both frontends configure FA4's backward from (`vsa_jax.fa4_call` takes the
-    kernels it compiles here), so they run the same kernels."""
+    kernels it compiles here), so they run the same kernels. `config`: overrides of FA4's own
+    configuration (`BACKWARD_CONFIG`; None or empty: FA4's own)."""
     _, fa_bwd, BlockSparse, mask_mod = _fa4()
     lists = BlockSparse(mask_block_cnt=b["mask_num"], mask_block_idx=b["idx"], full_block_cnt=b["full_num"],
                         full_block_idx=b["idx"], block_size=(block_elems, KV_TILE))
     t = {n: b[n] if layout == "bshd" else b[n].transpose(1, 2) for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
-    fa_bwd(t["q"], t["k"], t["v"], t["out"], t["dout"], b["lse"], softmax_scale=softmax_scale, mask_mod=mask_mod,
-           aux_tensors=[b["sub_counts"]], block_sparse_tensors=lists, dlse=b.get("dlse"), dq=t["dq"], dk=t["dk"],
-           dv=t["dv"])
+    with _backward_configured(config or {}):
+        fa_bwd(t["q"], t["k"], t["v"], t["out"], t["dout"], b["lse"], softmax_scale=softmax_scale, mask_mod=mask_mod,
+               aux_tensors=[b["sub_counts"]], block_sparse_tensors=lists, dlse=b.get("dlse"), dq=t["dq"], dk=t["dk"],
+               dv=t["dv"])
+
+
+@contextlib.contextmanager
+def _backward_configured(overrides: dict):
+    """FA4's interface configures the sm_90 backward with `overrides` on its own choice for the duration
+    of one call (the caller holds `_FA4_LOCK`, as every FA4 call of ours does); nothing when there are
+    none. Upstream gap: FA4's backward interface takes no configuration from its caller on sm_90 (its
+    selector `_tile_size_bwd_sm90` reads the head dim and the sparse block size only), so this shim
+    swaps that selector in and back out, and changes nothing else of FA4's."""
+    if not overrides:
+        yield
+        return
+    unknown = set(overrides) - BACKWARD_CONFIG_FIELDS
+    if unknown:
+        raise ValueError(f"cute backend: BACKWARD_CONFIG overrides {sorted(unknown)}, which FA4's compile key does "
+                         f"not hold (a kernel compiled with them would be cached as FA4's own); allowed: "
+                         f"{sorted(BACKWARD_CONFIG_FIELDS)}")
+    from flash_attn.cute import interface
+    own = interface._tile_size_bwd_sm90
+    interface._tile_size_bwd_sm90 = lambda *args, **kwargs: dataclasses.replace(own(*args, **kwargs), **overrides)
+    try:
+        yield
+    finally:
+        interface._tile_size_bwd_sm90 = own
 
 
 # The CuTe DSL launches of this backend (`launcher.cute(step, buffers, **statics)`, found through the
