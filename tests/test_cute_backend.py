@@ -297,6 +297,7 @@ def test_cute_backward_configuration_matches_float64_reference(case, monkeypatch
     _require_cute(case)
     launch_config(replay=False)
     inputs = make_inputs(case, seed=zlib.crc32(case.id().encode()) + 2)
+    monkeypatch.setattr(cute_backend, "BACKWARD_CONFIG", {})   # FA4's own, whatever the default
     own = run_torch(case, inputs, backend="cute")
     monkeypatch.setattr(cute_backend, "BACKWARD_CONFIG", {"dQ_swapAB": True})
     got = run_torch(case, inputs, backend="cute")
