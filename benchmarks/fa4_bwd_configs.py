@@ -55,15 +55,20 @@ def fa4_config(name: str):
     """FA4's interface configures its sm_90 backward as candidate `name` (overrides on its own
     choice) and keeps the compiled backward in that candidate's cache."""
     from flash_attn.cute import interface
+
+    from vsa_core.backends import cute_backend
     real, cache = interface._tile_size_bwd_sm90, interface._flash_attn_bwd.compile_cache
+    default = cute_backend.BACKWARD_CONFIG
     overrides = CANDIDATES[name]
     interface._tile_size_bwd_sm90 = lambda *a, **k: dataclasses.replace(real(*a, **k), **overrides)
     interface._flash_attn_bwd.compile_cache = _MAIN_CACHES.setdefault(name, {})
+    cute_backend.BACKWARD_CONFIG = {}  # the candidate alone, not the backend's default on top of it
     try:
         yield
     finally:
         interface._tile_size_bwd_sm90 = real
         interface._flash_attn_bwd.compile_cache = cache
+        cute_backend.BACKWARD_CONFIG = default
 
 
 def compile_main_kernel(name: str, block: int) -> str:
