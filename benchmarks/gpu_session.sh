@@ -306,7 +306,7 @@ case $step in
     t 400 python3 benchmarks/fa4_bwd_configs.py --only fa4,dq-swap,pds1 --shapes 720p-256,480p-256 --rounds 5
     ;;
   hostsplit)  # issue 22: a torch training step's host time split (engine, frontend backward, launches) and traced
-    t 180 python3 benchmarks/host_split.py --backends triton,sm90,cudnn --trace sm90,triton
+    t 180 python3 benchmarks/host_split.py --backends triton,sm90,cudnn --ablate triton,sm90 --trace triton
     ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)

@@ -16,11 +16,18 @@ and then, under torch.profiler (CPU and CUDA activities) for a few steps of each
 host ops that take the most CPU time.
 
     PYTHONPATH=. python3 benchmarks/host_split.py [--backends triton,sm90] [--calls 300] [--trace sm90,triton]
+        [--ablate triton,sm90]
+
+--ablate times fwd+grad again with the backward's replayed launches skipped, then with the backward
+replaced by an empty one (`ablated`): the differences are the launches' host time, the rest of the
+backward's Python, and the engine's cost for the operator's node (against `python`'s floor).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +38,11 @@ from vsa_torch import video_sparse_attn
 
 def rows_for(name, call, inputs, dout, calls):
     def node():
-        grad_fn = call().grad_fn
+        out = call()  # kept alive: a Python node's grad_fn holds its node only weakly
         if name in ("sdpa", "python"):  # one gradient: the node's one output
-            grad_fn(dout) if name == "sdpa" else grad_fn.apply(dout)
+            out.grad_fn(dout) if name == "sdpa" else out.grad_fn.apply(dout)
         else:  # the eager operator's node: its backward (dout, and None for lse)
-            grad_fn.apply(dout, None)
+            out.grad_fn.apply(dout, None)
 
     rows = [
         ("fwd", per_call_ms(lambda: call().detach(), calls)),
@@ -48,6 +55,40 @@ def rows_for(name, call, inputs, dout, calls):
         print(f"{name} fwd+node: {type(e).__name__}: {str(e).splitlines()[0]}")
         rows.append(("fwd+node", float("nan")))
     return rows
+
+
+@contextlib.contextmanager
+def ablated(what: str):
+    """The eager operator with part of its backward taken out (`--ablate`), to place its host time:
+    "no-launches": the backward's replayed launches skipped (on the engine's thread only, so the
+    forward still launches); "empty": the backward replaced by one that allocates the gradients and
+    does nothing else (the `_PythonNode` floor, in the operator's own node: its outputs, saved
+    tensors and gradient count)."""
+    from vsa_core import replay
+    from vsa_torch import ops
+    if what == "no-launches":
+        real = replay.Replay.launch
+
+        def launch(self, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                real(self, *args, **kwargs)
+        replay.Replay.launch = launch
+        try:
+            yield
+        finally:
+            replay.Replay.launch = real
+    elif what == "empty":
+        real = ops._EagerOperator.backward
+
+        def backward(ctx, dout, _):
+            return (None, *(None if g is None else torch.empty_like(dout) for g in ctx.call.gradients))
+        ops._EagerOperator.backward = staticmethod(backward)
+        try:
+            yield
+        finally:
+            ops._EagerOperator.backward = staticmethod(real)
+    else:
+        raise ValueError(f"--ablate: {what!r} is none of no-launches, empty")
 
 
 class _PythonNode(torch.autograd.Function):
@@ -69,6 +110,8 @@ def main():
     p.add_argument("--shape", default="1,2,4096,128,64,16", metavar="B,H,S,D,E,topk")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--trace", default="", metavar="BACKENDS", help="profile a few steps of each (comma-separated)")
+    p.add_argument("--ablate", default="", metavar="BACKENDS",
+                   help="also time fwd+grad of each with the backward's launches skipped and with an empty backward")
     a = p.parse_args()
     B, H, S, D, E, topk = map(int, a.shape.split(","))
     gen = torch.Generator("cuda").manual_seed(0)
@@ -95,6 +138,14 @@ def main():
     print(f"{'row':<8} " + " ".join(f"{c:>13}" for c in cols))
     for name, row in table.items():
         print(f"{name:<8} " + " ".join(f"{t:13.3f}" for _, t in row))
+    for name in filter(None, a.ablate.split(",")):
+        call, inputs = calls[name]
+        print(f"\n{name}: fwd+grad with part of the backward taken out, ms per call ({a.calls} calls, one sync)")
+        print(f"  {'whole backward':<28} {dict(table[name])['fwd+grad']:8.3f}" if name in table else "")
+        for what in ("no-launches", "empty"):
+            with ablated(what):
+                ms = per_call_ms(lambda: torch.autograd.grad(call(), inputs, dout), a.calls)
+            print(f"  {what + ' backward':<28} {ms:8.3f}")
     for name in filter(None, a.trace.split(",")):
         trace(calls[name][0], dout, name)
 
