@@ -39,6 +39,21 @@ def per_call_ms(fn, calls: int) -> float:
     return (issued - start) * 1e3 / calls
 
 
+def training_inputs(shape: str):
+    """q, k, v, gate (bf16 leaves that require grad), the full per-block counts, dout, E and top-k of a
+    "B,H,S,D,E,topk" shape, on the GPU (seeded)."""
+    B, H, S, D, E, topk = map(int, shape.split(","))
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def leaf():
+        return torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+
+    q, k, v, gate = leaf(), leaf(), leaf(), leaf()
+    counts = torch.full((S // E,), E, device="cuda", dtype=torch.int32)
+    dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, k, v, gate, counts, dout, E, topk
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="triton,cudnn,auto")
@@ -49,16 +64,8 @@ def main():
     p.add_argument("--profile", default=None, metavar="BACKEND",
                    help="also print where the host time of BACKEND's forward+backward goes (cProfile)")
     a = p.parse_args()
-    B, H, S, D, E, topk = map(int, a.shape.split(","))
-    gen = torch.Generator("cuda").manual_seed(0)
-
-    def leaf():
-        return torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-
-    q, k, v = leaf(), leaf(), leaf()
-    gate = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    counts = torch.full((S // E,), E, device="cuda", dtype=torch.int32)
-    dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v, gate, counts, dout, E, topk = training_inputs(a.shape)
+    B, H, S, D = q.shape
 
     rows = []
 

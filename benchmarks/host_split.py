@@ -32,7 +32,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from host_cost import per_call_ms  # benchmarks/ is the script's directory
+from host_cost import per_call_ms, training_inputs  # benchmarks/ is the script's directory
 from vsa_torch import video_sparse_attn
 
 
@@ -113,15 +113,8 @@ def main():
     p.add_argument("--ablate", default="", metavar="BACKENDS",
                    help="also time fwd+grad of each with the backward's launches skipped and with an empty backward")
     a = p.parse_args()
-    B, H, S, D, E, topk = map(int, a.shape.split(","))
-    gen = torch.Generator("cuda").manual_seed(0)
-
-    def leaf():
-        return torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-
-    q, k, v, gate = leaf(), leaf(), leaf(), leaf()
-    counts = torch.full((S // E,), E, device="cuda", dtype=torch.int32)
-    dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v, gate, counts, dout, E, topk = training_inputs(a.shape)
+    B, H, S, D = q.shape
     calls = {"sdpa": (lambda: F.scaled_dot_product_attention(q, k, v), [q, k, v]),
              "python": (lambda: _PythonNode.apply(q, k, v, gate), [q, k, v, gate])}
     for backend in a.backends.split(","):
