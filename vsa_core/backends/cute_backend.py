@@ -103,12 +103,12 @@ BLOCK_ELEMS = (128, 256)
 _FA4_LOCK = threading.RLock()
 
 # FA4's sm_90 backward configuration for our calls: overrides of FA4's own choice (its interface fixes
-# it from the head dim alone: at head dim 128 a 64-row tile for every block size we take); empty for
+# it from the head dim alone: at head dim 128 a 64-row tile for every block size we take); {} runs
 # FA4's own. Only fields of FA4's compile key (`BACKWARD_CONFIG_FIELDS`): a kernel compiled with the
 # overrides is then cached under its own key, apart from FA4's own choice.
-# dQ's GEMM swapped: as fast as FA4's own or faster at 256-token blocks, with dK / dV bitwise FA4's own
-# (benchmarks/fa4_bwd_configs.py times the candidates against FA4's own and cuDNN's kernel; the rounds are
-# in benchmarks/results/, the `fa4bwd` files).
+# The default swaps dQ's GEMM: faster than FA4's own in most measured rounds at 256-token blocks, with
+# out / dK / dV bitwise FA4's own (benchmarks/fa4_bwd_configs.py times the candidates against FA4's own
+# and cuDNN's kernel; the rounds are in benchmarks/results/, the `fa4bwd` files).
 BACKWARD_CONFIG: dict = {"dQ_swapAB": True}
 BACKWARD_CONFIG_FIELDS = frozenset({"m_block_size", "n_block_size", "num_stages_Q", "num_stages_dO", "SdP_swapAB",
                                     "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP", "AtomLayoutNdKV", "AtomLayoutMdQ"})
