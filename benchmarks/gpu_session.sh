@@ -308,6 +308,9 @@ case $step in
   hostsplit)  # issue 22: a torch training step's host time split (engine, frontend backward, launches) and traced
     t 180 python3 benchmarks/host_split.py --backends triton,sm90,cudnn --ablate triton,sm90 --trace triton
     ;;
+  hostprofile)  # issue 22: which of our Python lines a torch training step's host time is (cProfile, both threads)
+    t 180 python3 benchmarks/host_split.py --backends triton,sm90 --calls 200 --profile triton,sm90
+    ;;
   bwdlen)  # issue 21 / the auto table: our backward against cuDNN's over sequence lengths and head counts
            # (where sm90 stops being the faster backward; H4 and H40 at one length separate the two)
     t 400 python3 benchmarks/sm90_bwd64_ab.py --rounds=2 --shapes=12x39936,10x49920,8x58368,7x66816,6x75264,4x92160,40x92160 \

@@ -16,17 +16,24 @@ and then, under torch.profiler (CPU and CUDA activities) for a few steps of each
 host ops that take the most CPU time.
 
     PYTHONPATH=. python3 benchmarks/host_split.py [--backends triton,sm90] [--calls 300] [--trace sm90,triton]
-        [--ablate triton,sm90]
+        [--ablate triton,sm90] [--profile triton,sm90]
 
 --ablate times fwd+grad again with the backward's replayed launches skipped, then with the backward
 replaced by an empty one (`ablated`): the differences are the launches' host time, the rest of the
 backward's Python, and the engine's cost for the operator's node (against `python`'s floor).
+
+--profile runs cProfile over the forward calls (on this thread), then over the eager operator's
+backward (on the engine's device thread), and prints the functions with the most own time per call:
+which of our Python lines the host time is (cProfile's per-call overhead inflates small functions;
+read the ranking, not the sum).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import threading
 
 import torch
@@ -112,6 +119,8 @@ def main():
     p.add_argument("--trace", default="", metavar="BACKENDS", help="profile a few steps of each (comma-separated)")
     p.add_argument("--ablate", default="", metavar="BACKENDS",
                    help="also time fwd+grad of each with the backward's launches skipped and with an empty backward")
+    p.add_argument("--profile", default="", metavar="BACKENDS",
+                   help="cProfile the forward and the backward of each (comma-separated)")
     a = p.parse_args()
     q, k, v, gate, counts, dout, E, topk = training_inputs(a.shape)
     B, H, S, D = q.shape
@@ -139,8 +148,50 @@ def main():
             with ablated(what):
                 ms = per_call_ms(lambda: torch.autograd.grad(call(), inputs, dout), a.calls)
             print(f"  {what + ' backward':<28} {ms:8.3f}")
+    for name in filter(None, a.profile.split(",")):
+        profile_python(name, *calls[name], dout, a.calls)
     for name in filter(None, a.trace.split(",")):
         trace(calls[name][0], dout, name)
+
+
+def profile_python(name, call, inputs, dout, calls: int, rows: int = 18):
+    """cProfile of `calls` training steps: the forward's functions, then the backward's (the
+    eager operator's backward on the engine's thread; the profiler is enabled inside it)."""
+    from vsa_torch import ops
+    for _ in range(5):
+        torch.autograd.grad(call(), inputs, dout)
+    torch.cuda.synchronize()
+    forward = cProfile.Profile()
+    for _ in range(calls):
+        forward.enable()
+        out = call()
+        forward.disable()
+        torch.autograd.grad(out, inputs, dout)
+    torch.cuda.synchronize()
+    backward, real = cProfile.Profile(), ops._EagerOperator.backward
+
+    def profiled(ctx, *grads):
+        backward.enable()
+        try:
+            return real(ctx, *grads)
+        finally:
+            backward.disable()
+    ops._EagerOperator.backward = staticmethod(profiled)
+    try:
+        for _ in range(calls):
+            torch.autograd.grad(call(), inputs, dout)
+        torch.cuda.synchronize()
+    finally:
+        ops._EagerOperator.backward = staticmethod(real)
+    for stage, prof in (("forward", forward), ("backward", backward)):
+        stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own, cumulative, callers)
+        total = sum(own for _, _, own, _, _ in stats.values())
+        print(f"\n{name} {stage} under cProfile: {1e6 * total / calls:.1f} us of own time a call; the most:")
+        print(f"  {'own us':>8} {'cum us':>8} {'calls':>6}  function")
+        top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]
+        for (file, line, function), (_, n, own, cum, _) in top:
+            where = "builtin" if file == "~" else f"{'/'.join(file.split('/')[-2:])}:{line}"
+            print(f"  {1e6 * own / calls:8.1f} {1e6 * cum / calls:8.1f} {n / calls:6.1f}  {function} ({where})")
 
 
 def trace(call, dout, name, steps: int = 20):
